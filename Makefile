@@ -1,0 +1,36 @@
+# Two entry points for a newcomer: `make demo` and `make test`.
+# Both create .venv/ on first use (about 5 minutes: fairseq compiles its extensions) and reuse it.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test clean
+venv: $(STAMP)
+
+# Order matters: torch pinned first (an open torch requirement pulls a multi-GB CUDA build),
+# then fairseq-fixed's build needs (it imports torch, numpy and Cython while compiling),
+# then fairseq-fixed without its deps (its torchaudio requirement has no CPU build),
+# then fairseq's runtime needs and ours.
+$(STAMP): setup.py
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip setuptools wheel
+	$(PIP) install torch==2.13.0
+	$(PIP) install Cython "numpy<2.4"
+	$(PIP) install --no-build-isolation --no-deps fairseq-fixed==0.12.3.1
+	$(PIP) install hydra-core==1.3.2 omegaconf==2.3.0 regex tqdm bitarray scikit-learn packaging cffi
+	$(PIP) install torchdiffeq sacrebleu sentencepiece matplotlib pytest pytest-xdist
+	$(PIP) install --no-build-isolation --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/python examples/demo/run_demo.py
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
+
+clean:
+	rm -rf work/ .pytest_cache

@@ -1,0 +1,42 @@
+"""ALiBi (Press et al., 2022): a fixed linear penalty on the logits, -m_h * |j - i|.
+
+Symmetric |i - j| in the encoder, the same formula in the causal decoder (where only j <= i is
+visible), nothing on cross-attention. Slopes m_h are the paper's geometric sequence. No
+parameters and no table: any length works, including step-by-step generation, where the query
+position is the current step (the ALiBi fairseq fork drops the bias there).
+"""
+import math
+
+import torch
+from torch import Tensor
+
+from .base import PositionalEncoding, register_encoding
+
+
+def alibi_slopes(heads: int) -> Tensor:
+    """m_h = 2^(-8h/n) for n heads (h = 1..n) when n is a power of two; otherwise the slopes of the
+    nearest lower power of two followed by every other slope of the next one (the paper's recipe)."""
+
+    def power_of_two(n):
+        start = 2 ** (-8.0 / n)
+        return [start ** (h + 1) for h in range(n)]
+
+    if math.log2(heads).is_integer():
+        return torch.tensor(power_of_two(heads))
+    lower = 2 ** math.floor(math.log2(heads))
+    return torch.tensor(power_of_two(lower) + power_of_two(2 * lower)[0::2][: heads - lower])
+
+
+@register_encoding("alibi")
+class ALiBi(PositionalEncoding):
+    default_input_positions = "none"
+
+    def __init__(self, args, dims):
+        super().__init__(args, dims)
+        self.register_buffer("slopes", alibi_slopes(dims.heads), persistent=False)
+
+    def logit_bias(self, role, layer, query_positions, key_positions):
+        def compute():
+            distance = (key_positions[None, :] - query_positions[:, None]).abs()
+            return -self.slopes[:, None, None] * distance
+        return self.memoize((role, "alibi", int(query_positions[0]), len(query_positions), len(key_positions)), compute)

@@ -1,0 +1,132 @@
+"""The small interface between an encoding and `PositionalAttention`, and the registry.
+
+An encoding is one `nn.Module` per model, shared by every attention layer (x-transformers
+style). Layers call it with their role ('encoder' self-attention, 'decoder' self-attention,
+'cross' attention) and 0-based layer index; every hook has a default that adds nothing, so an
+encoding overrides only where its position information enters. This file does not import
+fairseq: encodings are plain torch and testable in milliseconds.
+"""
+import argparse
+from typing import Callable, Dict, Optional
+
+import torch
+from torch import Tensor, nn
+
+ROLES = ("encoder", "decoder", "cross")
+
+
+class PositionalEncoding(nn.Module):
+    """Base class: no position information at all (every hook is neutral)."""
+
+    #: absolute input embedding this encoding uses by default ('none', 'sinusoidal', 'learned')
+    default_input_positions = "sinusoidal"
+
+    def __init__(self, args: argparse.Namespace, dims: "ModelDims"):
+        super().__init__()
+        self.dims = dims
+        # Absolute (B, T) positions of the tokens of the current call, set by the stacks:
+        # 'encoder' (source tokens), 'decoder' (target tokens of this step), 'source' (keys of
+        # cross-attention). 0-based, counted over non-padding tokens.
+        self.token_positions: Dict[str, Tensor] = {}
+        self._memo: Dict[tuple, Tensor] = {}
+
+    @staticmethod
+    def add_args(parser: argparse.ArgumentParser):
+        """Command-line options of this encoding (names prefixed with the encoding name)."""
+
+    # --- called by the stacks -------------------------------------------------------------
+    def begin(self, role: str, positions: Optional[Tensor] = None, source_positions: Optional[Tensor] = None):
+        """A stack ('encoder' or 'decoder') starts a forward pass: forget per-forward results."""
+        self._memo = {key: value for key, value in self._memo.items() if key[0] != role}
+        if positions is not None:
+            self.token_positions[role] = positions
+        if source_positions is not None:
+            self.token_positions["source"] = source_positions
+
+    def memoize(self, key: tuple, compute: Callable[[], Tensor]) -> Tensor:
+        """Compute a position-only term once per forward and share it across layers.
+        `key[0]` must be the role whose next `begin` invalidates it."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
+    # --- the four hooks, called by PositionalAttention ------------------------------------
+    def project(self, role: str, layer: int, which: str, x: Tensor, positions: Optional[Tensor]) -> Tensor:
+        """Projected q/k/v (T, B, E) of tokens at absolute `positions` (B, T) -> same shape."""
+        return x
+
+    def logit_bias(self, role: str, layer: int, query_positions: Tensor, key_positions: Tensor) -> Optional[Tensor]:
+        """(H, Tq, Tk) added to the scaled logits; positions are 1-D."""
+        return None
+
+    def relative_logits(self, role, layer, query: Tensor, key: Tensor, query_positions, key_positions) -> Optional[Tensor]:
+        """(B, H, Tq, Tk) added to the scaled logits; `query` (B, H, Tq, D) is already scaled by
+        1/sqrt(D), `key` is (B, H, Tk, D)."""
+        return None
+
+    def has_relative_values(self, role: str, layer: int) -> bool:
+        return False
+
+    def relative_values(self, role, layer, probs: Tensor, query_positions, key_positions) -> Optional[Tensor]:
+        """(B, H, Tq, D) added to the attention output, from probabilities (B, H, Tq, Tk)."""
+        return None
+
+    # --- warm start ------------------------------------------------------------------------
+    def reset_to_identity(self):
+        """Initialise so that the encoding adds nothing (used when converting stock checkpoints)."""
+
+
+class ModelDims:
+    """What an encoding needs to know about the model it serves."""
+
+    def __init__(self, embed_dim: int, heads: int, encoder_layers: int, decoder_layers: int = 0):
+        self.embed_dim, self.heads = embed_dim, heads
+        self.encoder_layers, self.decoder_layers = encoder_layers, decoder_layers
+        self.head_dim = embed_dim // heads
+
+    def layers(self, role: str) -> int:
+        return self.encoder_layers if role == "encoder" else self.decoder_layers
+
+
+ENCODINGS: Dict[str, type] = {}
+
+
+def register_encoding(name: str):
+    """Class decorator: make an encoding available as `--positional-encoding NAME` and as the
+    architectures `transformer_NAME*` / `roberta_NAME*`."""
+
+    def wrap(cls):
+        if name in ENCODINGS:
+            raise ValueError(f"positional encoding {name!r} registered twice")
+        ENCODINGS[name] = cls
+        cls.name = name
+        return cls
+
+    return wrap
+
+
+def build_encoding(name: str, args, dims: ModelDims) -> PositionalEncoding:
+    if name not in ENCODINGS:
+        raise ValueError(f"unknown positional encoding {name!r}; choose one of {sorted(ENCODINGS)}")
+    return ENCODINGS[name](args, dims)
+
+
+def layers_with_bias(option: str, role: str, layer: int) -> bool:
+    """The `--*-layers first|all` choice shared by the scalar-bias encodings."""
+    return option == "all" or layer == 0
+
+
+# Baselines whose position information is only the absolute input embedding (fairseq's own).
+@register_encoding("sinusoidal")
+class Sinusoidal(PositionalEncoding):
+    default_input_positions = "sinusoidal"
+
+
+@register_encoding("learned")
+class Learned(PositionalEncoding):
+    default_input_positions = "learned"
+
+
+@register_encoding("nope")
+class NoPositions(PositionalEncoding):
+    default_input_positions = "none"

@@ -1,0 +1,1 @@
+from . import roberta, transformer  # noqa: F401  (registers the models and architectures)

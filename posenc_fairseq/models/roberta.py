@@ -1,0 +1,45 @@
+"""`posenc_roberta`: fairseq's RobertaModel with PositionalAttention.
+
+Registers, for every encoding NAME, `roberta_NAME` and `roberta_NAME_base` (BERT-base size) and
+`roberta_NAME_large`.
+"""
+from fairseq.models import register_model
+from fairseq.models.roberta import RobertaEncoder, RobertaModel
+from fairseq.models.roberta import model as stock
+from fairseq.modules.transformer_sentence_encoder import init_bert_params
+
+from .common import PositionalTransformerEncoder, add_position_args, attach_encoding, register_architectures
+
+SIZES = {
+    "": stock.base_architecture,
+    "_base": stock.roberta_base_architecture,
+    "_large": stock.roberta_large_architecture,
+}
+
+
+class PositionalRobertaEncoder(RobertaEncoder):
+    def build_encoder(self, args, dictionary, embed_tokens):
+        encoder = PositionalTransformerEncoder(args, dictionary, embed_tokens)
+        encoder.apply(init_bert_params)
+        return encoder
+
+
+@register_model("posenc_roberta")
+class PositionalRobertaModel(RobertaModel):
+    @staticmethod
+    def add_args(parser):
+        RobertaModel.add_args(parser)
+        add_position_args(parser)
+
+    @classmethod
+    def build_model(cls, args, task):
+        # as RobertaModel.build_model, with our encoder
+        stock.base_architecture(args)
+        if not getattr(args, "max_positions", None):
+            args.max_positions = getattr(args, "tokens_per_sample", None) or task.max_positions()
+        model = cls(args, PositionalRobertaEncoder(args, task.source_dictionary))
+        attach_encoding(model, args, model.encoder.sentence_encoder)
+        return model
+
+
+register_architectures("posenc_roberta", "roberta", SIZES)

@@ -1,0 +1,22 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="posenc-fairseq",
+    version="0.1.0",
+    description="Positional encodings for fairseq transformers (T5, AT5, Shaw, LFHC, XL, GCDF, FLOATER, ALiBi, rotary) as a --user-dir plugin",
+    packages=find_packages(include=["posenc_fairseq", "posenc_fairseq.*"]),
+    python_requires=">=3.10",
+    # fairseq itself is deliberately NOT listed: the working build on Python 3.11 is the
+    # fork `fairseq-fixed==0.12.3.1`, whose metadata requires torchaudio; there is no CPU
+    # build of torchaudio, so resolving it replaces torch with a multi-GB CUDA build.
+    # Install fairseq-fixed with `--no-deps --no-build-isolation` first (the Makefile does).
+    install_requires=[
+        "torch>=2.1",
+        "numpy",
+        "torchdiffeq>=0.2.3",
+    ],
+    extras_require={
+        "recipes": ["sacrebleu>=2.0", "sentencepiece", "matplotlib"],
+        "test": ["pytest"],
+    },
+)
