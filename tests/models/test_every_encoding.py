@@ -1,0 +1,116 @@
+"""Model-level behaviour, parametrised over every encoding the plugin registers: an encoding
+added later is covered here without new test code."""
+
+import pytest
+import torch
+
+import posenc_fairseq  # noqa: F401
+from fairseq.models import ARCH_MODEL_REGISTRY
+from posenc_fairseq.encodings import ENCODINGS
+from util import QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, random_batch, run_distributed
+
+EVERY_ENCODING = sorted(ENCODINGS)
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_every_size_variant_is_registered(encoding):
+    for suffix in ("", "_iwslt_de_en", "_wmt_en_de", "_vaswani_wmt_en_de_big"):
+        assert ARCH_MODEL_REGISTRY[f"transformer_{encoding}{suffix}"].__name__ == "PositionalTransformerModel"
+    for suffix in ("", "_base", "_large"):
+        assert ARCH_MODEL_REGISTRY[f"roberta_{encoding}{suffix}"].__name__ == "PositionalRobertaModel"
+
+
+def decoder_logits_full_and_stepwise(model, src, src_lengths, prev):
+    encoder_out = model.encoder(src, src_lengths=src_lengths)
+    full, _ = model.decoder(prev, encoder_out=encoder_out)
+    state, steps = {}, []
+    for t in range(prev.size(1)):
+        logits, _ = model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+        steps.append(logits)
+    return full, torch.cat(steps, dim=1)
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_incremental_decoding_equals_full_forward(translation_data, encoding):
+    torch.manual_seed(0)
+    model, task, _ = build_model(translation_data, f"transformer_{encoding}", TINY_TRANSFORMER)
+    model.eval()
+    perturb_away_from_identity(model)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
+    with torch.no_grad():
+        full, stepwise = decoder_logits_full_and_stepwise(model, src, src_lengths, prev)
+    assert (full - stepwise).abs().max() <= 1e-5
+
+
+def perturb_away_from_identity(model):
+    """Encodings may start as 'adds nothing' (zero tables, zero last layer): move every
+    encoding parameter so the test exercises the position terms themselves."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.positional_encoding.parameters():
+            parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_position_information_changes_the_output_or_not(translation_data, encoding):
+    """Swapping two source tokens changes the encoder output at other positions exactly when
+    the architecture carries position information (transformer_nope must be order-blind)."""
+    torch.manual_seed(0)
+    model, task, _ = build_model(translation_data, f"transformer_{encoding}", TINY_TRANSFORMER)
+    model.eval()
+    perturb_away_from_identity(model)
+    src, src_lengths, _ = random_batch(task.source_dictionary, batch=1, src_len=8, tgt_len=2)
+    swapped = src.clone()
+    swapped[0, [1, 2]] = src[0, [2, 1]]
+    with torch.no_grad():
+        out = model.encoder(src, src_lengths=src_lengths)["encoder_out"][0]
+        out_swapped = model.encoder(swapped, src_lengths=src_lengths)["encoder_out"][0]
+    # token 5 is unchanged; without positions its representation cannot depend on the order
+    difference = (out[5] - out_swapped[5]).abs().max().item()
+    if encoding == "nope":
+        assert difference <= 1e-5
+    else:
+        assert difference > 1e-4
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_runs_on_inputs_longer_than_training(translation_data, encoding):
+    torch.manual_seed(0)
+    extra = [*TINY_TRANSFORMER, "--max-source-positions", "64", "--max-target-positions", "64"]
+    model, task, args = build_model(translation_data, f"transformer_{encoding}", extra)
+    model.eval()
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=1000, tgt_len=1000)
+    if args.input_positions == "learned":
+        with pytest.raises(ValueError, match="learned position table"):
+            model(src, src_lengths, prev)
+        return
+    with torch.no_grad():
+        logits, _ = model(src, src_lengths, prev)
+    assert logits.shape[:2] == (1, 1000) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_roberta_features_ignore_padding(masked_lm_data, encoding):
+    torch.manual_seed(0)
+    model, task, _ = build_model(masked_lm_data, f"roberta_{encoding}", TINY_ROBERTA, task="masked_lm")
+    model.eval()
+    perturb_away_from_identity(model)
+    dictionary = task.source_dictionary
+    tokens = torch.randint(dictionary.nspecial, len(dictionary), (1, 10))
+    tokens[0, 0], tokens[0, -1] = dictionary.bos(), dictionary.eos()
+    padded = torch.cat([tokens, torch.full((1, 4), dictionary.pad())], dim=1)
+    with torch.no_grad():
+        features, _ = model(tokens, features_only=True)
+        features_padded, _ = model(padded, features_only=True)
+    assert (features - features_padded[:, :10]).abs().max() <= 1e-5
+
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_trains_in_two_gloo_processes_and_resumes(translation_data, tmp_path, encoding):
+    command = ["fairseq-train", translation_data, "--user-dir", USER_DIR, "--arch", f"transformer_{encoding}",
+               *TINY_TRANSFORMER, *QUICK_TRAIN, "--save-dir", tmp_path, "--disable-validation"]
+    first = run_distributed(command + ["--max-update", "3"], world_size=2)
+    assert "num_updates 3" in first
+    resumed = run_distributed(command + ["--max-update", "5"], world_size=2)
+    assert "Loaded checkpoint" in resumed and "num_updates 5" in resumed

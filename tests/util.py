@@ -1,0 +1,102 @@
+"""Helpers shared by the tests: tiny model options, running fairseq's commands, building models."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+USER_DIR = str(REPO / "posenc_fairseq")
+BIN = Path(sys.executable).parent
+
+TINY_TRANSFORMER = [
+    "--encoder-layers", "2", "--decoder-layers", "2",
+    "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
+    "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
+    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+]
+TINY_ROBERTA = [
+    "--encoder-layers", "2", "--encoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
+    "--encoder-attention-heads", "4",
+]
+QUICK_TRAIN = [
+    "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "2000", "--cpu",
+    "--log-format", "simple", "--log-interval", "1", "--no-epoch-checkpoints", "--seed", "1",
+    "--num-workers", "0",
+]
+
+
+def run(command, cwd=None, env=None, timeout=600):
+    """Run a fairseq (or any) command; fail the test with its output if it fails."""
+    command = [str(part) for part in command]
+    if not os.path.isabs(command[0]) and (BIN / command[0]).exists():
+        command[0] = str(BIN / command[0])
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    full_env.update(env or {})
+    done = subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}")
+    return done.stdout + done.stderr
+
+
+def build_model(data_dir, arch, extra=(), task="translation"):
+    """Build a model exactly as fairseq-train would, from command-line style options."""
+    import posenc_fairseq  # noqa: F401
+    from fairseq import options, tasks
+
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(
+        parser, [str(data_dir), "--task", task, "--arch", arch, "--user-dir", USER_DIR, "--cpu", *extra])
+    task_obj = tasks.setup_task(args)
+    model = task_obj.build_model(args)
+    return model, task_obj, args
+
+
+def random_batch(dictionary, batch=3, src_len=7, tgt_len=6, seed=0, left_pad_source=True):
+    """Source (left-padded, like fairseq's translation task) and target-prefix tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    low, high = dictionary.nspecial, len(dictionary)
+    src = torch.randint(low, high, (batch, src_len), generator=generator)
+    src_lengths = torch.tensor([src_len - 2 * i for i in range(batch)]).clamp(min=2)
+    for row, length in enumerate(src_lengths.tolist()):
+        pad = src_len - length
+        if left_pad_source:
+            src[row, :pad] = dictionary.pad()
+        else:
+            src[row, length:] = dictionary.pad()
+        src[row, -1 if left_pad_source else length - 1] = dictionary.eos()
+    prev = torch.randint(low, high, (batch, tgt_len), generator=generator)
+    prev[:, 0] = dictionary.eos()
+    return src, src_lengths, prev
+
+
+def run_distributed(command, world_size=2, timeout=600):
+    """fairseq's CPU multi-process launch: one process per rank, gloo, legacy DDP (the launch
+    that works without GPUs; see README). Returns rank 0's output."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [str(part) for part in command]
+    command[0] = str(BIN / command[0])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    processes = [
+        subprocess.Popen(command + [
+            "--distributed-world-size", str(world_size), "--distributed-rank", str(rank),
+            "--distributed-backend", "gloo", "--distributed-init-method", f"tcp://127.0.0.1:{port}",
+            "--distributed-no-spawn", "--ddp-backend", "legacy_ddp"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for rank in range(world_size)]
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=timeout)[0])
+    finally:
+        for process in processes:
+            process.kill()
+    for process, output in zip(processes, outputs):
+        if process.returncode != 0:
+            raise AssertionError(f"rank failed ({process.returncode}):\n{output[-6000:]}")
+    return outputs[0]
