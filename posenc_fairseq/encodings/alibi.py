@@ -36,6 +36,9 @@ class ALiBi(PositionalEncoding):
         self.register_buffer("slopes", alibi_slopes(dims.heads), persistent=False)
 
     def logit_bias(self, role, layer, query_positions, key_positions):
+        if role == "cross":
+            return None
+
         def compute():
             distance = (key_positions[None, :] - query_positions[:, None]).abs()
             return -self.slopes[:, None, None] * distance

@@ -1,0 +1,44 @@
+"""Rotary position embedding (RoFormer, Su et al. 2021) on self-attention queries and keys.
+
+Each head's vector is split into pairs (x_m, x_{m + D/2}) ("rotate half" layout) and pair m of the
+token at position p is rotated by the angle p * base^(-2m/D). Then q_i . k_j depends on positions
+only through i - j. Keys are rotated before they enter the incremental cache, at their absolute
+position, so step-by-step decoding equals the full pass; no table, so any length works.
+Cross-attention is left alone (source and target positions are not comparable).
+"""
+import torch
+from torch import Tensor
+
+from .base import PositionalEncoding, register_encoding
+
+
+def rotate(x: Tensor, positions: Tensor, heads: int, base: float = 10000.0) -> Tensor:
+    """x (T, B, heads * D), positions (B, T) -> x with every head rotated by its positions."""
+    length, batch, embed = x.shape
+    head_dim = embed // heads
+    half = head_dim // 2
+    frequencies = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) * 2 / head_dim)
+    angles = positions.t().float()[..., None] * frequencies  # (T, B, half)
+    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+    x = x.view(length, batch, heads, head_dim).float()
+    first, second = x[..., :half], x[..., half: 2 * half]
+    rotated = torch.cat([first * cos - second * sin, second * cos + first * sin, x[..., 2 * half:]], dim=-1)
+    return rotated.reshape(length, batch, embed)
+
+
+@register_encoding("rotary")
+class Rotary(PositionalEncoding):
+    default_input_positions = "none"
+
+    @staticmethod
+    def add_args(parser):
+        parser.add_argument("--rotary-base", type=float, metavar="B", help="rotation base (default 10000)")
+
+    def __init__(self, args, dims):
+        super().__init__(args, dims)
+        self.base = getattr(args, "rotary_base", None) or 10000.0
+
+    def project(self, role, layer, which, x, positions):
+        if role == "cross" or which == "v":
+            return x
+        return rotate(x, positions, self.dims.heads, self.base).to(x.dtype)

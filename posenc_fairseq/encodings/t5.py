@@ -1,0 +1,240 @@
+"""T5's scalar relative position bias (Raffel et al., 2020) as analysed by Wu et al. (AAAI 2021),
+and its no-bucket ablation T5-NoB.
+
+Every head h adds a learned scalar e_h(l) to the scaled logit of query i and key j, where
+l = j - i (key position minus query position; paper eqs. 5 and 13):
+
+    alpha_ij = softmax_j( q_i . k_j / sqrt(d) + e_h(j - i) )
+
+T5:      e_h(l) = E[b(l), h], b the fixed bucketing function (paper eqs. 14-16, the algorithm of
+         HuggingFace's `T5Attention._relative_position_bucket`, see `relative_position_bucket`):
+         bidirectional buckets in the encoder, causal buckets in the decoder self-attention.
+T5-NoB:  e_h(l) = E[clip(l, -M, M) + M, h] (bidirectional) or E[min(max(-l, 0), M), h]
+         (causal): one scalar per clipped distance, no buckets.
+
+Cross-attention gets no bias. By default only the first layer of each stack has a table
+(`--scalar-bias-layers first`, the paper's MT/classification runs); with `all` every layer gets
+one, shared by all layers of a stack with `--scalar-bias-share-layers` or one per layer without.
+The bias is computed once per forward over the distinct distances and gathered into
+(heads, q_len, k_len); layers that share a table share that tensor.
+
+Also here: `prior_distribution`, the prior beta of paper eq. 6 (softmax over keys of the bias).
+"""
+import argparse
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .base import PositionalEncoding, layers_with_bias, register_encoding
+
+
+def relative_position_bucket(relative_position: Tensor, bidirectional: bool = True, num_buckets: int = 32,
+                             max_distance: int = 128) -> Tensor:
+    """T5's bucket of each relative position (same shape, int64); element for element identical to
+    HuggingFace transformers' `T5Attention._relative_position_bucket` (same float32 operations).
+
+    `relative_position` = key position - query position (any-shape LongTensor). With S buckets on
+    the side the distance falls on and n the distance on that side,
+
+        bidirectional: S = num_buckets // 2, n = |rp|, and buckets of rp > 0 are offset by S;
+        causal:        S = num_buckets,      n = max(-rp, 0)   (future keys share bucket 0);
+        max_exact = S // 2
+        bucket(n) = n                                                                if n < max_exact
+                  = min(max_exact + trunc(log(n / max_exact) / log(max_distance / max_exact)
+                                          * (S - max_exact)),  S - 1)                otherwise
+
+    i.e. exact buckets for small distances, logarithmically wider ones up to `max_distance`, and
+    every distance >= max_distance in the last bucket of its side (paper eqs. 14-16 with
+    B_max = num_buckets and M = max_distance). As in HF, `max_distance` must exceed `max_exact`
+    for the logarithmic part to be meaningful (otherwise the ids are HF's, i.e. garbage).
+    """
+    relative_position = relative_position.long()
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = -torch.min(relative_position, torch.zeros_like(relative_position))
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    if_large = max_exact + (
+        torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    ).to(torch.long)
+    if_large = torch.min(if_large, torch.full_like(if_large, num_buckets - 1))
+    return buckets + torch.where(is_small, distance, if_large)
+
+
+def _add_once(parser: argparse.ArgumentParser, name: str, **kwargs):
+    """Encodings of one family share options; every encoding's add_args runs on the same parser."""
+    if name not in parser._option_string_actions:
+        parser.add_argument(name, **kwargs)
+
+
+def add_scalar_bias_args(parser: argparse.ArgumentParser):
+    """Options common to T5, T5-NoB, AT5 and AT5-NoB."""
+    _add_once(parser, "--scalar-bias-layers", choices=("first", "all"),
+              help="t5/t5_nob/at5/at5_nob: add the scalar position bias in the first layer of each stack "
+                   "(paper's MT and classification runs) or in every layer (its QA runs); default first")
+    _add_once(parser, "--scalar-bias-share-layers", action="store_true",
+              help="t5/t5_nob/at5/at5_nob with --scalar-bias-layers all: one table (T5) or one set of "
+                   "gamma/MLP (AT5) per stack shared by all its layers (HF T5's layout) instead of one per layer")
+
+
+class ScalarBias(PositionalEncoding):
+    """Common machinery: which (role, layer) gets a bias, which parameter set it uses, computing
+    the bias once per forward over the distinct distances and gathering it."""
+
+    default_input_positions = "none"  # the paper's T5/AT5 runs use no absolute input embedding
+
+    def __init__(self, args, dims):
+        super().__init__(args, dims)
+        self.bias_layers = getattr(args, "scalar_bias_layers", None) or "first"
+        self.share_layers = bool(getattr(args, "scalar_bias_share_layers", False))
+        if self.bias_layers not in ("first", "all"):
+            raise ValueError(f"--scalar-bias-layers must be first or all, not {self.bias_layers!r}")
+
+    # --- layout ---------------------------------------------------------------------------
+    def has_bias(self, role: str, layer: int) -> bool:
+        return role in ("encoder", "decoder") and layer < self.dims.layers(role) and \
+            layers_with_bias(self.bias_layers, role, layer)
+
+    def table_key(self, role: str, layer: int) -> str:
+        """Name of the parameter set (role, layer) uses: one per stack when only the first layer
+        has a bias or tables are shared, else one per layer."""
+        if self.bias_layers == "first" or self.share_layers:
+            return role
+        return f"{role}_{layer}"
+
+    def table_keys(self):
+        """Every parameter set that some layer uses (and only those: unused parameters break DDP)."""
+        keys = []
+        for role in ("encoder", "decoder"):
+            for layer in range(self.dims.layers(role)):
+                if self.has_bias(role, layer) and self.table_key(role, layer) not in keys:
+                    keys.append(self.table_key(role, layer))
+        return keys
+
+    @staticmethod
+    def key_role(key: str) -> str:
+        return key.split("_")[0]
+
+    # --- the bias -------------------------------------------------------------------------
+    def distance_bias(self, key: str, low: int, high: int) -> Tensor:
+        """(heads, high - low + 1) bias of the relative positions (key - query) low, low+1, ..., high
+        for parameter set `key`; subclasses implement it."""
+        raise NotImplementedError
+
+    def bias(self, role: str, layer: int, query_positions: Tensor, key_positions: Tensor) -> Optional[Tensor]:
+        """(heads, q_len, k_len) bias between arbitrary 1-D positions, not memoized; None where the
+        layer has no bias."""
+        if not self.has_bias(role, layer):
+            return None
+        relative = key_positions.long()[None, :] - query_positions.long()[:, None]
+        low = int(key_positions.min()) - int(query_positions.max())
+        high = int(key_positions.max()) - int(query_positions.min())
+        values = self.distance_bias(self.table_key(role, layer), low, high)  # over the distinct distances
+        return values[:, relative - low]
+
+    def logit_bias(self, role, layer, query_positions, key_positions):
+        if not self.has_bias(role, layer):
+            return None
+        key = self.table_key(role, layer)
+        memo = (role, self.name, key, int(query_positions[0]), len(query_positions),
+                int(key_positions[0]), len(key_positions))
+        return self.memoize(memo, lambda: self.bias(role, layer, query_positions, key_positions))
+
+
+class _TableBias(ScalarBias):
+    """One learned (rows, heads) table per parameter set; `rows_of` maps distances to rows."""
+
+    def __init__(self, args, dims):
+        super().__init__(args, dims)
+        self.max_distance = int(getattr(args, "t5_max_distance", None) or 128)
+        self.tables = nn.ParameterDict({
+            key: nn.Parameter(torch.empty(self.rows(self.key_role(key) == "encoder"), dims.heads))
+            for key in self.table_keys()})
+        for table in self.tables.values():
+            # HF T5's initialisation of relative_attention_bias (factor 1): N(0, d_model^-1/2)
+            nn.init.normal_(table, std=dims.embed_dim ** -0.5)
+
+    @staticmethod
+    def add_args(parser):
+        add_scalar_bias_args(parser)
+        _add_once(parser, "--t5-num-buckets", type=int, metavar="N",
+                  help="t5: number of buckets B_max (half per direction in the encoder); default 32")
+        _add_once(parser, "--t5-max-distance", type=int, metavar="M",
+                  help="t5: distance M from which all distances share the last bucket; t5_nob: distances "
+                       "are clipped to +-M; default 128")
+
+    def rows(self, bidirectional: bool) -> int:
+        raise NotImplementedError
+
+    def rows_of(self, distances: Tensor, bidirectional: bool) -> Tensor:
+        raise NotImplementedError
+
+    def distance_bias(self, key, low, high):
+        table = self.tables[key]
+        distances = torch.arange(low, high + 1, device=table.device)
+        rows = self.rows_of(distances, bidirectional=self.key_role(key) == "encoder")
+        return table[rows].t()  # (heads, D)
+
+    def reset_to_identity(self):
+        with torch.no_grad():
+            for table in self.tables.values():
+                table.zero_()
+
+
+@register_encoding("t5")
+class T5Bias(_TableBias):
+    """T5: e_h(l) = E[b(l), h] with T5's fixed buckets (paper eqs. 14-16)."""
+
+    def __init__(self, args, dims):
+        self.num_buckets = int(getattr(args, "t5_num_buckets", None) or 32)
+        max_distance = int(getattr(args, "t5_max_distance", None) or 128)
+        for side in (self.num_buckets // 2, self.num_buckets):  # bidirectional, causal
+            if side < 2 or max_distance <= side // 2:
+                raise ValueError(f"--t5-max-distance ({max_distance}) must exceed half of --t5-num-buckets "
+                                 f"({self.num_buckets}) (the exact buckets of the causal decoder), and "
+                                 "there must be at least 4 buckets")
+        super().__init__(args, dims)
+
+    def rows(self, bidirectional):
+        return self.num_buckets
+
+    def rows_of(self, distances, bidirectional):
+        return relative_position_bucket(distances, bidirectional, self.num_buckets, self.max_distance)
+
+
+@register_encoding("t5_nob")
+class T5NoBuckets(_TableBias):
+    """T5-NoB: one scalar per relative distance clipped to +-M (causal: 0..M), no buckets."""
+
+    def rows(self, bidirectional):
+        return 2 * self.max_distance + 1 if bidirectional else self.max_distance + 1
+
+    def rows_of(self, distances, bidirectional):
+        if bidirectional:
+            return distances.clamp(-self.max_distance, self.max_distance) + self.max_distance
+        return (-distances).clamp(0, self.max_distance)
+
+
+def prior_distribution(encoding: ScalarBias, role: str, layer: int, query_position: int,
+                       key_positions, head: int) -> Tensor:
+    """The prior beta over the keys of one head (paper eq. 6): softmax over `key_positions` of the
+    scalar bias e_h(j - i) for query position i = `query_position`, independent of the tokens.
+
+    In the causal decoder keys after the query cannot be attended and get probability 0. A layer
+    without a bias has the uniform prior. Returns a 1-D float tensor (len(key_positions),) that
+    sums to 1, e.g. to plot with `plt.plot(key_positions, prior)`.
+    """
+    keys = torch.as_tensor(key_positions).long().reshape(-1)
+    query = torch.tensor([int(query_position)], device=keys.device)
+    with torch.no_grad():
+        bias = encoding.bias(role, layer, query, keys) if isinstance(encoding, ScalarBias) else None
+        scores = bias[head, 0].float() if bias is not None else torch.zeros(len(keys))
+        if role == "decoder":
+            scores = scores.masked_fill(keys > int(query_position), float("-inf"))
+        return torch.softmax(scores, dim=-1)

@@ -1,0 +1,118 @@
+"""XL-RPE (Dai et al., 2019) and GCDF-RPE (Qu et al., EMNLP 2021): a fixed prior encoding R_d of
+the relative distance d = i - j, projected per layer by W_r, in four logit terms (eq. 8):
+
+    P_ij = (q_i.k_j + q_i.W_r R_{i-j} + u.k_j + v.W_r R_{i-j}) / sqrt(d_head)
+
+u, v in R^{d_head} per head (one pair per stack, shared by its layers, as in Transformer-XL's
+default), W_r: d_model -> d_model (= heads x d_head) per layer. XL's R is sinusoidal (eqs. 6-7,
+interleaved: R^(2k) = sin(d / 10000^(2k/d_model)), R^(2k+1) = cos(same)); GCDF's is eqs. 14-15,
+R_d^k = lambda * Phi(d / sigma_k), sigma_k = d_model^(k/d_model), k = 0..d_model-1, the same
+formula for negative d.
+
+Memory: R and W_r R are computed for the distinct distances of the call only (Tq + Tk - 1 of
+them, or only d >= 0 in the causal decoder: key j <= query i), the query (plus v) meets them once,
+(B, H, Tq, #distances), and the result is gathered to (B, H, Tq, Tk). No table sized to a
+maximum length, no (n, n, d) tensor. Nothing on cross-attention.
+"""
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .base import PositionalEncoding, register_encoding
+
+SELF_ROLES = ("encoder", "decoder")
+
+
+def sinusoidal_prior(distances: Tensor, d_model: int) -> Tensor:
+    """Eqs. 6-7: (N,) distances -> (N, d_model), sin in even and cos in odd dimensions."""
+    pair = torch.arange(0, d_model, 2, dtype=torch.float64, device=distances.device)  # 2k
+    angles = distances.to(torch.float64)[:, None] / torch.pow(10000.0, pair / d_model)[None, :]
+    prior = torch.empty(len(distances), d_model, dtype=torch.float64, device=distances.device)
+    prior[:, 0::2] = torch.sin(angles)
+    prior[:, 1::2] = torch.cos(angles[:, : d_model // 2])
+    return prior
+
+
+def gcdf_prior(distances: Tensor, d_model: int, scale: float = 4.0) -> Tensor:
+    """Eqs. 14-15: R_d^k = lambda * Phi(d / sigma_k), sigma_k = d_model^(k / d_model)."""
+    k = torch.arange(d_model, dtype=torch.float64, device=distances.device)
+    sigma = torch.pow(float(d_model), k / d_model)
+    x = distances.to(torch.float64)[:, None] / sigma[None, :]
+    return scale * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+@register_encoding("xl")
+class TransformerXL(PositionalEncoding):
+    default_input_positions = "none"
+
+    def __init__(self, args, dims):
+        super().__init__(args, dims)
+        heads, head_dim, d_model = dims.heads, dims.head_dim, dims.embed_dim
+        self.projections = nn.ModuleDict()  # W_r, one per self-attention layer
+        self.content_bias = nn.ParameterDict()  # u, (H, D) per stack
+        self.position_bias = nn.ParameterDict()  # v, (H, D) per stack
+        for role in SELF_ROLES:
+            layers = dims.layers(role)
+            if layers == 0:
+                continue
+            for layer in range(layers):
+                self.projections[f"{role}{layer}"] = nn.Linear(d_model, heads * head_dim, bias=False)
+            self.content_bias[role] = nn.Parameter(torch.randn(heads, head_dim) * 0.02)
+            self.position_bias[role] = nn.Parameter(torch.randn(heads, head_dim) * 0.02)
+
+    def prior(self, distances: Tensor) -> Tensor:
+        return sinusoidal_prior(distances, self.dims.embed_dim)
+
+    def distances(self, role, query_positions, key_positions):
+        """Distinct distances d = i - j present (only d >= 0 in the causal decoder), their prior
+        R (N, d_model) and the (Tq, Tk) index of each pair into them."""
+        def compute():
+            relative = query_positions[:, None] - key_positions[None, :]  # i - j
+            low = int(query_positions[0] - key_positions[-1])
+            high = int(query_positions[-1] - key_positions[0])
+            if role == "decoder":  # causal: j <= i; masked pairs point at d = 0
+                low = max(low, 0)
+                relative = relative.clamp(min=low)
+            distances = torch.arange(low, high + 1, device=query_positions.device)
+            return self.prior(distances), relative - low
+        return self.memoize((role, self.name, int(query_positions[0]), len(query_positions), len(key_positions)), compute)
+
+    def relative_logits(self, role, layer, query, key, query_positions, key_positions):
+        if role not in SELF_ROLES:
+            return None
+        batch, heads, tq, head_dim = query.shape
+        prior, index = self.distances(role, query_positions, key_positions)
+        projection = self.projections[f"{role}{layer}"]
+        rel = projection(prior.to(projection.weight.dtype)).to(query.dtype)  # (N, H*D) = W_r R_d
+        rel = rel.view(-1, heads, head_dim).transpose(0, 1)  # (H, N, D)
+        scale = head_dim ** -0.5  # query arrives already scaled; u and v are scaled here
+        u = self.content_bias[role].to(query.dtype) * scale
+        v = self.position_bias[role].to(query.dtype) * scale
+        position = (query + v[None, :, None, :]) @ rel.transpose(-1, -2)[None]  # (B, H, Tq, N)
+        position = position.gather(-1, index.expand(batch, heads, tq, index.size(-1)))
+        content = torch.einsum("hd,bhkd->bhk", u, key)[:, :, None, :]  # (B, H, 1, Tk)
+        return position + content
+
+    def reset_to_identity(self):
+        with torch.no_grad():
+            for projection in self.projections.values():
+                projection.weight.zero_()
+            for u in self.content_bias.values():
+                u.zero_()
+
+
+@register_encoding("gcdf")
+class GCDF(TransformerXL):
+    def __init__(self, args, dims):
+        super().__init__(args, dims)
+        scale = getattr(args, "gcdf_lambda", None)
+        self.scale = 4.0 if scale is None else float(scale)
+
+    @staticmethod
+    def add_args(parser):
+        parser.add_argument("--gcdf-lambda", type=float, metavar="L",
+                            help="gcdf: scale factor lambda of the prior R_d^k = lambda * Phi(d / sigma_k) (default 4)")
+
+    def prior(self, distances):
+        return gcdf_prior(distances, self.dims.embed_dim, self.scale)

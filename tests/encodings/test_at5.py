@@ -1,0 +1,165 @@
+"""AT5 and AT5-NoB: the bias each head receives against a naive double loop over (i, j) from the
+paper's equations 17-20, the prior, saturation on long inputs, identity reset, gradients, and
+training through fairseq-train."""
+import argparse
+import math
+
+import pytest
+import torch
+
+from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
+from posenc_fairseq.encodings.at5 import prior_distribution
+from util import QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, random_batch, run
+
+
+def make(name, layers=2, heads=3, **options):
+    parser = argparse.ArgumentParser()
+    for encoding in sorted(ENCODINGS):
+        ENCODINGS[encoding].add_args(parser)
+    args = parser.parse_args([])
+    for key, value in options.items():
+        setattr(args, key, value)
+    torch.manual_seed(0)
+    return build_encoding(name, args, ModelDims(embed_dim=12, heads=heads, encoder_layers=layers, decoder_layers=layers))
+
+
+def sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def naive_mlp(params, head, x, activation=sigmoid):
+    """1 -> h1 -> h2 -> 1 written out with scalars."""
+    w1, b1, w2, b2, w3, b3 = (params[name][head].tolist() for name in ("w1", "b1", "w2", "b2", "w3", "b3"))
+    hidden1 = [activation(w1[k] * x + b1[k]) for k in range(len(w1))]
+    hidden2 = [activation(sum(hidden1[k] * w2[k][m] for k in range(len(w1))) + b2[m]) for m in range(len(b2))]
+    return sum(hidden2[m] * w3[m] for m in range(len(b2))) + b3
+
+
+def naive_at5(encoding, role, i, j, head, nob):
+    """e_h(j - i): paper eqs. 17-20 with A = 1 / length scale; d > 0 uses the + branch, d <= 0
+    the - branch; the causal decoder only has the - branch (future keys read d = 0)."""
+    d = j - i
+    A = 1 / encoding.length_scale
+    if role == "decoder":
+        d = min(d, 0)
+    direction = "plus" if d > 0 else "minus"
+    name = f"{role}_{direction}"
+    if nob:
+        x = min(abs(d) * A, 1.0)
+    else:
+        gamma = max(0.0, encoding.gammas[name][head].item())
+        x = 1 - math.exp(-d * A * gamma) if d > 0 else 1 - math.exp(d * A * gamma)
+    params = dict(encoding.mlps[name].named_parameters())
+    return naive_mlp(params, head, x)
+
+
+@pytest.mark.parametrize("role", ["encoder", "decoder"])
+@pytest.mark.parametrize("name", ["at5", "at5_nob"])
+def test_bias_equals_naive_double_loop(name, role):
+    encoding = make(name, at5_length_scale=16.0, at5_mlp_widths=[5, 3]).double()
+    if name == "at5":  # one head with a negative gamma: relu makes its bucket constant 0
+        with torch.no_grad():
+            encoding.gammas[f"{role}_minus"][1] = -0.5
+    encoding.eval()
+    queries, keys = torch.arange(10, 30), torch.arange(0, 45)
+    encoding.begin(role)
+    bias = encoding.logit_bias(role, 0, queries, keys)
+    assert bias.shape == (3, 20, 45)
+    for head in range(3):
+        for qi, i in enumerate(queries.tolist()):
+            for kj, j in enumerate(keys.tolist()):
+                expected = naive_at5(encoding, role, i, j, head, nob=name == "at5_nob")
+                assert abs(bias[head, qi, kj].item() - expected) < 1e-10, (head, i, j)
+
+
+def test_options_and_parameter_layout():
+    encoding = make("at5", at5_gamma_range=[2.0, 3.0], at5_mlp_widths=[7, 2], at5_activation="relu")
+    names = dict(encoding.named_parameters())
+    assert set(names) == {f"{p}.{key}_{direction}{suffix}"
+                          for key, directions in (("encoder", ("minus", "plus")), ("decoder", ("minus",)))
+                          for direction in directions
+                          for p, suffixes in (("gammas", ("",)), ("mlps", (".w1", ".b1", ".w2", ".b2", ".w3", ".b3")))
+                          for suffix in suffixes}
+    for direction in ("encoder_minus", "encoder_plus", "decoder_minus"):
+        gamma = encoding.gammas[direction]
+        assert gamma.shape == (3,) and (gamma >= 2).all() and (gamma <= 3).all()
+    assert names["mlps.encoder_plus.w2"].shape == (3, 7, 2)
+    assert "gammas" not in {name.split(".")[0] for name, _ in make("at5_nob").named_parameters()}
+    every = make("at5", scalar_bias_layers="all")
+    assert {name.split(".")[1] for name, _ in every.named_parameters()} == {
+        "encoder_0_minus", "encoder_0_plus", "encoder_1_minus", "encoder_1_plus", "decoder_0_minus", "decoder_1_minus"}
+    assert make("at5").logit_bias("cross", 0, torch.arange(3), torch.arange(4)) is None
+
+
+@pytest.mark.parametrize("role", ["encoder", "decoder"])
+@pytest.mark.parametrize("name", ["at5", "at5_nob"])
+def test_prior_sums_to_one(name, role):
+    encoding = make(name)
+    encoding.eval()
+    prior = prior_distribution(encoding, role, 0, 20, torch.arange(64), head=1)
+    assert prior.shape == (64,) and abs(prior.sum().item() - 1) < 1e-6
+    visible = 21 if role == "decoder" else 64
+    bias = encoding.bias(role, 0, torch.tensor([20]), torch.arange(64))[1, 0]
+    assert torch.allclose(prior[:visible], torch.softmax(bias[:visible], -1)) and (prior[visible:] == 0).all()
+
+
+def test_reset_to_identity_adds_zero():
+    for name in ("at5", "at5_nob"):
+        encoding = make(name, scalar_bias_layers="all")
+        encoding.reset_to_identity()
+        for role in ("encoder", "decoder"):
+            encoding.begin(role)
+            for layer in (0, 1):
+                assert (encoding.logit_bias(role, layer, torch.arange(9), torch.arange(9)) == 0).all()
+
+
+def test_bias_saturates_beyond_the_length_scale():
+    """b -> 1 as |d| grows, so the bias of very long distances converges instead of growing."""
+    encoding = make("at5")
+    encoding.eval()
+    with torch.no_grad():
+        far = encoding.bias("encoder", 0, torch.tensor([0]), torch.tensor([50_000, 100_000]))
+        near_limit = encoding.mlps["encoder_plus"](torch.ones(3, 1))[:, 0]
+    assert torch.isfinite(far).all()
+    assert torch.allclose(far[:, 0, 0], near_limit, atol=1e-6) and torch.allclose(far[:, 0, 1], near_limit, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["at5", "at5_nob"])
+def test_runs_on_1000_tokens(translation_data, name):
+    model, task, _ = build_model(translation_data, f"transformer_{name}", TINY_TRANSFORMER)
+    model.eval()
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=1000, tgt_len=1000)
+    with torch.no_grad():
+        logits, _ = model(src, src_lengths, prev)
+        bias = model.positional_encoding.bias("encoder", 0, torch.arange(1000), torch.arange(1000))
+    assert torch.isfinite(logits).all() and torch.isfinite(bias).all()
+    if name == "at5_nob":  # the input is clipped at the length scale: constant beyond it
+        assert (bias[:, 0, 256:] == bias[:, 0, 256:257]).all()
+
+
+@pytest.mark.parametrize("name", ["at5", "at5_nob"])
+def test_gradients_reach_gamma_and_mlp(translation_data, name):
+    model, task, _ = build_model(translation_data, f"transformer_{name}", [*TINY_TRANSFORMER, "--at5-dropout", "0.1"])
+    src, src_lengths, prev = random_batch(task.source_dictionary)
+    logits, _ = model(src, src_lengths, prev)
+    logits.logsumexp(-1).mean().backward()
+    names = dict(model.positional_encoding.named_parameters())
+    assert any(name.startswith("gammas.") for name in names) == (name == "at5")
+    for parameter_name, parameter in names.items():
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0, parameter_name
+
+
+@pytest.mark.parametrize("arch", ["transformer_at5", "transformer_at5_nob"])
+def test_fairseq_train_translation(translation_data, tmp_path, arch):
+    out = run(["fairseq-train", translation_data, "--user-dir", USER_DIR, "--arch", arch, *TINY_TRANSFORMER,
+               *QUICK_TRAIN, "--save-dir", tmp_path, "--max-update", "3",
+               "--at5-mlp-widths", "8", "2", "--at5-gamma-range", "0.1", "10", "--at5-activation", "relu"])
+    assert "num_updates 3" in out
+
+
+@pytest.mark.parametrize("arch", ["roberta_at5", "roberta_at5_nob"])
+def test_fairseq_train_roberta(masked_lm_data, tmp_path, arch):
+    out = run(["fairseq-train", masked_lm_data, "--user-dir", USER_DIR, "--task", "masked_lm", "--arch", arch,
+               "--tokens-per-sample", "64", *TINY_ROBERTA, *QUICK_TRAIN, "--save-dir", tmp_path, "--max-update", "3",
+               "--scalar-bias-layers", "all", "--scalar-bias-share-layers"])
+    assert "num_updates 3" in out

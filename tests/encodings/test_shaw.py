@@ -1,0 +1,222 @@
+"""Shaw-RPE and LFHC-RPE against naive (i, j) loops written straight from the papers' equations."""
+import argparse
+import math
+
+import pytest
+import torch
+
+import posenc_fairseq  # noqa: F401
+from fairseq.models.transformer import TransformerDecoder  # noqa: F401  (fairseq import order)
+from fairseq.modules import MultiheadAttention
+from posenc_fairseq.attention import use_positional_attention
+from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
+from util import QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, run
+
+EMBED, HEADS, LAYERS = 16, 4, 3
+
+
+def options(*argv):
+    parser = argparse.ArgumentParser()
+    for name in sorted(ENCODINGS):
+        ENCODINGS[name].add_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def encoding(name, *argv, seed=1):
+    torch.manual_seed(seed)
+    enc = build_encoding(name, options(*argv), ModelDims(EMBED, HEADS, LAYERS, LAYERS)).double()
+    with torch.no_grad():  # move away from any special initialisation
+        for parameter in enc.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    return enc
+
+
+def attention(enc, role, layer, embed=EMBED, heads=HEADS, dtype=torch.float64):
+    torch.manual_seed(0)
+    module = MultiheadAttention(embed, heads, self_attention=True)
+    use_positional_attention(module)
+    module.bind_position(enc, role, layer)
+    return module.to(dtype).eval()
+
+
+def inputs(length=8, batch=2):
+    torch.manual_seed(2)
+    x = torch.randn(length, batch, EMBED, dtype=torch.float64)
+    padding = torch.zeros(batch, length, dtype=torch.bool)
+    padding[0, -3:] = True  # right padding in row 0 (no query row is fully masked)
+    return x, padding
+
+
+def causal_mask(length):
+    return torch.triu(torch.full((length, length), float("-inf"), dtype=torch.float64), 1)
+
+
+# --- the papers' clip functions, written case by case ------------------------------------------
+def shaw_clip(x, k):
+    return max(-k, min(k, x))
+
+
+def lfhc_clip(x, k, l):
+    """Eq. 9 of Qu et al. (2021), literally."""
+    if x > k * l:
+        return k
+    if 0 <= x <= k * l:
+        return math.floor(x / l)
+    if -k * l <= x < 0:
+        return math.floor(x / l)
+    return -k
+
+
+def naive(module, x, padding, causal, w_key, w_value, clip):
+    """z_i = sum_j alpha_ij (v_j + a^V_ij), alpha = softmax_j(q_i.(k_j + a^K_ij) / sqrt(d)),
+    a_ij = w[clip(j - i)] (w indexed -k..k), one (i, j) pair at a time."""
+    length, batch, embed = x.shape
+    heads = module.num_heads
+    d = embed // heads
+    k_max = (w_key.size(0) - 1) // 2
+    q, k, v = module.q_proj(x), module.k_proj(x), module.v_proj(x)
+    z = torch.zeros(length, batch, embed, dtype=x.dtype)
+    for b in range(batch):
+        for h in range(heads):
+            part = slice(h * d, (h + 1) * d)
+            for i in range(length):
+                e = []
+                for j in range(length):
+                    a_key = w_key[clip(j - i) + k_max]
+                    score = q[i, b, part] @ (k[j, b, part] + a_key) / math.sqrt(d)
+                    if padding[b, j] or (causal and j > i):
+                        score = torch.tensor(float("-inf"), dtype=x.dtype)
+                    e.append(score)
+                alpha = torch.softmax(torch.stack(e), dim=0)
+                for j in range(length):
+                    a_value = w_value[clip(j - i) + k_max] if w_value is not None else 0
+                    z[i, b, part] += alpha[j] * (v[j, b, part] + a_value)
+    return module.out_proj(z)
+
+
+CASES = [
+    ("shaw", 0), ("shaw", 2), ("lfhc", 0), ("lfhc", 1), ("lfhc", 2),
+]
+
+
+@pytest.mark.parametrize("name,layer", CASES)
+@pytest.mark.parametrize("role", ["encoder", "decoder"])
+@pytest.mark.parametrize("values", ["on", "off"])
+def test_attention_output_equals_naive_loops(name, layer, role, values):
+    k = 2  # small, so that clipping happens within 8 tokens (LFHC layer 3: |x| > 6)
+    enc = encoding(name, f"--{name}-k", str(k), f"--{name}-values", values)
+    module = attention(enc, role, layer)
+    x, padding = inputs()
+    causal = role == "decoder"
+    enc.begin(role)
+    got, _ = module(x, x, x, key_padding_mask=padding, attn_mask=causal_mask(len(x)) if causal else None)
+    key = f"{role}{layer}"
+    w_value = enc.value_tables[key] if values == "on" else None
+    clip = (lambda x: shaw_clip(x, k)) if name == "shaw" else (lambda x: lfhc_clip(x, k, layer + 1))
+    with torch.no_grad():
+        expected = naive(module, x, padding, causal, enc.key_tables[key], w_value, clip)
+    assert (got - expected).abs().max() <= 1e-5
+    # and the position terms matter (the comparison above can fail)
+    plain = attention(None, role, layer)
+    baseline, _ = plain(x, x, x, key_padding_mask=padding, attn_mask=causal_mask(len(x)) if causal else None)
+    assert (got - baseline).abs().max() > 1e-3
+
+
+def test_options_and_defaults():
+    enc = build_encoding("shaw", options(), ModelDims(EMBED, HEADS, 2, 3))
+    assert enc.k == 16 and enc.values
+    assert sorted(enc.key_tables) == ["decoder0", "decoder1", "decoder2", "encoder0", "encoder1"]
+    assert enc.key_tables["encoder0"].shape == (33, EMBED // HEADS)
+    off = build_encoding("lfhc", options("--lfhc-k", "4", "--lfhc-values", "off"), ModelDims(EMBED, HEADS, 2, 0))
+    assert off.k == 4 and not off.values and len(off.value_tables) == 0 and sorted(off.key_tables) == ["encoder0", "encoder1"]
+    assert not off.has_relative_values("encoder", 0)
+    assert sum(p.numel() for p in enc.parameters()) == sum(
+        p.numel() for p in build_encoding("lfhc", options(), ModelDims(EMBED, HEADS, 2, 3)).parameters())
+    assert ENCODINGS["shaw"].default_input_positions == ENCODINGS["lfhc"].default_input_positions == "none"
+
+
+def test_lfhc_layer_one_equals_shaw_and_higher_layers_differ():
+    shaw = encoding("shaw", "--shaw-k", "2")
+    lfhc = encoding("lfhc", "--lfhc-k", "2")
+    lfhc.load_state_dict(shaw.state_dict())
+    x, padding = inputs()
+    outputs = {}
+    for layer in (0, 1):
+        for name, enc in (("shaw", shaw), ("lfhc", lfhc)):
+            enc.begin("encoder")
+            outputs[name, layer], _ = attention(enc, "encoder", layer)(x, x, x, key_padding_mask=padding)
+    assert (outputs["shaw", 0] - outputs["lfhc", 0]).abs().max() <= 1e-12
+    assert (outputs["shaw", 1] - outputs["lfhc", 1]).abs().max() > 1e-3
+
+
+# eq. 9 by hand for k = 2 and positions 0..5, entry [i][j] = clip^l(j - i, 2)
+LAYER_2 = [
+    [0, 0, 1, 1, 2, 2],
+    [-1, 0, 0, 1, 1, 2],
+    [-1, -1, 0, 0, 1, 1],
+    [-2, -1, -1, 0, 0, 1],
+    [-2, -2, -1, -1, 0, 0],
+    [-2, -2, -2, -1, -1, 0],
+]
+LAYER_3 = [
+    [0, 0, 0, 1, 1, 1],
+    [-1, 0, 0, 0, 1, 1],
+    [-1, -1, 0, 0, 0, 1],
+    [-1, -1, -1, 0, 0, 0],
+    [-2, -1, -1, -1, 0, 0],
+    [-2, -2, -1, -1, -1, 0],
+]
+
+
+def test_lfhc_index_matrix_is_eq_9():
+    enc = encoding("lfhc", "--lfhc-k", "2")
+    positions = torch.arange(6)
+    for layer, expected in ((1, LAYER_2), (2, LAYER_3)):  # 0-based layer index: l = 2, 3
+        got = enc.buckets("encoder", layer, positions, positions) - 2
+        assert got.tolist() == expected
+    # layer 1 is Shaw's clip; last query row of a step-by-step call matches the full matrix
+    assert (enc.buckets("encoder", 0, positions, positions) - 2).tolist() == [
+        [shaw_clip(j - i, 2) for j in range(6)] for i in range(6)]
+    assert (enc.buckets("decoder", 1, positions[-1:], positions) - 2).tolist() == [LAYER_2[-1]]
+
+
+def test_reset_to_identity_adds_nothing():
+    for name in ("shaw", "lfhc"):
+        enc = encoding(name)
+        enc.reset_to_identity()
+        x, padding = inputs()
+        enc.begin("decoder")
+        got, _ = attention(enc, "decoder", 1)(x, x, x, key_padding_mask=padding, attn_mask=causal_mask(len(x)))
+        expected, _ = attention(None, "decoder", 1)(x, x, x, key_padding_mask=padding, attn_mask=causal_mask(len(x)))
+        assert (got - expected).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("name", ["shaw", "lfhc"])
+def test_2000_tokens(name):
+    torch.manual_seed(0)
+    enc = build_encoding(name, options(), ModelDims(32, 4, 3, 3))
+    length = 2000
+    x = torch.randn(length, 1, 32)
+    with torch.no_grad():
+        for role, layer in (("encoder", 2), ("decoder", 2)):
+            enc.begin(role)
+            mask = torch.triu(torch.full((length, length), float("-inf")), 1) if role == "decoder" else None
+            out, _ = attention(enc, role, layer, embed=32, heads=4, dtype=torch.float32)(x, x, x, attn_mask=mask)
+            assert out.shape == (length, 1, 32) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("arch,extra", [
+    ("transformer_shaw", ["--shaw-k", "4", "--shaw-values", "off"]),
+    ("transformer_lfhc", []),
+])
+def test_fairseq_train(translation_data, tmp_path, arch, extra):
+    out = run(["fairseq-train", translation_data, "--user-dir", USER_DIR, "--arch", arch, *extra,
+               *TINY_TRANSFORMER, *QUICK_TRAIN, "--save-dir", tmp_path, "--max-update", "3", "--disable-validation"])
+    assert "num_updates 3" in out
+
+
+def test_fairseq_train_roberta_shaw(masked_lm_data, tmp_path):
+    out = run(["fairseq-train", masked_lm_data, "--user-dir", USER_DIR, "--task", "masked_lm",
+               "--criterion", "masked_lm", "--arch", "roberta_shaw", "--tokens-per-sample", "64",
+               *TINY_ROBERTA, *QUICK_TRAIN, "--save-dir", tmp_path, "--max-update", "3", "--disable-validation"])
+    assert "num_updates 3" in out

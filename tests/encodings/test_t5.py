@@ -1,0 +1,191 @@
+"""T5 and T5-NoB scalar biases: bucket ids against an independent reference of the HF algorithm,
+the bias each head receives against a naive double loop over (i, j), the prior, long inputs,
+identity reset and training through fairseq-train."""
+import argparse
+import math
+
+import pytest
+import torch
+
+from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
+from posenc_fairseq.encodings.t5 import prior_distribution, relative_position_bucket
+from util import QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, random_batch, run
+
+
+def reference_bucket(rp, bidirectional, num_buckets, max_distance):
+    """HF T5's bucket of one relative position (key - query), one scalar at a time, as described
+    in reference/anchors.md. HF converts the log term to int64 (truncation toward zero), which is
+    what int() does. None where HF divides by log(max_distance / max_exact) = log(1) = 0."""
+    if bidirectional:
+        side = num_buckets // 2
+        offset = side if rp > 0 else 0
+        n = abs(rp)
+    else:
+        side, offset, n = num_buckets, 0, max(-rp, 0)
+    max_exact = side // 2
+    if n < max_exact:
+        return offset + n
+    if max_distance == max_exact:
+        return None
+    large = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact) * (side - max_exact))
+    return offset + min(large, side - 1)
+
+
+DISTANCES = torch.arange(-4096, 4097)
+
+
+@pytest.mark.parametrize("num_buckets", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("max_distance", [16, 64, 128, 512])
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_buckets_equal_independent_reference(num_buckets, max_distance, bidirectional):
+    got = relative_position_bucket(DISTANCES, bidirectional, num_buckets, max_distance)
+    assert got.dtype == torch.long and got.shape == DISTANCES.shape
+    compared = 0
+    for rp, bucket in zip(DISTANCES.tolist(), got.tolist()):
+        expected = reference_bucket(rp, bidirectional, num_buckets, max_distance)
+        if expected is not None:
+            assert bucket == expected, (rp, bucket, expected)
+            compared += 1
+    assert compared >= 2 * 8  # at least the exact buckets of both sides
+
+
+def test_bucket_function_any_shape_and_known_values():
+    rp = torch.tensor([[0, 1, -1], [200, -200, 7]])
+    got = relative_position_bucket(rp, True, 32, 128)
+    # bidirectional 32/128: 16 buckets a side, 8 exact; beyond 128 the last bucket of the side
+    assert got.tolist() == [[0, 17, 1], [31, 15, 23]]
+    assert relative_position_bucket(rp, False, 32, 128).tolist() == [[0, 0, 1], [0, 31, 0]]
+
+
+def make(name, layers=2, heads=4, **options):
+    parser = argparse.ArgumentParser()
+    for encoding in sorted(ENCODINGS):
+        ENCODINGS[encoding].add_args(parser)
+    args = parser.parse_args([])
+    for key, value in options.items():
+        setattr(args, key, value)
+    torch.manual_seed(0)
+    return build_encoding(name, args, ModelDims(embed_dim=16, heads=heads, encoder_layers=layers, decoder_layers=layers))
+
+
+def naive_t5(table, i, j, bidirectional, num_buckets, max_distance, head):
+    """e_h(j - i) = E[b(j - i), h] with b from paper eqs. 14-16 via the scalar reference."""
+    return table[reference_bucket(j - i, bidirectional, num_buckets, max_distance), head].item()
+
+
+def naive_t5_nob(table, i, j, bidirectional, max_distance, head):
+    d = j - i
+    row = min(max(d, -max_distance), max_distance) + max_distance if bidirectional else min(max(-d, 0), max_distance)
+    return table[row, head].item()
+
+
+@pytest.mark.parametrize("role", ["encoder", "decoder"])
+@pytest.mark.parametrize("name", ["t5", "t5_nob"])
+def test_bias_equals_naive_double_loop(name, role):
+    encoding = make(name, t5_num_buckets=16, t5_max_distance=20)
+    table = encoding.tables[role].detach()
+    queries, keys = torch.arange(30, 70), torch.arange(0, 100)
+    encoding.begin(role)
+    bias = encoding.logit_bias(role, 0, queries, keys)
+    assert bias.shape == (4, 40, 100)
+    for head in range(4):
+        for qi, i in enumerate(queries.tolist()):
+            for kj, j in enumerate(keys.tolist()):
+                if name == "t5":
+                    expected = naive_t5(table, i, j, role == "encoder", 16, 20, head)
+                else:
+                    expected = naive_t5_nob(table, i, j, role == "encoder", 20, head)
+                assert bias[head, qi, kj].item() == expected
+
+
+def test_layers_option_and_cross_attention():
+    first = make("t5")
+    assert first.logit_bias("cross", 0, torch.arange(3), torch.arange(5)) is None
+    assert first.logit_bias("encoder", 1, torch.arange(3), torch.arange(5)) is None
+    assert sorted(dict(first.named_parameters())) == ["tables.decoder", "tables.encoder"]
+    every = make("t5", scalar_bias_layers="all")
+    assert sorted(dict(every.named_parameters())) == ["tables.decoder_0", "tables.decoder_1",
+                                                      "tables.encoder_0", "tables.encoder_1"]
+    every.begin("encoder")
+    b0 = every.logit_bias("encoder", 0, torch.arange(5), torch.arange(5))
+    b1 = every.logit_bias("encoder", 1, torch.arange(5), torch.arange(5))
+    assert not torch.equal(b0, b1)
+    shared = make("t5", scalar_bias_layers="all", scalar_bias_share_layers=True)
+    assert sorted(dict(shared.named_parameters())) == ["tables.decoder", "tables.encoder"]
+    shared.begin("encoder")
+    b0 = shared.logit_bias("encoder", 0, torch.arange(5), torch.arange(5))
+    assert shared.logit_bias("encoder", 1, torch.arange(5), torch.arange(5)) is b0  # computed once
+
+
+def test_rejects_max_distance_within_exact_buckets():
+    with pytest.raises(ValueError, match="max-distance"):
+        make("t5", t5_num_buckets=64, t5_max_distance=16)
+
+
+@pytest.mark.parametrize("role", ["encoder", "decoder"])
+@pytest.mark.parametrize("name", ["t5", "t5_nob"])
+def test_prior_sums_to_one(name, role):
+    encoding = make(name)
+    prior = prior_distribution(encoding, role, 0, 10, torch.arange(40), head=2)
+    assert prior.shape == (40,) and abs(prior.sum().item() - 1) < 1e-6
+    bias = encoding.bias(role, 0, torch.tensor([10]), torch.arange(40))[2, 0]
+    visible = 11 if role == "decoder" else 40
+    expected = torch.softmax(bias[:visible], dim=-1)
+    assert torch.allclose(prior[:visible], expected) and (prior[visible:] == 0).all()
+    uniform = prior_distribution(encoding, role, 1, 10, torch.arange(40), head=2)  # layer without bias
+    assert torch.allclose(uniform[:visible], torch.full((visible,), 1 / visible))
+
+
+def test_reset_to_identity_adds_zero():
+    for name in ("t5", "t5_nob"):
+        encoding = make(name)
+        encoding.reset_to_identity()
+        encoding.begin("encoder")
+        assert (encoding.logit_bias("encoder", 0, torch.arange(9), torch.arange(9)) == 0).all()
+
+
+@pytest.mark.parametrize("name", ["t5", "t5_nob"])
+def test_distances_beyond_training_use_the_last_bucket(translation_data, name):
+    """A model trained on short sequences runs on 1000 tokens; every distance beyond max_distance
+    gets the bias of the last bucket (t5) / the clipped distance (t5_nob) of its side."""
+    model, task, _ = build_model(translation_data, f"transformer_{name}", [*TINY_TRANSFORMER, "--t5-max-distance", "32"])
+    model.eval()
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=1000, tgt_len=1000)
+    with torch.no_grad():
+        logits, _ = model(src, src_lengths, prev)
+        assert torch.isfinite(logits).all()
+        encoding = model.positional_encoding
+        positions = torch.arange(1000)
+        bias = encoding.bias("encoder", 0, positions, positions)
+        table = encoding.tables["encoder"]
+        far_right, far_left = table[-1] if name == "t5_nob" else table[31], table[0] if name == "t5_nob" else table[15]
+        relative = positions[None, :] - positions[:, None]
+        assert torch.isfinite(bias).all()
+        assert (bias.permute(1, 2, 0)[relative >= 32] == far_right).all()
+        assert (bias.permute(1, 2, 0)[relative <= -32] == far_left).all()
+        causal = encoding.bias("decoder", 0, positions, positions).permute(1, 2, 0)
+        last = encoding.tables["decoder"][-1]
+        assert (causal[relative <= -32] == last).all()
+
+
+def test_training_gradients_reach_the_table(translation_data):
+    model, task, _ = build_model(translation_data, "transformer_t5", TINY_TRANSFORMER)
+    src, src_lengths, prev = random_batch(task.source_dictionary)
+    logits, _ = model(src, src_lengths, prev)
+    logits.logsumexp(-1).mean().backward()
+    for name, parameter in model.positional_encoding.named_parameters():
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("arch", ["transformer_t5", "transformer_t5_nob"])
+def test_fairseq_train_translation(translation_data, tmp_path, arch):
+    out = run(["fairseq-train", translation_data, "--user-dir", USER_DIR, "--arch", arch, *TINY_TRANSFORMER,
+               *QUICK_TRAIN, "--save-dir", tmp_path, "--max-update", "3", "--scalar-bias-layers", "all"])
+    assert "num_updates 3" in out
+
+
+@pytest.mark.parametrize("arch", ["roberta_t5", "roberta_t5_nob"])
+def test_fairseq_train_roberta(masked_lm_data, tmp_path, arch):
+    out = run(["fairseq-train", masked_lm_data, "--user-dir", USER_DIR, "--task", "masked_lm", "--arch", arch,
+               "--tokens-per-sample", "64", *TINY_ROBERTA, *QUICK_TRAIN, "--save-dir", tmp_path, "--max-update", "3"])
+    assert "num_updates 3" in out

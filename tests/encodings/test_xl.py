@@ -1,0 +1,217 @@
+"""XL-RPE and GCDF-RPE against naive (i, j) loops written straight from eqs. 6-8 and 14-15."""
+import argparse
+import math
+
+import pytest
+import torch
+
+import posenc_fairseq  # noqa: F401
+from fairseq.models.transformer import TransformerDecoder  # noqa: F401  (fairseq import order)
+from fairseq.modules import MultiheadAttention
+from posenc_fairseq.attention import use_positional_attention
+from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
+from posenc_fairseq.encodings.xl import gcdf_prior, sinusoidal_prior
+from util import QUICK_TRAIN, TINY_TRANSFORMER, USER_DIR, run
+
+EMBED, HEADS, LAYERS = 16, 4, 3
+
+
+def options(*argv):
+    parser = argparse.ArgumentParser()
+    for name in sorted(ENCODINGS):
+        ENCODINGS[name].add_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def encoding(name, *argv, seed=1):
+    torch.manual_seed(seed)
+    enc = build_encoding(name, options(*argv), ModelDims(EMBED, HEADS, LAYERS, LAYERS)).double()
+    with torch.no_grad():
+        for parameter in enc.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    return enc
+
+
+def attention(enc, role, layer, embed=EMBED, heads=HEADS, dtype=torch.float64):
+    torch.manual_seed(0)
+    module = MultiheadAttention(embed, heads, self_attention=True)
+    use_positional_attention(module)
+    module.bind_position(enc, role, layer)
+    return module.to(dtype).eval()
+
+
+def inputs(length=7, batch=2, left=True):
+    torch.manual_seed(2)
+    x = torch.randn(length, batch, EMBED, dtype=torch.float64)
+    padding = torch.zeros(batch, length, dtype=torch.bool)
+    if left:  # left padding in row 1 (fairseq's source side)
+        padding[1, :2] = True
+    else:  # right padding (target side: a causal query row is never fully masked)
+        padding[1, -2:] = True
+    return x, padding
+
+
+def causal_mask(length):
+    return torch.triu(torch.full((length, length), float("-inf"), dtype=torch.float64), 1)
+
+
+# --- the priors, one number at a time ----------------------------------------------------------
+def xl_r(d, d_model):
+    """Eqs. 6-7: R^(2k) = sin(d / 10000^(2k/d_model)), R^(2k+1) = cos(d / 10000^(2k/d_model))."""
+    out = []
+    for m in range(d_model):
+        two_k = m - (m % 2)
+        angle = d / 10000 ** (two_k / d_model)
+        out.append(math.sin(angle) if m % 2 == 0 else math.cos(angle))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def gcdf_r(d, d_model, lam=4.0):
+    """Eqs. 14-15 through the Gaussian CDF: lambda * Phi(d / sigma_k), sigma_k = d_model^(k/d_model)."""
+    out = []
+    for m in range(d_model):
+        sigma = d_model ** (m / d_model)
+        out.append(lam * 0.5 * (1 + math.erf(d / (sigma * math.sqrt(2)))))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def naive(module, enc, role, layer, x, padding, causal, prior):
+    """P_ij = (q_i.k_j + q_i.W_r R_{i-j} + u.k_j + v.W_r R_{i-j}) / sqrt(d), softmax, sum alpha v."""
+    length, batch, embed = x.shape
+    heads = module.num_heads
+    d = embed // heads
+    q, k, v = module.q_proj(x), module.k_proj(x), module.v_proj(x)
+    w_r = enc.projections[f"{role}{layer}"].weight
+    u, v_bias = enc.content_bias[role], enc.position_bias[role]
+    z = torch.zeros(length, batch, embed, dtype=x.dtype)
+    for b in range(batch):
+        for h in range(heads):
+            part = slice(h * d, (h + 1) * d)
+            for i in range(length):
+                scores = []
+                for j in range(length):
+                    r = (w_r @ prior(i - j))[part]
+                    p = (q[i, b, part] @ k[j, b, part] + q[i, b, part] @ r + u[h] @ k[j, b, part] + v_bias[h] @ r) / math.sqrt(d)
+                    if padding[b, j] or (causal and j > i):
+                        p = torch.tensor(float("-inf"), dtype=x.dtype)
+                    scores.append(p)
+                alpha = torch.softmax(torch.stack(scores), dim=0)
+                for j in range(length):
+                    z[i, b, part] += alpha[j] * v[j, b, part]
+    return module.out_proj(z)
+
+
+@pytest.mark.parametrize("name", ["xl", "gcdf"])
+@pytest.mark.parametrize("role", ["encoder", "decoder"])
+@pytest.mark.parametrize("layer", [0, 2])
+def test_attention_output_equals_naive_loops(name, role, layer):
+    argv = ["--gcdf-lambda", "3"] if name == "gcdf" else []
+    enc = encoding(name, *argv)
+    prior = (lambda d: xl_r(d, EMBED)) if name == "xl" else (lambda d: gcdf_r(d, EMBED, lam=3.0))
+    module = attention(enc, role, layer)
+    causal = role == "decoder"
+    x, padding = inputs(left=not causal)
+    mask = causal_mask(len(x)) if causal else None
+    enc.begin(role)
+    got, _ = module(x, x, x, key_padding_mask=padding, attn_mask=mask)
+    with torch.no_grad():
+        expected = naive(module, enc, role, layer, x, padding, causal, prior)
+    assert (got - expected).abs().max() <= 1e-5
+    baseline, _ = attention(None, role, layer)(x, x, x, key_padding_mask=padding, attn_mask=mask)
+    assert (got - baseline).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["xl", "gcdf"])
+def test_stepwise_decoder_queries_match_full(name):
+    """The last query of a call with cached keys (incremental decoding) sees the same logits."""
+    enc = encoding(name)
+    torch.manual_seed(3)
+    q, k = torch.randn(2, HEADS, 6, 4, dtype=torch.float64), torch.randn(2, HEADS, 6, 4, dtype=torch.float64)
+    positions = torch.arange(6)
+    enc.begin("decoder")
+    full = enc.relative_logits("decoder", 1, q, k, positions, positions)
+    for t in range(6):
+        enc.begin("decoder")
+        step = enc.relative_logits("decoder", 1, q[:, :, t: t + 1], k[:, :, : t + 1], positions[t: t + 1], positions[: t + 1])
+        assert (step - full[:, :, t: t + 1, : t + 1]).abs().max() <= 1e-12
+
+
+def test_xl_prior_is_eqs_6_7():
+    distances = torch.arange(-9, 10)
+    for d_model in (16, 17):
+        got = sinusoidal_prior(distances, d_model)
+        expected = torch.stack([xl_r(d, d_model) for d in distances.tolist()])
+        assert (got - expected).abs().max() <= 1e-12
+
+
+def test_gcdf_prior_is_eqs_14_15():
+    distances = torch.arange(-9, 10)
+    got = gcdf_prior(distances, 16, 4.0)
+    assert (got - torch.stack([gcdf_r(d, 16) for d in distances.tolist()])).abs().max() <= 1e-12
+    # eq. 15 as written: lambda / (sigma sqrt(2 pi)) * integral_{-inf}^{d} exp(-x^2 / (2 sigma^2)) dx
+    for d in (-5, 0, 3):
+        for k in (0, 7, 15):
+            sigma = 16 ** (k / 16)
+            x = torch.linspace(-60 * sigma, d, 200001, dtype=torch.float64)
+            integral = torch.trapezoid(torch.exp(-x ** 2 / (2 * sigma ** 2)), x)
+            assert abs(4.0 / (sigma * math.sqrt(2 * math.pi)) * integral - got[d + 9, k]) <= 1e-6
+    assert torch.allclose(gcdf_prior(distances, 16, 4.0), 4.0 - gcdf_prior(-distances, 16, 4.0))  # same formula for d < 0
+
+
+def phi(prior, x, y):
+    return (prior[x] - prior[y]).norm().item()
+
+
+def test_gcdf_satisfies_properties_1_and_2_and_sinusoid_fails_1():
+    n, d_model = 40, 64
+    distances = torch.arange(0, n + 8)
+    for sign in (1, -1):  # "one direction" in the paper; by symmetry the other holds too
+        prior = gcdf_prior(sign * distances, d_model, 4.0)
+        for i in range(n):
+            for j in range(i + 1, n):
+                for k in (1, 2, 5):  # property 1: phi(i + k, i) > phi(j + k, j)
+                    assert phi(prior, i + k, i) > phi(prior, j + k, j)
+                # property 2: increasing and with shrinking increments
+                a, b, c = phi(prior, i, j), phi(prior, i, j + 1), phi(prior, i, j + 2)
+                assert c > b > a
+                assert b - a > c - b
+    sinusoid = sinusoidal_prior(distances, d_model)  # translation invariant: property 1 fails
+    assert not all(phi(sinusoid, i + 1, i) > phi(sinusoid, i + 2, i + 1) + 1e-9 for i in range(n))
+
+
+def test_options_parameters_and_reset():
+    enc = build_encoding("gcdf", options(), ModelDims(EMBED, HEADS, 2, 0))
+    assert enc.scale == 4.0 and sorted(enc.projections) == ["encoder0", "encoder1"]
+    assert sorted(enc.content_bias) == sorted(enc.position_bias) == ["encoder"]
+    assert build_encoding("gcdf", options("--gcdf-lambda", "2.5"), ModelDims(EMBED, HEADS, 1, 1)).scale == 2.5
+    assert ENCODINGS["xl"].default_input_positions == ENCODINGS["gcdf"].default_input_positions == "none"
+    for name in ("xl", "gcdf"):
+        enc = encoding(name)
+        enc.reset_to_identity()
+        x, padding = inputs(left=False)
+        for role, mask in (("encoder", None), ("decoder", causal_mask(len(x)))):
+            enc.begin(role)
+            got, _ = attention(enc, role, 1)(x, x, x, key_padding_mask=padding, attn_mask=mask)
+            expected, _ = attention(None, role, 1)(x, x, x, key_padding_mask=padding, attn_mask=mask)
+            assert (got - expected).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("name", ["xl", "gcdf"])
+def test_2000_tokens(name):
+    torch.manual_seed(0)
+    enc = build_encoding(name, options(), ModelDims(32, 4, 3, 3))
+    length = 2000
+    x = torch.randn(length, 1, 32)
+    with torch.no_grad():
+        for role in ("encoder", "decoder"):
+            enc.begin(role)
+            mask = torch.triu(torch.full((length, length), float("-inf")), 1) if role == "decoder" else None
+            out, _ = attention(enc, role, 2, embed=32, heads=4, dtype=torch.float32)(x, x, x, attn_mask=mask)
+            assert out.shape == (length, 1, 32) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("arch,extra", [("transformer_xl", []), ("transformer_gcdf", ["--gcdf-lambda", "2"])])
+def test_fairseq_train(translation_data, tmp_path, arch, extra):
+    out = run(["fairseq-train", translation_data, "--user-dir", USER_DIR, "--arch", arch, *extra,
+               *TINY_TRANSFORMER, *QUICK_TRAIN, "--save-dir", tmp_path, "--max-update", "3", "--disable-validation"])
+    assert "num_updates 3" in out
