@@ -1,0 +1,144 @@
+#!/usr/bin/env python
+"""Speed and memory of every architecture, as ratios to `transformer_sinusoidal` in the same run.
+
+For each architecture a fresh subprocess builds the model (same size for all), then measures
+  - training tokens/s: forward + backward + Adam step on random batches of `--length` tokens,
+  - peak memory of one training step above the process's resting memory (CUDA: peak allocated;
+    CPU: peak RSS growth, read from /proc),
+  - generation tokens/s: step-by-step (incremental) greedy decoding of `--gen-length` tokens.
+Usage: benchmark.py [--archs transformer_sinusoidal transformer_t5 ...] [--length 1024]
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def measure(arch, args):
+    import torch
+
+    import posenc_fairseq  # noqa: F401
+    from fairseq import options, tasks
+
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    with tempfile.TemporaryDirectory() as data:
+        for lang in ("src", "tgt"):
+            Path(data, f"dict.{lang}.txt").write_text("".join(f"w{i} 1\n" for i in range(args.vocab)))
+        parser = options.get_training_parser()
+        model_args = options.parse_args_and_arch(parser, [
+            data, "--task", "translation", "-s", "src", "-t", "tgt", "--arch", arch, "--user-dir",
+            str(REPO / "posenc_fairseq"), "--max-source-positions", "100000", "--max-target-positions", "100000",
+            "--encoder-layers", str(args.layers), "--decoder-layers", str(args.layers),
+            "--encoder-embed-dim", str(args.dim), "--decoder-embed-dim", str(args.dim),
+            "--encoder-ffn-embed-dim", str(4 * args.dim), "--decoder-ffn-embed-dim", str(4 * args.dim),
+            "--encoder-attention-heads", str(args.heads), "--decoder-attention-heads", str(args.heads),
+            *args.extra])
+        task = tasks.setup_task(model_args)
+        model = task.build_model(model_args).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    low = 4
+    src = torch.randint(low, args.vocab, (args.batch, args.length), device=device)
+    prev = torch.randint(low, args.vocab, (args.batch, args.length), device=device)
+    lengths = torch.full((args.batch,), args.length, device=device)
+
+    def step():
+        model.set_num_updates(getattr(model, "_bench_updates", 0) + 1)
+        model._bench_updates = getattr(model, "_bench_updates", 0) + 1
+        logits, _ = model(src, lengths, prev)
+        loss = logits.float().logsumexp(-1).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    model.train()
+    step()  # warm-up (and first allocation of optimizer state)
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = rss_bytes()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    sync()
+    elapsed = time.perf_counter() - start
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    train_tps = 2 * args.batch * args.length * args.steps / elapsed  # source + target tokens
+
+    model.eval()
+    with torch.no_grad():
+        encoder_out = model.encoder(src[:1], src_lengths=lengths[:1])
+        tokens = torch.full((1, 1), task.target_dictionary.eos(), device=device)
+        state = {}
+        sync()
+        start = time.perf_counter()
+        for _ in range(args.gen_length):
+            logits, _ = model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)
+            tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], dim=1)
+        sync()
+        gen_tps = args.gen_length / (time.perf_counter() - start)
+    return {"arch": arch, "train_tokens_per_s": train_tps, "peak_memory_mb": peak / 2**20,
+            "generate_tokens_per_s": gen_tps}
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--archs", nargs="+", default=[
+        "transformer_sinusoidal", "transformer_alibi", "transformer_rotary", "transformer_t5",
+        "transformer_at5", "transformer_shaw", "transformer_lfhc", "transformer_xl", "transformer_gcdf",
+        "transformer_floater"])
+    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--gen-length", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                        help="further model options for every arch, e.g. --extra --floater-recompute-every 400")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.one, args)))
+        return
+    rows = []
+    for arch in args.archs:  # one process per arch: peak memory and warm caches stay separate
+        done = subprocess.run([sys.executable, __file__, "--one", arch, *sys.argv[1:]], capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"{arch}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
+            continue
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    reference = next((r for r in rows if r["arch"] == "transformer_sinusoidal"), rows[0])
+    print(f"length {args.length}, batch {args.batch}, dim {args.dim}, {args.layers}+{args.layers} layers, {args.device}")
+    print(f"{'arch':32s} {'train tok/s':>12s} {'ratio':>6s} {'peak MB':>9s} {'ratio':>6s} {'gen tok/s':>10s} {'ratio':>6s}")
+    for r in rows:
+        print(f"{r['arch']:32s} {r['train_tokens_per_s']:12.0f} {r['train_tokens_per_s'] / reference['train_tokens_per_s']:6.2f} "
+              f"{r['peak_memory_mb']:9.1f} {r['peak_memory_mb'] / max(reference['peak_memory_mb'], 1e-9):6.2f} "
+              f"{r['generate_tokens_per_s']:10.1f} {r['generate_tokens_per_s'] / reference['generate_tokens_per_s']:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
