@@ -1,0 +1,97 @@
+#!/usr/bin/env python
+"""Score a fine-tuned GLUE checkpoint on the dev set(s) with the task's official metric.
+
+  python examples/glue/evaluate.py TASK DATA_BIN CHECKPOINT [--cpu] [--json out.json]
+
+Runs the model over the binarised dev split(s) of DATA_BIN (valid; for MNLI valid = matched and
+valid1 = mismatched), so it works for any BPE. Metrics: CoLA Matthews corr.; MRPC and QQP F1 and
+accuracy; STS-B Pearson and Spearman (predictions and gold scaled back by 5); accuracy otherwise.
+Prints one `TASK SUBSET METRIC = VALUE` line per metric (percentages, as in the papers' tables).
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from scipy.stats import pearsonr, spearmanr
+from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import posenc_fairseq  # noqa: E402,F401
+from fairseq import checkpoint_utils, utils  # noqa: E402
+
+METRICS = {"CoLA": ["mcc"], "MRPC": ["f1", "acc"], "QQP": ["f1", "acc"], "STS-B": ["pearson", "spearman"]}
+
+
+def predict(model, task, subset, head, regression, cpu, batch_size):
+    task.load_dataset(subset)
+    dataset = task.dataset(subset)
+    iterator = task.get_batch_iterator(dataset=dataset, max_sentences=batch_size,
+                                       max_positions=utils.resolve_max_positions(task.max_positions(),
+                                                                                 model.max_positions()),
+                                       ignore_invalid_inputs=True).next_epoch_itr(shuffle=False)
+    predictions, targets = [], []
+    with torch.no_grad():
+        for sample in iterator:
+            if not cpu:
+                sample = utils.move_to_cuda(sample)
+            logits, _ = model(**sample["net_input"], features_only=True, classification_head_name=head)
+            if regression:
+                predictions += logits.view(-1).float().cpu().tolist()
+                targets += sample["target"].view(-1).float().cpu().tolist()
+            else:
+                predictions += logits.argmax(dim=-1).cpu().tolist()
+                targets += sample["target"].view(-1).cpu().tolist()
+    return predictions, targets
+
+
+def scores(task_name, predictions, targets, label_string):
+    if task_name == "STS-B":
+        return {"pearson": 100 * pearsonr(predictions, targets)[0], "spearman": 100 * spearmanr(predictions, targets)[0]}
+    result = {"acc": 100 * accuracy_score(targets, predictions)}
+    if task_name == "CoLA":
+        result["mcc"] = 100 * matthews_corrcoef(targets, predictions)
+    if task_name in ("MRPC", "QQP"):
+        predicted = [label_string(p) == "1" for p in predictions]
+        gold = [label_string(t) == "1" for t in targets]
+        result["f1"] = 100 * f1_score(gold, predicted, zero_division=0)
+    return result
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("task", choices=["CoLA", "SST-2", "MRPC", "QQP", "STS-B", "MNLI", "QNLI", "RTE"])
+    p.add_argument("data_bin")
+    p.add_argument("checkpoint")
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    cpu = args.cpu or not torch.cuda.is_available()
+    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([args.checkpoint],
+                                                                      arg_overrides={"data": args.data_bin})
+    model = models[0].eval()
+    if not cpu:
+        model.cuda()
+    head = getattr(cfg.criterion, "classification_head_name", None) or "sentence_classification_head"
+    regression = bool(getattr(cfg.task, "regression_target", False))
+    subsets = {"MNLI": [("valid", "dev_matched"), ("valid1", "dev_mismatched")]}.get(args.task, [("valid", "dev")])
+    label_dictionary = getattr(task, "label_dictionary", None)
+
+    def label_string(index):
+        return label_dictionary.string([index + label_dictionary.nspecial]) if label_dictionary else str(index)
+
+    results = {}
+    for subset, name in subsets:
+        predictions, targets = predict(model, task, subset, head, regression, cpu, args.batch_size)
+        results[name] = scores(args.task, predictions, targets, label_string)
+        results[name]["examples"] = len(targets)
+        for metric in METRICS.get(args.task, ["acc"]):
+            print(f"{args.task} {name} {metric} = {results[name][metric]:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""Binarise a GLUE task for fairseq's sentence_prediction task, following fairseq's
+examples/roberta/preprocess_GLUE_tasks.sh (same columns, header handling, QQP filtering, MNLI dev
+sets, STS-B labels divided by 5), with two changes: the BPE is selectable and the output directory
+is a parameter.
+
+  python examples/glue/preprocess_glue.py GLUE_DIR TASK OUT_DIR [--bpe gpt2|none] [--dict dict.txt]
+
+GLUE_DIR is the folder written by download_glue_data.py (GLUE_DIR/TASK/{train,dev,test}.tsv;
+MNLI: dev_matched/dev_mismatched/test_matched/test_mismatched). TASK: CoLA SST-2 MRPC QQP STS-B MNLI
+QNLI RTE, a comma-separated list of them, or ALL (OUT_DIR then gets one TASK-bin folder per task).
+--bpe gpt2 (RoBERTa's; default): encoder.json, vocab.bpe and dict.txt are downloaded into
+--bpe-dir if missing, text is encoded with fairseq's multiprocessing_bpe_encoder.
+--bpe none: text is used as it is (whitespace tokens) with --dict (the tests' plain dictionary).
+"""
+import argparse
+import shutil
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+TASKS = ["CoLA", "SST-2", "MRPC", "QQP", "STS-B", "MNLI", "QNLI", "RTE"]
+# 1-based columns as in preprocess_GLUE_tasks.sh: (train/dev inputs, test inputs, label, dev label)
+COLUMNS = {
+    "QQP": ((4, 5), (2, 3), 6, 6),
+    "MNLI": ((9, 10), (9, 10), 12, 16),
+    "QNLI": ((2, 3), (2, 3), 4, 4),
+    "MRPC": ((4, 5), (4, 5), 1, 1),
+    "RTE": ((2, 3), (2, 3), 4, 4),
+    "STS-B": ((8, 9), (8, 9), 10, 10),
+    "SST-2": ((1,), (2,), 2, 2),
+    "CoLA": ((4,), (2,), 2, 2),
+}
+GPT2_FILES = "https://dl.fbaipublicfiles.com/fairseq/gpt2_bpe/"
+
+
+def splits_of(task):
+    if task == "MNLI":
+        return ["train", "dev_matched", "dev_mismatched", "test_matched", "test_mismatched"]
+    return ["train", "dev", "test"]
+
+
+def read_rows(task, tsv: Path, split: str):
+    lines = tsv.read_text(encoding="utf-8").split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    if not (task == "CoLA" and split != "test"):  # CoLA train/dev have no header
+        lines = lines[1:]
+    rows = [line.split("\t") for line in lines]
+    if task == "QQP" and split != "test":  # drop malformed lines
+        rows = [row for row in rows if len(row) == 6]
+    return rows
+
+
+def bpe_encode(raw: Path, out: Path, args):
+    if args.bpe == "none":
+        shutil.copyfile(raw, out)
+        return
+    subprocess.run([sys.executable, "-m", "fairseq.examples.roberta.multiprocessing_bpe_encoder",
+                    "--encoder-json", str(args.bpe_dir / "encoder.json"), "--vocab-bpe", str(args.bpe_dir / "vocab.bpe"),
+                    "--inputs", str(raw), "--outputs", str(out), "--workers", str(args.workers), "--keep-empty"],
+                   check=True)
+
+
+def binarize(options):
+    """fairseq-preprocess, run in this process (same code as the command, without its start-up cost)."""
+    from fairseq import options as fairseq_options
+    from fairseq_cli.preprocess import main as preprocess
+
+    preprocess(fairseq_options.get_preprocessing_parser().parse_args([str(o) for o in options]))
+
+
+def preprocess_task(task, glue_dir: Path, out: Path, args):
+    data = glue_dir / task
+    processed = data / "processed"
+    shutil.rmtree(processed, ignore_errors=True)
+    processed.mkdir(parents=True)
+    inputs, test_inputs, label_column, dev_label_column = COLUMNS[task]
+    splits = [s for s in splits_of(task) if (data / f"{s}.tsv").exists()]
+    for split in splits:
+        rows = read_rows(task, data / f"{split}.tsv", split)
+        columns = test_inputs if split.startswith("test") else inputs
+        for i, column in enumerate(columns):
+            raw = processed / f"{split}.raw.input{i}"
+            raw.write_text("".join(row[column - 1] + "\n" for row in rows), encoding="utf-8")
+            bpe_encode(raw, processed / f"{split}.input{i}", args)
+        if not split.startswith("test"):
+            column = dev_label_column if (task == "MNLI" and split != "train") else label_column
+            (processed / f"{split}.label").write_text("".join(row[column - 1] + "\n" for row in rows))
+
+    dev = [s for s in splits if s.startswith("dev")]
+    test = [s for s in splits if s.startswith("test")]
+    shutil.rmtree(out, ignore_errors=True)
+    dictionary = args.bpe_dir / "dict.txt" if args.bpe == "gpt2" else args.dict
+    for i in range(len(inputs)):
+        options = ["--only-source", "--trainpref", processed / f"train.input{i}",
+                   "--validpref", ",".join(str(processed / f"{s}.input{i}") for s in dev),
+                   "--destdir", out / f"input{i}", "--workers", args.workers, "--srcdict", dictionary]
+        if test:
+            options += ["--testpref", ",".join(str(processed / f"{s}.input{i}") for s in test)]
+        binarize(options)
+    if task != "STS-B":
+        binarize(["--only-source", "--trainpref", processed / "train.label",
+                  "--validpref", ",".join(str(processed / f"{s}.label") for s in dev),
+                  "--destdir", out / "label", "--workers", args.workers])
+    else:  # regression target scaled to [0, 1]
+        (out / "label").mkdir(parents=True)
+        for split, name in (("train", "train"), ("dev", "valid")):
+            values = (processed / f"{split}.label").read_text().split()
+            (out / "label" / f"{name}.label").write_text("".join(f"{float(v) / 5.0}\n" for v in values))
+    print(f"{task}: binarised into {out}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("glue_dir", type=Path)
+    p.add_argument("task", help="one of " + " ".join(TASKS) + ", a comma-separated list of them, or ALL")
+    p.add_argument("out_dir", type=Path,
+                   help="the binarised task for one task; for a list or ALL, the parent of TASK-bin folders")
+    p.add_argument("--bpe", choices=["gpt2", "none"], default="gpt2")
+    p.add_argument("--bpe-dir", type=Path, default=Path("gpt2_bpe"))
+    p.add_argument("--dict", type=Path, help="fairseq dictionary for --bpe none")
+    p.add_argument("--workers", type=int, default=8)
+    args = p.parse_args(argv)
+    if args.bpe == "gpt2":
+        args.bpe_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("encoder.json", "vocab.bpe", "dict.txt"):
+            if not (args.bpe_dir / name).exists():
+                urllib.request.urlretrieve(GPT2_FILES + name, args.bpe_dir / name)
+    elif args.dict is None:
+        p.error("--bpe none needs --dict")
+    tasks = TASKS if args.task == "ALL" else args.task.split(",")
+    for task in tasks:
+        if task not in TASKS:
+            p.error(f"unknown task {task}")
+    if len(tasks) == 1 and args.task != "ALL":
+        preprocess_task(tasks[0], args.glue_dir, args.out_dir, args)
+    else:
+        for task in tasks:
+            preprocess_task(task, args.glue_dir, args.out_dir / f"{task}-bin", args)
+
+
+if __name__ == "__main__":
+    main()

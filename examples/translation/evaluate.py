@@ -1,0 +1,94 @@
+#!/usr/bin/env python
+"""Translate a binarised test split with fairseq-generate and score it with sacrebleu.
+
+  python examples/translation/evaluate.py DATA_BIN CHECKPOINT [--subset test] [--beam 4]
+         [--lenpen 0.6] [--bins 80,100,120,140] [--json out.json]
+
+fairseq-generate runs with `--post-process sentencepiece --scoring sacrebleu` (the working path with
+sacrebleu 2.x; `fairseq-score --sacrebleu` is broken); hypotheses and references are then taken
+from its output (H-/T- lines, detokenised) and scored again with sacrebleu's Python API, overall and,
+with --bins, per source-length bin (length = number of whitespace tokens of the detokenised source,
+the bins are [b0,b1), [b1,b2), ..., [bn,inf)). Prints `BLEU = x` and one `BLEU[lo,hi) = x (n=...)`
+line per bin.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import sacrebleu
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def generate(data_bin, checkpoint, subset, beam, lenpen, batch_size, extra):
+    exe = Path(sys.executable).parent / "fairseq-generate"
+    command = [str(exe if exe.exists() else "fairseq-generate"), str(data_bin), "--path", str(checkpoint),
+               "--user-dir", str(REPO / "posenc_fairseq"), "--gen-subset", subset,
+               "--beam", str(beam), "--lenpen", str(lenpen), "--batch-size", str(batch_size),
+               "--post-process", "sentencepiece", "--scoring", "sacrebleu", *extra]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stdout[-3000:] + done.stderr[-6000:])
+        raise SystemExit(f"fairseq-generate failed ({done.returncode})")
+    return done.stdout, done.stderr
+
+
+def parse(output):
+    src, hyp, ref = {}, {}, {}
+    for line in output.splitlines():
+        match = re.match(r"^([SHT])-(\d+)\t(.*)$", line)
+        if match:
+            kind, idx, rest = match.group(1), int(match.group(2)), match.group(3)
+            if kind == "H":
+                rest = rest.split("\t", 1)[1] if "\t" in rest else ""
+            {"S": src, "H": hyp, "T": ref}[kind][idx] = rest
+    ids = sorted(hyp)
+    return [src.get(i, "") for i in ids], [hyp[i] for i in ids], [ref.get(i, "") for i in ids]
+
+
+def bleu(hyps, refs):
+    return sacrebleu.corpus_bleu(hyps, [refs]).score if hyps else float("nan")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("data_bin")
+    p.add_argument("checkpoint")
+    p.add_argument("--subset", default="test")
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--lenpen", type=float, default=0.6)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--bins", default="", help="comma-separated lower edges of source-length bins")
+    p.add_argument("--json", help="write the scores here")
+    p.add_argument("--save-output", help="write fairseq-generate's output here")
+    args, extra = p.parse_known_args(argv)
+
+    stdout, stderr = generate(args.data_bin, args.checkpoint, args.subset, args.beam, args.lenpen,
+                              args.batch_size, extra)
+    if args.save_output:
+        Path(args.save_output).write_text(stdout)
+    srcs, hyps, refs = parse(stdout)
+    fairseq_line = next((l for l in (stdout + stderr).splitlines() if "Generate" in l and "BLEU" in l), "")
+    if fairseq_line:
+        print("fairseq-generate:", fairseq_line.split("|")[-1].strip())
+    result = {"checkpoint": str(args.checkpoint), "subset": args.subset, "sentences": len(hyps),
+              "bleu": bleu(hyps, refs), "bins": []}
+    print(f"BLEU = {result['bleu']:.2f} ({len(hyps)} sentences)")
+    if args.bins:
+        edges = [int(e) for e in args.bins.split(",")]
+        for lo, hi in zip(edges, edges[1:] + [None]):
+            keep = [i for i, s in enumerate(srcs) if len(s.split()) >= lo and (hi is None or len(s.split()) < hi)]
+            score = bleu([hyps[i] for i in keep], [refs[i] for i in keep])
+            name = f"[{lo},{'inf' if hi is None else hi})"
+            result["bins"].append({"bin": name, "low": lo, "high": hi, "sentences": len(keep), "bleu": score})
+            print(f"BLEU{name} = {score:.2f} (n={len(keep)})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

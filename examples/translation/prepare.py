@@ -1,0 +1,63 @@
+#!/usr/bin/env python
+"""Sentencepiece (Python API) + fairseq-preprocess for a raw parallel corpus.
+
+RAW_DIR holds train.SRC, train.TGT, valid.*, test.* (plain, untokenised text, one sentence per
+line; get_wmt14_en_de.sh / get_iwslt14_de_en.sh write that layout). Writes:
+  DEST/spm.model, DEST/spm.vocab      joint sentencepiece model (trained on train.SRC + train.TGT)
+  DEST/spm/{split}.{lang}             encoded text
+  DEST/bin/                           fairseq-preprocess output (--joined-dictionary)
+"""
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import sentencepiece as spm
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("raw_dir", type=Path)
+    p.add_argument("dest", type=Path)
+    p.add_argument("--src", default="en")
+    p.add_argument("--tgt", default="de")
+    p.add_argument("--vocab-size", type=int, default=32000, help="joint vocabulary (paper WMT14: 32k)")
+    p.add_argument("--model-type", default="unigram", choices=["unigram", "bpe", "word", "char"])
+    p.add_argument("--character-coverage", type=float, default=1.0)
+    p.add_argument("--input-sentence-size", type=int, default=10_000_000,
+                   help="sentences sampled to train sentencepiece")
+    p.add_argument("--splits", default="train,valid,test")
+    p.add_argument("--workers", type=int, default=8)
+    args = p.parse_args(argv)
+
+    args.dest.mkdir(parents=True, exist_ok=True)
+    prefix = args.dest / "spm"
+    spm.SentencePieceTrainer.train(
+        input=[str(args.raw_dir / f"train.{args.src}"), str(args.raw_dir / f"train.{args.tgt}")],
+        model_prefix=str(prefix), vocab_size=args.vocab_size, model_type=args.model_type,
+        character_coverage=args.character_coverage, input_sentence_size=args.input_sentence_size,
+        shuffle_input_sentence=True, hard_vocab_limit=False, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(prefix) + ".model")
+
+    encoded = args.dest / "spm"
+    encoded.mkdir(exist_ok=True)
+    splits = [s for s in args.splits.split(",") if (args.raw_dir / f"{s}.{args.src}").exists()]
+    for split in splits:
+        for lang in (args.src, args.tgt):
+            lines = (args.raw_dir / f"{split}.{lang}").read_text(encoding="utf-8").splitlines()
+            with open(encoded / f"{split}.{lang}", "w", encoding="utf-8") as out:
+                for piece in sp.encode(lines, out_type=str):
+                    out.write(" ".join(piece) + "\n")
+
+    command = [str(Path(sys.executable).parent / "fairseq-preprocess"),
+               "--source-lang", args.src, "--target-lang", args.tgt,
+               "--destdir", str(args.dest / "bin"), "--joined-dictionary", "--workers", str(args.workers)]
+    for split, flag in (("train", "--trainpref"), ("valid", "--validpref"), ("test", "--testpref")):
+        if split in splits:
+            command += [flag, str(encoded / split)]
+    subprocess.run(command, check=True)
+    print(f"binarised data in {args.dest / 'bin'}; sentencepiece model {prefix}.model")
+
+
+if __name__ == "__main__":
+    main()

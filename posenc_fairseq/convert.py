@@ -1,0 +1,374 @@
+"""Warm start: turn a stock fairseq `transformer` or `roberta` checkpoint into one of ours.
+
+Pure functions on the checkpoint dict (what `torch.save` wrote: "model" state dict, "cfg" and/or
+the older "args" Namespace, optimizer history ...); no file IO. The scripts in `scripts/` are thin
+command-line wrappers.
+
+What a conversion does:
+- checks that the source is a stock fairseq checkpoint of the expected family (any size variant:
+  the model class behind its architecture must be fairseq's own TransformerModel / RobertaModel);
+- rewrites the model config: architecture `transformer_{enc}{size}` / `roberta_{enc}{size}` (the
+  size suffix of the source where we register it, the base one otherwise: every size value is
+  stored explicitly in the source config, so the suffix only names it), `positional_encoding=enc`,
+  `input_positions="stock"` (the source's absolute input embedding is kept), every option of
+  every encoding at its default, then the caller's overrides;
+- copies every source weight unchanged (RoBERTa classification heads included) and adds the
+  encoding's parameters, initialised with `reset_to_identity()` so they add nothing;
+- drops `last_optimizer_state` (it covers the source parameters only) and an EMA copy of the
+  source model; keeps optimizer history and extra state, so `fairseq-train --restore-file DST
+  --reset-optimizer` works (and also works without --reset-optimizer);
+- runs source and converted model on random input and refuses (ConversionError) when their
+  outputs differ by more than 1e-5.
+"""
+import argparse
+import copy
+from typing import Dict, Optional, Tuple
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+KINDS = ("transformer", "roberta")
+TOLERANCE = 1e-5
+
+
+class ConversionError(ValueError):
+    """The source cannot be converted (wrong kind, not a checkpoint, unknown encoding ...)."""
+
+
+# --------------------------------------------------------------------------- config access
+def _get(obj, key, default=None):
+    if obj is None:
+        return default
+    if isinstance(obj, argparse.Namespace):
+        return getattr(obj, key, default)
+    if isinstance(obj, DictConfig):
+        return obj.get(key, default) if key in obj else default
+    if isinstance(obj, dict):
+        return obj.get(key, default)
+    return getattr(obj, key, default)
+
+
+def _set(obj, key, value):
+    if isinstance(obj, argparse.Namespace):
+        setattr(obj, key, value)
+    elif isinstance(obj, DictConfig):
+        with open_dict(obj):
+            obj[key] = value
+    else:
+        obj[key] = value
+
+
+def _model_configs(state: dict) -> list:
+    """Every place of the checkpoint that holds the model options (old 'args', new 'cfg.model')."""
+    found = []
+    if isinstance(state.get("args"), argparse.Namespace):
+        found.append(state["args"])
+    cfg = state.get("cfg")
+    if cfg is not None:
+        model = _get(cfg, "model")
+        if isinstance(model, (argparse.Namespace, dict, DictConfig)):
+            found.append(model)
+    return found
+
+
+def _arch(state: dict) -> Optional[str]:
+    if isinstance(state.get("args"), argparse.Namespace):
+        return getattr(state["args"], "arch", None)
+    cfg = state.get("cfg")
+    model = _get(cfg, "model")
+    return _get(model, "_name") or _get(model, "arch")
+
+
+def model_namespace(state: dict) -> argparse.Namespace:
+    """The model options as one Namespace (a copy), as fairseq would build the model from."""
+    if isinstance(state.get("args"), argparse.Namespace):
+        args = copy.deepcopy(state["args"])
+        if hasattr(args, "max_positions") and not hasattr(args, "max_source_positions"):
+            args.max_source_positions = args.max_target_positions = args.max_positions  # as fairseq's upgrade
+        return args
+    model = _get(state.get("cfg"), "model")
+    if isinstance(model, argparse.Namespace):
+        args = copy.deepcopy(model)
+    elif isinstance(model, DictConfig):
+        args = argparse.Namespace(**OmegaConf.to_container(model, resolve=True))
+    else:
+        args = argparse.Namespace(**copy.deepcopy(dict(model)))
+    if not getattr(args, "arch", None):
+        args.arch = getattr(args, "_name", None)
+    return args
+
+
+# --------------------------------------------------------------------------- validation
+def _stock_class(kind):
+    if kind == "transformer":
+        from fairseq.models.transformer import TransformerModel
+        return TransformerModel
+    from fairseq.models.roberta import RobertaModel
+    return RobertaModel
+
+
+def _our_class(kind):
+    if kind == "transformer":
+        from .models.transformer import PositionalTransformerModel
+        return PositionalTransformerModel
+    from .models.roberta import PositionalRobertaModel
+    return PositionalRobertaModel
+
+
+def source_kind(state) -> Tuple[Optional[str], str]:
+    """(kind or None, description) of a loaded checkpoint object."""
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        return None, "not a fairseq checkpoint (no 'model' state dict)"
+    if not _model_configs(state):
+        return None, "not a fairseq checkpoint (no 'cfg' or 'args' model configuration)"
+    arch = _arch(state)
+    model_class = ARCH_MODEL_REGISTRY.get(arch)
+    if model_class is None:
+        return None, f"a checkpoint of the unknown architecture {arch!r}"
+    for kind in KINDS:
+        if model_class is _our_class(kind):
+            return None, f"already a posenc_fairseq checkpoint (architecture {arch})"
+    for kind in KINDS:
+        if model_class is _stock_class(kind):
+            return kind, f"a stock fairseq {kind} checkpoint (architecture {arch})"
+    return None, f"a checkpoint of architecture {arch!r} (model {model_class.__name__})"
+
+
+def check_source(state, kind: str):
+    if kind not in KINDS:
+        raise ConversionError(f"unknown kind {kind!r}; choose one of {KINDS}")
+    found, description = source_kind(state)
+    if found != kind:
+        hint = f"; use scripts/convert_{found}_checkpoint.py" if found else ""
+        raise ConversionError(f"expected a stock fairseq {kind} checkpoint, got {description}{hint}")
+
+
+def check_encoding(encoding: str):
+    from .encodings import ENCODINGS
+
+    if encoding not in ENCODINGS:
+        raise ConversionError(f"unknown positional encoding {encoding!r}; choose one of {', '.join(sorted(ENCODINGS))}")
+
+
+# --------------------------------------------------------------------------- options
+def option_parser() -> argparse.ArgumentParser:
+    """Our model-level options (encoding choice, input positions, every encoding's options)."""
+    from .models.common import add_position_args
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    add_position_args(parser)
+    return parser
+
+
+def option_defaults() -> Dict[str, object]:
+    return vars(option_parser().parse_args([]))
+
+
+def parse_overrides(argv) -> Dict[str, object]:
+    """Command-line encoding options (e.g. ['--floater-method', 'rk4']) -> {dest: value} of the
+    options whose value differs from the default. Raises ConversionError on an unknown option
+    or an invalid value."""
+    argv = [str(part) for part in argv]
+    try:
+        known, unknown = option_parser().parse_known_args(argv)
+    except (argparse.ArgumentError, SystemExit) as error:
+        raise ConversionError(f"invalid encoding option: {error}")
+    if unknown:
+        raise ConversionError(f"unknown options: {' '.join(unknown)}")
+    defaults = option_defaults()
+    return {key: value for key, value in vars(known).items() if value != defaults[key]}
+
+
+# --------------------------------------------------------------------------- building models
+class _Task:
+    """What model building needs of a task: dictionaries of the right sizes."""
+
+    def __init__(self, source_dictionary, target_dictionary=None, max_positions=512):
+        self.source_dictionary = source_dictionary
+        self.target_dictionary = target_dictionary or source_dictionary
+        self._max_positions = max_positions
+
+    def max_positions(self):
+        return self._max_positions
+
+
+def _dictionary(size: int):
+    from fairseq.data import Dictionary
+
+    dictionary = Dictionary()
+    for index in range(size - len(dictionary)):
+        dictionary.add_symbol(f"w{index}")
+    return dictionary
+
+
+def _embedding_rows(model_state: dict, *suffixes) -> int:
+    for key, value in model_state.items():
+        if any(key.endswith(suffix) for suffix in suffixes):
+            return value.size(0)
+    raise ConversionError("no token embedding in the checkpoint's state dict")
+
+
+def build_from_state(state: dict, kind: str):
+    """Build (untrained) the model a checkpoint describes, with dictionaries of its sizes."""
+    from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
+    import posenc_fairseq  # noqa: F401  (registers our models)
+
+    args = model_namespace(state)
+    args.load_checkpoint_heads = True  # register RoBERTa classification heads found in the weights
+    weights = state["model"]
+    if kind == "transformer":
+        source = _dictionary(_embedding_rows(weights, "encoder.embed_tokens.weight"))
+        target = _dictionary(_embedding_rows(weights, "decoder.embed_tokens.weight"))
+        if len(source) == len(target):
+            target = source
+        task = _Task(source, target)
+    else:
+        task = _Task(_dictionary(_embedding_rows(weights, "sentence_encoder.embed_tokens.weight")),
+                     max_positions=getattr(args, "tokens_per_sample", None) or 512)
+    ARCH_CONFIG_REGISTRY[args.arch](args)
+    model = ARCH_MODEL_REGISTRY[args.arch].build_model(args, task)
+    return model, args, task
+
+
+def load_from_state(state: dict, kind: str, strict: bool = True):
+    """The model of a checkpoint with its weights, in eval mode, as fairseq would load it."""
+    model, args, task = build_from_state(state, kind)
+    result = model.load_state_dict(dict(state["model"]), strict=strict, model_cfg=args)
+    model.eval()
+    return model, task, result
+
+
+# --------------------------------------------------------------------------- comparing
+def random_inputs(kind: str, task, args, seed: int = 0, batch: int = 3, length: int = 12):
+    generator = torch.Generator().manual_seed(seed)
+    source = task.source_dictionary
+    limit = getattr(args, "max_source_positions", None) or getattr(args, "max_positions", None) or 512
+    length = max(3, min(length, int(limit) - 2))
+    low = source.nspecial
+    tokens = torch.randint(low, len(source), (batch, length), generator=generator)
+    lengths = torch.tensor([max(2, length - 3 * row) for row in range(batch)])
+    if kind == "transformer":  # left-padded source, as fairseq's translation task
+        for row, size in enumerate(lengths.tolist()):
+            tokens[row, : length - size] = source.pad()
+            tokens[row, -1] = source.eos()
+        target = task.target_dictionary
+        prev = torch.randint(target.nspecial, len(target), (batch, max(2, length - 2)), generator=generator)
+        prev[:, 0] = target.eos()
+        return tokens, lengths, prev
+    for row, size in enumerate(lengths.tolist()):  # right-padded, <s> ... </s>
+        tokens[row, 0] = source.bos()
+        tokens[row, size - 1] = source.eos()
+        tokens[row, size:] = source.pad()
+    return tokens, lengths, None
+
+
+def model_outputs(model, kind: str, inputs) -> Dict[str, torch.Tensor]:
+    """Every output worth comparing: decoder logits, or RoBERTa features, LM logits and heads."""
+    tokens, lengths, prev = inputs
+    with torch.no_grad():
+        if kind == "transformer":
+            return {"logits": model(tokens, lengths, prev)[0]}
+        outputs = {"features": model(tokens, features_only=True)[0], "lm_logits": model(tokens)[0]}
+        for name in getattr(model, "classification_heads", {}):
+            outputs[f"head {name}"] = model(tokens, features_only=True, classification_head_name=name)[0]
+        return outputs
+
+
+def max_difference(first: Dict[str, torch.Tensor], second: Dict[str, torch.Tensor]) -> float:
+    if first.keys() != second.keys():
+        return float("inf")
+    worst = 0.0
+    for key in first:
+        a, b = first[key], second[key]
+        if a.shape != b.shape:
+            return float("inf")
+        a, b = a.float(), b.float()
+        gap = torch.where(a == b, torch.zeros_like(a), (a - b).abs())  # equal infinities count as equal
+        if gap.isnan().any():
+            return float("inf")
+        if gap.numel():
+            worst = max(worst, gap.max().item())
+    return worst
+
+
+def verify_conversion(source_state: dict, converted_state: dict, kind: str, seed: int = 0) -> float:
+    """Max abs difference between the source and converted models' outputs on random input."""
+    torch.manual_seed(seed)
+    source_model, task, _ = load_from_state(source_state, kind, strict=True)
+    converted_model, _, _ = load_from_state(converted_state, kind, strict=True)
+    inputs = random_inputs(kind, task, model_namespace(source_state), seed=seed)
+    return max_difference(model_outputs(source_model, kind, inputs), model_outputs(converted_model, kind, inputs))
+
+
+# --------------------------------------------------------------------------- converting
+def _size_suffix(kind: str, arch: str) -> str:
+    from .models import roberta, transformer
+
+    sizes = transformer.SIZES if kind == "transformer" else roberta.SIZES
+    for suffix in sorted(sizes, key=len, reverse=True):
+        if suffix and arch == kind + suffix:
+            return suffix
+    return ""
+
+
+def converted_arch(kind: str, arch: str, encoding: str) -> str:
+    return f"{kind}_{encoding}{_size_suffix(kind, arch)}"
+
+
+def convert_checkpoint(state: dict, kind: str, encoding: str = "floater", overrides: Optional[dict] = None,
+                       verify: bool = True, tolerance: float = TOLERANCE) -> dict:
+    """A converted copy of `state` (the source dict is not modified; tensors are shared).
+
+    `overrides`: our model options by destination name, e.g. {"floater_method": "rk4"}
+    (see `parse_overrides`). Raises ConversionError for a source that is not a stock fairseq
+    checkpoint of `kind`, an unknown encoding or option, or outputs differing by > tolerance."""
+    check_source(state, kind)
+    check_encoding(encoding)
+    defaults = option_defaults()
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(defaults))
+    if unknown:
+        raise ConversionError(f"unknown encoding options: {', '.join(unknown)}")
+    if overrides.get("positional_encoding", encoding) != encoding:
+        raise ConversionError("give the encoding once (--encoding), not also as positional_encoding")
+
+    new_arch = converted_arch(kind, _arch(state), encoding)
+    options = {**defaults, "positional_encoding": encoding, "input_positions": "stock", **overrides}
+
+    converted = dict(state)
+    for key in ("args", "cfg"):
+        if state.get(key) is not None:
+            converted[key] = copy.deepcopy(state[key])
+    for holder in _model_configs(converted):
+        _set(holder, "arch", new_arch)
+        if holder is not converted.get("args"):  # the old top-level Namespace has no _name
+            _set(holder, "_name", new_arch)
+        for key, value in options.items():
+            _set(holder, key, value)
+
+    # the encoding's parameters: build our model, load the source weights, initialise as identity
+    model, _, result = load_from_state({**converted, "model": state["model"]}, kind, strict=False)
+    unexpected = list(result.unexpected_keys)
+    missing = [key for key in result.missing_keys if not key.startswith("positional_encoding.")]
+    if unexpected or missing:
+        raise ConversionError(f"the source weights do not fit {new_arch}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.positional_encoding.reset_to_identity()
+    weights = dict(state["model"])
+    for key, value in model.state_dict().items():
+        if key.startswith("positional_encoding."):
+            weights[key] = value.detach().clone()
+    converted["model"] = weights
+
+    # optimizer: its state covers the source parameters only; EMA likewise
+    converted["last_optimizer_state"] = None
+    if isinstance(state.get("extra_state"), dict) and "ema" in state["extra_state"]:
+        converted["extra_state"] = {k: v for k, v in state["extra_state"].items() if k != "ema"}
+
+    if verify:
+        difference = verify_conversion(state, converted, kind)
+        if not difference <= tolerance:
+            raise ConversionError(f"converted {new_arch} differs from the source by {difference:.3g} "
+                                  f"(> {tolerance:g}) on random input; refusing to convert")
+    return converted

@@ -1,0 +1,336 @@
+"""FLOATER against hand-written references: a fixed-step RK4 / Euler loop of the same ODE, the
+stock model (h == 0), a fresh solve (extension of the cache), and fairseq's own training."""
+import torch
+import torch.nn.functional as F
+import torchdiffeq
+
+from posenc_fairseq.attention import PositionalAttention
+from util import QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, random_batch, run
+
+
+def floater_model(data, extra=(), arch="transformer_floater", task="translation"):
+    torch.manual_seed(0)
+    sizes = TINY_ROBERTA if arch.startswith("roberta") else TINY_TRANSFORMER
+    model, task_obj, args = build_model(data, arch, [*sizes, *extra], task=task)
+    return model, task_obj, model.positional_encoding
+
+
+def perturb(model, scale=0.3, seed=1):
+    """Move h away from zero and the projection biases away from their zero initialisation."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        parameters = list(model.positional_encoding.dynamics.parameters())
+        parameters += [m.q_proj.bias for m in model.modules() if isinstance(m, PositionalAttention)]
+        parameters += [m.k_proj.bias for m in model.modules() if isinstance(m, PositionalAttention)]
+        parameters += [m.v_proj.bias for m in model.modules() if isinstance(m, PositionalAttention)]
+        for parameter in parameters:
+            parameter.add_(scale * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+
+
+def expected_slots(model):
+    """(role, layer, which) -> b(0) Parameter, walked independently of the encoding."""
+    slots = {}
+    for index, layer in enumerate(model.encoder.layers):
+        for which in "qkv":
+            slots[("encoder", index, which)] = getattr(layer.self_attn, f"{which}_proj").bias
+    for index, layer in enumerate(getattr(model, "decoder").layers if hasattr(model, "decoder") else []):
+        for which in "qkv":
+            slots[("decoder", index, which)] = getattr(layer.self_attn, f"{which}_proj").bias
+            slots[("cross", index, which)] = getattr(layer.encoder_attn, f"{which}_proj").bias
+    return slots
+
+
+def make_h(dynamics):
+    w1, c1 = dynamics.fc1.weight.detach(), dynamics.fc1.bias.detach()
+    w2, c2 = dynamics.fc2.weight.detach(), dynamics.fc2.bias.detach()
+
+    def h(t, b):  # the paper's h: Linear(d+1) - ReLU - Linear(hidden+1), time appended
+        tau = torch.full((b.size(0), 1), t, dtype=b.dtype)
+        hidden = torch.relu(torch.cat([b, tau], 1) @ w1.T + c1)
+        return torch.cat([hidden, tau], 1) @ w2.T + c2
+
+    return h
+
+
+def reference_solve(h, b0, positions, delta, substeps, method):
+    """b(i*delta) for i = 0..positions-1 by an explicit loop of fixed steps."""
+    states, b = [b0], b0
+    dt = delta / substeps
+    for i in range(positions - 1):
+        for s in range(substeps):
+            t = i * delta + s * dt
+            if method == "euler":
+                b = b + dt * h(t, b)
+            elif method == "rk4_38":  # Kutta's 3/8 rule: what torchdiffeq's 'rk4' computes
+                k1 = h(t, b)
+                k2 = h(t + dt / 3, b + dt * k1 / 3)
+                k3 = h(t + 2 * dt / 3, b + dt * (k2 - k1 / 3))
+                k4 = h(t + dt, b + dt * (k1 - k2 + k3))
+                b = b + dt * (k1 + 3 * k2 + 3 * k3 + k4) / 8
+            elif method == "rk4_classic":
+                k1 = h(t, b)
+                k2 = h(t + dt / 2, b + dt * k1 / 2)
+                k3 = h(t + dt / 2, b + dt * k2 / 2)
+                k4 = h(t + dt, b + dt * k3)
+                b = b + dt * (k1 + 2 * k2 + 2 * k3 + k4) / 6
+        states.append(b)
+    return torch.stack(states)
+
+
+def check_against_reference(translation_data, method, reference_methods, tolerance, extra=()):
+    model, task, encoding = floater_model(translation_data, ["--floater-method", method, *extra])
+    model.double().eval()
+    perturb(model)
+    slots = expected_slots(model)
+    assert sorted(encoding._slot_index) == sorted(slots)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=12, tgt_len=9)
+    positions = 12
+    # through the project hook, for every slot, with x = 0: the added bias b(t_i) - b(0)
+    index = torch.arange(positions)[None, :]
+    encoding.begin("encoder", index)
+    added = {key: encoding.project(key[0], key[1], key[2], torch.zeros(positions, 1, 32, dtype=torch.float64), index)[:, 0]
+             for key in slots}
+    h = make_h(encoding.dynamics)
+    b0 = torch.stack([bias.detach() for bias in slots.values()])
+    for reference_method in reference_methods:
+        reference = reference_solve(h, b0, positions, encoding.delta, encoding.substeps, reference_method) - b0
+        for row, key in enumerate(slots):
+            assert (added[key] - reference[:, row]).abs().max() <= tolerance, (reference_method, key)
+    assert max(value.abs().max() for value in added.values()) > 1e-2  # the biases really move
+    return model, encoding
+
+
+def test_rk4_biases_equal_a_hand_written_rk4_loop(translation_data):
+    _, encoding = check_against_reference(translation_data, "rk4", ["rk4_38"], 1e-12)
+    assert encoding.substeps == 5  # step delta/5
+    # the classic RK4 tableau differs from the 3/8 rule only by the method's own error
+    check_against_reference(translation_data, "rk4", ["rk4_classic"], 1e-3)
+
+
+def test_euler_biases_equal_a_hand_written_euler_loop(translation_data):
+    check_against_reference(translation_data, "euler", ["euler"], 1e-12,
+                            ["--floater-delta", "0.2", "--floater-step-size", "0.05"])
+
+
+def test_dopri5_and_midpoint_agree_with_rk4(translation_data):
+    for method, tolerance in (("dopri5", 2e-3), ("midpoint", 2e-2)):  # midpoint is second order
+        check_against_reference(translation_data, method, ["rk4_38"], tolerance)
+
+
+def test_slots_first_block_only_and_model_output_uses_them(translation_data):
+    model, task, encoding = floater_model(translation_data, ["--floater-first-block-only"])
+    assert sorted(encoding._slot_index) == sorted(key for key in expected_slots(model) if key[1] == 0)
+    assert encoding.cache.shape == (0, 9, 32)
+
+
+def test_zero_last_layer_is_exactly_the_stock_model(translation_data):
+    model, task, encoding = floater_model(translation_data)
+    model.eval()
+    perturb(model)
+    encoding.reset_to_identity()  # zero last layer, the rest of h stays random
+    assert encoding.dynamics.fc1.weight.abs().sum() > 0
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
+    with torch.no_grad():
+        ours, _ = model(src, src_lengths, prev)
+        stock_model, _, _ = build_model(translation_data, "transformer", TINY_TRANSFORMER)
+        state = {k: v for k, v in model.state_dict().items() if not k.startswith("positional_encoding.")}
+        stock_model.load_state_dict(state, strict=True)
+        stock_model.eval()
+        stock, _ = stock_model(src, src_lengths, prev)
+        model.encoder.bind_encoding(None)
+        model.decoder.bind_encoding(None)
+        unbound, _ = model(src, src_lengths, prev)
+    assert torch.equal(ours, unbound)  # bit for bit: the hook adds exact zeros
+    # stock fairseq's MultiheadAttention sums in another order: equal up to rounding
+    assert (ours - stock).abs().max() <= 1e-5
+
+
+def gradients_of_table(encoding, rows=8):
+    for p in [*encoding.dynamics.parameters(), *encoding.initial_parameters()]:
+        p.grad = None
+    table = encoding.solve(rows)
+    (table * torch.linspace(-1, 1, table.numel()).view_as(table)).sum().backward()
+    return [p.grad.clone() for p in encoding.dynamics.parameters()], [p.grad.clone() for p in encoding.initial_parameters()]
+
+
+def test_gradients_reach_theta_and_every_initial_value_through_the_ode(translation_data):
+    model, _, encoding = floater_model(translation_data)
+    perturb(model)
+    theta, b0 = gradients_of_table(encoding)
+    assert all(g.abs().sum() > 0 for g in theta)
+    assert all(g.abs().sum() > 0 for g in b0)  # through the ODE only: the table is b(t) - b(0)
+    # the adjoint method gives the same gradients
+    encoding.adjoint = True
+    theta_adjoint, b0_adjoint = gradients_of_table(encoding)
+    for plain, adjoint in zip(theta + b0, theta_adjoint + b0_adjoint):
+        # the adjoint integrates a backward ODE: equal up to the solver's error, not bit for bit
+        assert (plain - adjoint).norm() <= 2e-2 * plain.norm()
+
+
+def model_gradients(model, encoding, src, src_lengths, prev):
+    model.zero_grad()
+    logits, _ = model(src, src_lengths, prev)
+    (logits.float().log_softmax(-1)[..., 5].sum()).backward()
+    return ([p.grad for p in encoding.dynamics.parameters()], [p.grad for p in encoding.initial_parameters()])
+
+
+def test_gradients_with_the_k_update_cache(translation_data):
+    model, task, encoding = floater_model(translation_data, ["--floater-recompute-every", "3", "--dropout", "0"])
+    model.train()
+    perturb(model)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=10, tgt_len=8)
+    calls = []
+    original = torchdiffeq.odeint
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    torchdiffeq.odeint = counting
+    try:
+        model.set_num_updates(0)
+        theta, b0 = model_gradients(model, encoding, src, src_lengths, prev)  # solves
+        assert len(calls) == 1 and all(g.abs().sum() > 0 for g in theta) and all(g.abs().sum() > 0 for g in b0)
+        for update in (1, 2):
+            model.set_num_updates(update)
+            theta, b0 = model_gradients(model, encoding, src, src_lengths, prev)  # cached
+            assert len(calls) == 1
+            assert all(g is not None and g.abs().sum() == 0 for g in theta)  # in the graph, zero gradient
+            assert all(g.abs().sum() > 0 for g in b0)  # directly, as the Linear bias
+        model.set_num_updates(3)
+        theta, _ = model_gradients(model, encoding, src, src_lengths, prev)  # recomputes
+        assert len(calls) == 2 and all(g.abs().sum() > 0 for g in theta)
+        # a longer batch than the cache: recomputed (with gradient) at once
+        src2, len2, prev2 = random_batch(task.source_dictionary, batch=2, src_len=30, tgt_len=8)
+        model.set_num_updates(4)
+        theta, _ = model_gradients(model, encoding, src2, len2, prev2)
+        assert len(calls) == 3 and all(g.abs().sum() > 0 for g in theta) and encoding.cache.size(0) >= 30
+    finally:
+        torchdiffeq.odeint = original
+
+
+def test_model_gradients_with_adjoint(translation_data):
+    model, task, encoding = floater_model(translation_data, ["--floater-adjoint"])
+    model.train()
+    perturb(model)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=10, tgt_len=8)
+    theta, b0 = model_gradients(model, encoding, src, src_lengths, prev)
+    assert all(g.abs().sum() > 0 for g in theta) and all(g.abs().sum() > 0 for g in b0)
+
+
+def test_biases_beyond_the_cache_equal_a_fresh_solve(translation_data):
+    model, _, encoding = floater_model(translation_data)
+    model.eval()
+    perturb(model)
+    with torch.no_grad():
+        short = encoding.table(20).clone()
+        assert short.size(0) == 64
+        longer = encoding.table(150)  # integrated onward from position 63
+        assert longer.size(0) == 192 and torch.equal(longer[:64], short)
+        fresh = encoding.solve(192)
+    assert (longer - fresh).abs().max() <= 1e-5
+    assert (longer[64:] - longer[63]).abs().max() > 1e-2
+
+
+def train_a_little(model, task, steps=3, max_len=32, seed=0, lr=0.5):
+    """fairseq-style updates: in place on p.data (which does not bump the parameter version)."""
+    model.train()
+    for step in range(steps):
+        src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=max_len - 4 * step,
+                                              tgt_len=max_len - 3 * step, seed=seed + step)
+        model.zero_grad()
+        logits, _ = model(src, src_lengths, prev)
+        F.cross_entropy(logits.view(-1, logits.size(-1)), src[:, :1].expand(-1, prev.size(1)).reshape(-1)).backward()
+        for parameter in model.parameters():
+            if parameter.grad is not None:
+                parameter.data.add_(parameter.grad, alpha=-lr)
+        model.set_num_updates(step + 1)
+
+
+def test_trained_on_32_tokens_runs_on_1000(translation_data):
+    model, task, encoding = floater_model(translation_data, ["--max-source-positions", "64", "--max-target-positions", "64",
+                                                             "--floater-init", "small"])
+    train_a_little(model, task, lr=0.05)
+    assert encoding.cache.size(0) <= 32 and encoding.cache.abs().max() > 0
+    model.eval()
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=1000, tgt_len=1000)
+    with torch.no_grad():
+        logits, _ = model(src, src_lengths, prev)
+    assert torch.isfinite(logits).all() and encoding.cache.size(0) >= 1000
+    assert torch.isfinite(encoding.cache).all()
+
+
+def test_checkpoint_reloads_without_solving_and_gives_identical_outputs(translation_data, tmp_path):
+    model, task, encoding = floater_model(translation_data)
+    perturb(model)
+    train_a_little(model, task)
+    model.eval()
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=40, tgt_len=30, seed=7)
+    with torch.no_grad():
+        expected, _ = model(src, src_lengths, prev)
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    state = torch.load(tmp_path / "model.pt")
+    with torch.no_grad():
+        assert torch.equal(state["positional_encoding.cache"], encoding.solve(state["positional_encoding.cache"].size(0)))
+    assert state["positional_encoding.cache"].size(0) >= 40
+
+    reloaded, _, reloaded_encoding = floater_model(translation_data)
+    assert reloaded_encoding.cache.size(0) == 0
+    reloaded.load_state_dict(state, strict=True)
+    reloaded.eval()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the ODE was solved after reload")
+
+    original, original_adjoint = torchdiffeq.odeint, torchdiffeq.odeint_adjoint
+    torchdiffeq.odeint = torchdiffeq.odeint_adjoint = refuse
+    try:
+        with torch.no_grad():
+            got, _ = reloaded(src, src_lengths, prev)
+            # incremental decoding reads the stored table too
+            encoder_out = reloaded.encoder(src, src_lengths=src_lengths)
+            state_inc = {}
+            for t in range(prev.size(1)):
+                step, _ = reloaded.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state_inc)
+                assert (step[:, 0] - expected[:, t]).abs().max() <= 1e-5
+    finally:
+        torchdiffeq.odeint, torchdiffeq.odeint_adjoint = original, original_adjoint
+    assert torch.equal(got, expected)
+    # a stale table is not trusted: change the parameters and the outputs follow them
+    with torch.no_grad():
+        reloaded_encoding.dynamics.fc2.bias.data.add_(0.5)
+        changed, _ = reloaded(src, src_lengths, prev)
+    assert (changed - expected).abs().max() > 1e-3
+
+
+def test_training_switches(translation_data):
+    model, _, encoding = floater_model(translation_data, ["--floater-train-dynamics-only"])
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assert trainable == {id(p) for p in encoding.dynamics.parameters()}
+    model, _, encoding = floater_model(translation_data, ["--floater-freeze-dynamics"])
+    assert not any(p.requires_grad for p in encoding.dynamics.parameters())
+    assert all(p.requires_grad for p in encoding.initial_parameters())
+    model, _, encoding = floater_model(translation_data, ["--floater-init", "small"])
+    assert 0 < encoding.dynamics.fc2.weight.abs().max() < 0.01
+    model, _, encoding = floater_model(translation_data, ["--floater-hidden", "16"])
+    assert encoding.dynamics.fc1.weight.shape == (16, 33) and encoding.dynamics.fc2.weight.shape == (32, 17)
+
+
+def test_fairseq_train_transformer_floater(translation_data, tmp_path):
+    command = ["fairseq-train", translation_data, "--user-dir", USER_DIR, "--arch", "transformer_floater",
+               *TINY_TRANSFORMER, *QUICK_TRAIN, "--max-update", "4"]
+    out = run(command + ["--save-dir", tmp_path / "plain", "--disable-validation"])
+    assert "num_updates 4" in out
+    out = run(command + ["--save-dir", tmp_path / "k3", "--floater-recompute-every", "3", "--floater-adjoint",
+                         "--update-freq", "2"])
+    assert "num_updates 4" in out and "valid" in out
+    state = torch.load(tmp_path / "k3" / "checkpoint_last.pt", weights_only=False)["model"]
+    assert state["positional_encoding.cache"].size(0) > 1 and torch.isfinite(state["positional_encoding.cache"]).all()
+
+
+def test_fairseq_train_roberta_floater(masked_lm_data, tmp_path):
+    out = run(["fairseq-train", masked_lm_data, "--user-dir", USER_DIR, "--arch", "roberta_floater",
+               "--task", "masked_lm", "--tokens-per-sample", "64", "--criterion", "masked_lm",
+               *TINY_ROBERTA, *QUICK_TRAIN, "--max-update", "3", "--save-dir", tmp_path,
+               "--floater-recompute-every", "3", "--disable-validation"])
+    assert "num_updates 3" in out

@@ -1,0 +1,216 @@
+"""Warm start: stock fairseq checkpoints -> ours (scripts/convert_*_checkpoint.py).
+
+Source checkpoints are trained here for 2 updates with STOCK fairseq. Equality of converted and
+source models is checked independently of the converter's own check: both checkpoints are loaded
+the way users load them (checkpoint_utils.load_model_ensemble, RobertaModel.from_pretrained)."""
+import hashlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import posenc_fairseq  # noqa: F401
+from posenc_fairseq import convert
+from posenc_fairseq.encodings import ENCODINGS
+from util import QUICK_TRAIN, REPO, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, random_batch, run
+
+EVERY_ENCODING = sorted(ENCODINGS)
+# Parameter-free encodings whose position terms cannot be switched off: no initialisation adds
+# nothing, so the converter must refuse them (its own output check catches it).
+NO_IDENTITY = {"alibi", "rotary"}
+SCRIPTS = REPO / "scripts"
+
+
+def script(kind, *arguments, check=True):
+    done = subprocess.run([sys.executable, str(SCRIPTS / f"convert_{kind}_checkpoint.py"), *map(str, arguments)],
+                          capture_output=True, text=True, timeout=600)
+    if check and done.returncode != 0:
+        raise AssertionError(f"conversion failed ({done.returncode}):\n{done.stdout}\n{done.stderr[-4000:]}")
+    return done
+
+
+def digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def stock_transformer(translation_data, tmp_path_factory):
+    save = tmp_path_factory.mktemp("stock_transformer")
+    run(["fairseq-train", translation_data, "--task", "translation", "--arch", "transformer", *TINY_TRANSFORMER,
+         *QUICK_TRAIN, "--max-update", "2", "--save-dir", save])
+    return save / "checkpoint_last.pt"
+
+
+@pytest.fixture(scope="module")
+def stock_roberta(masked_lm_data, tmp_path_factory):
+    """A stock RoBERTa folder as fairseq ships it (model.pt + dict.txt) with a classification head."""
+    save = tmp_path_factory.mktemp("stock_roberta")
+    run(["fairseq-train", masked_lm_data, "--task", "masked_lm", "--criterion", "masked_lm", "--arch", "roberta_base",
+         "--tokens-per-sample", "64", *TINY_ROBERTA, *QUICK_TRAIN, "--max-update", "2", "--save-dir", save])
+    folder = tmp_path_factory.mktemp("roberta_release")
+    state = torch.load(save / "checkpoint_last.pt", map_location="cpu")
+    # add a (random) classification head, as fine-tuned releases carry
+    generator = torch.Generator().manual_seed(3)
+    embed = 32
+    for name, shape in {"dense.weight": (embed, embed), "dense.bias": (embed,),
+                        "out_proj.weight": (3, embed), "out_proj.bias": (3,)}.items():
+        state["model"][f"classification_heads.topic.{name}"] = torch.randn(shape, generator=generator)
+    torch.save(state, folder / "model.pt")
+    shutil.copyfile(masked_lm_data / "dict.txt", folder / "dict.txt")
+    return folder / "model.pt"
+
+
+def load_translation(path, data):
+    from fairseq import checkpoint_utils
+
+    models, _cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(path)], arg_overrides={"data": str(data)})
+    model = models[0]
+    model.eval()
+    return model, task
+
+
+def translation_logits(path, data):
+    model, task = load_translation(path, data)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=11, tgt_len=9, seed=5)
+    with torch.no_grad():
+        return model(src, src_lengths, prev)[0]
+
+
+def roberta_outputs(path):
+    from fairseq.models.roberta import RobertaModel
+
+    hub = RobertaModel.from_pretrained(str(path.parent), checkpoint_file=path.name, user_dir=USER_DIR,
+                                     bpe="characters")  # gpt2 would download its vocabulary
+    hub.eval()
+    dictionary = hub.task.source_dictionary
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(dictionary.nspecial, len(dictionary), (2, 14), generator=generator)
+    tokens[:, 0], tokens[:, -1] = dictionary.bos(), dictionary.eos()
+    tokens[1, 9:] = dictionary.pad()
+    tokens[1, 8] = dictionary.eos()
+    with torch.no_grad():
+        features = hub.model(tokens, features_only=True)[0]
+        head = hub.model(tokens, features_only=True, classification_head_name="topic")[0]
+    return torch.cat([features.flatten(), head.flatten()])
+
+
+@pytest.fixture(scope="module")
+def source_logits(stock_transformer, translation_data):
+    return translation_logits(stock_transformer, translation_data)
+
+
+@pytest.fixture(scope="module")
+def source_roberta_outputs(stock_roberta):
+    return roberta_outputs(stock_roberta)
+
+
+def convert_in_process(src, dst, kind, encoding):
+    state = torch.load(src, map_location="cpu")
+    if encoding in NO_IDENTITY:
+        with pytest.raises(convert.ConversionError, match="differs from the source"):
+            convert.convert_checkpoint(state, kind, encoding)
+        return False
+    torch.save(convert.convert_checkpoint(state, kind, encoding), dst)
+    return True
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_converted_transformer_equals_source(stock_transformer, translation_data, source_logits, tmp_path, encoding):
+    dst = tmp_path / "converted.pt"
+    if convert_in_process(stock_transformer, dst, "transformer", encoding):
+        model, _ = load_translation(dst, translation_data)
+        assert type(model).__name__ == "PositionalTransformerModel"
+        assert (translation_logits(dst, translation_data) - source_logits).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_converted_roberta_equals_source(stock_roberta, source_roberta_outputs, tmp_path, encoding):
+    dst = tmp_path / "model.pt"
+    shutil.copyfile(stock_roberta.parent / "dict.txt", tmp_path / "dict.txt")
+    if convert_in_process(stock_roberta, dst, "roberta", encoding):
+        assert (roberta_outputs(dst) - source_roberta_outputs).abs().max() <= 1e-5
+
+
+def test_transformer_script_generate_and_resume(stock_transformer, translation_data, tmp_path):
+    before = digest(stock_transformer)
+    dst = tmp_path / "floater.pt"
+    done = script("transformer", stock_transformer, dst, "--floater-method", "euler")
+    assert "transformer_floater" in done.stdout
+    assert digest(stock_transformer) == before
+    state = torch.load(dst, map_location="cpu")
+    assert state["last_optimizer_state"] is None
+    assert convert.model_namespace(state).floater_method == "euler"
+    assert any(key.startswith("positional_encoding.") for key in state["model"])
+    source = torch.load(stock_transformer, map_location="cpu")["model"]
+    assert all(torch.equal(state["model"][key], value) for key, value in source.items())
+
+    out = run(["fairseq-generate", translation_data, "--user-dir", USER_DIR, "--path", dst, "--gen-subset", "test",
+               "--beam", "2", "--batch-size", "8", "--cpu", "--max-len-b", "20"])
+    assert "BLEU" in out
+    out = run(["fairseq-train", translation_data, "--user-dir", USER_DIR, "--task", "translation",
+               "--arch", "transformer_floater", "--floater-method", "euler", "--input-positions", "stock",
+               *TINY_TRANSFORMER, *QUICK_TRAIN, "--restore-file", dst, "--reset-optimizer", "--max-update", "4",
+               "--save-dir", tmp_path / "resume"])
+    assert "num_updates 4" in out or "num_updates=4" in out or (tmp_path / "resume" / "checkpoint_last.pt").exists()
+
+
+def test_roberta_script_copies_dictionary_and_loads(stock_roberta, source_roberta_outputs, tmp_path):
+    dst = tmp_path / "out" / "model.pt"
+    dst.parent.mkdir()
+    script("roberta", stock_roberta, dst, "--encoding", "t5")
+    assert (dst.parent / "dict.txt").read_bytes() == (stock_roberta.parent / "dict.txt").read_bytes()
+    assert (roberta_outputs(dst) - source_roberta_outputs).abs().max() <= 1e-5
+    state = torch.load(dst, map_location="cpu")
+    assert convert.model_namespace(state).arch == "roberta_t5_base"
+    assert "classification_heads.topic.out_proj.weight" in state["model"]
+
+
+@pytest.mark.parametrize("case", ["text file", "other kind", "unknown encoding", "dst is src", "ours already"])
+def test_clear_errors_and_no_output(stock_transformer, stock_roberta, tmp_path, case):
+    dst = tmp_path / "dst.pt"
+    if case == "text file":
+        src = tmp_path / "notes.pt"
+        src.write_text("not a checkpoint\n")
+        arguments, expected = [src, dst], "is not a fairseq checkpoint"
+    elif case == "other kind":
+        arguments, expected = [stock_roberta, dst], "expected a stock fairseq transformer checkpoint, got a stock fairseq roberta"
+    elif case == "unknown encoding":
+        arguments, expected = [stock_transformer, dst, "--encoding", "bogus"], "unknown positional encoding 'bogus'"
+    elif case == "dst is src":
+        copy = tmp_path / "copy.pt"
+        shutil.copyfile(stock_transformer, copy)
+        before = digest(copy)
+        done = script("transformer", copy, tmp_path / "." / "copy.pt", check=False)
+        assert done.returncode == 2 and "refusing to overwrite" in done.stderr
+        assert digest(copy) == before
+        return
+    else:
+        ours = tmp_path / "ours.pt"
+        torch.save(convert.convert_checkpoint(torch.load(stock_transformer, map_location="cpu"), "transformer", "t5"), ours)
+        arguments, expected = [ours, dst], "already a posenc_fairseq checkpoint"
+    done = script("transformer", *arguments, check=False)
+    assert done.returncode == 2
+    assert expected in done.stderr
+    assert len([line for line in done.stderr.splitlines() if line.startswith("error:")]) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert not dst.exists()
+    assert not list(tmp_path.glob(".convert-*"))
+
+
+def test_pure_function_errors_and_source_untouched(stock_transformer):
+    state = torch.load(stock_transformer, map_location="cpu")
+    arch, keys = state["cfg"]["model"].arch, set(state["model"])
+    with pytest.raises(convert.ConversionError, match="unknown positional encoding"):
+        convert.convert_checkpoint(state, "transformer", "nosuch")
+    with pytest.raises(convert.ConversionError, match="unknown encoding options"):
+        convert.convert_checkpoint(state, "transformer", "t5", {"no_such_option": 1})
+    with pytest.raises(convert.ConversionError, match="expected a stock fairseq roberta"):
+        convert.convert_checkpoint(state, "roberta", "t5")
+    with pytest.raises(convert.ConversionError, match="not a fairseq checkpoint"):
+        convert.convert_checkpoint({"hello": 1}, "transformer", "t5")
+    converted = convert.convert_checkpoint(state, "transformer", "t5", convert.parse_overrides(["--t5-num-buckets", "8"]))
+    assert converted["cfg"]["model"].arch == "transformer_t5" and converted["cfg"]["model"].t5_num_buckets == 8
+    assert state["cfg"]["model"].arch == arch and set(state["model"]) == keys  # the source dict is not modified
