@@ -150,6 +150,9 @@ def check_encoding(encoding: str):
 
     if encoding not in ENCODINGS:
         raise ConversionError(f"unknown positional encoding {encoding!r}; choose one of {', '.join(sorted(ENCODINGS))}")
+    if not ENCODINGS[encoding].starts_as_identity:
+        raise ConversionError(f"encoding {encoding!r} has no initialisation that adds nothing (it is fixed by design), "
+                              "so a converted model could not equal the source; train it from scratch instead")
 
 
 # --------------------------------------------------------------------------- options

@@ -3,7 +3,6 @@ import pytest
 import torch
 
 import posenc_fairseq  # noqa: F401
-from fairseq.models.transformer import TransformerDecoder  # noqa: F401  (fairseq import order)
 from fairseq.modules import MultiheadAttention
 from fairseq import utils
 from posenc_fairseq.attention import use_positional_attention

@@ -100,3 +100,19 @@ def run_distributed(command, world_size=2, timeout=600):
         if process.returncode != 0:
             raise AssertionError(f"rank failed ({process.returncode}):\n{output[-6000:]}")
     return outputs[0]
+
+
+def encoding_options(*argv, **overrides):
+    """The options of every registered encoding parsed from `argv` (unset ones stay None, as
+    fairseq passes them), then `overrides` set by attribute name."""
+    import argparse
+
+    from posenc_fairseq.encodings import ENCODINGS
+
+    parser = argparse.ArgumentParser()
+    for name in sorted(ENCODINGS):
+        ENCODINGS[name].add_args(parser)
+    args = parser.parse_args([str(part) for part in argv])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args

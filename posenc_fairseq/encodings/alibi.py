@@ -30,6 +30,7 @@ def alibi_slopes(heads: int) -> Tensor:
 @register_encoding("alibi")
 class ALiBi(PositionalEncoding):
     default_input_positions = "none"
+    starts_as_identity = False  # fixed by design: nothing to set to zero
 
     def __init__(self, args, dims):
         super().__init__(args, dims)

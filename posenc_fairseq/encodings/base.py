@@ -9,7 +9,6 @@ fairseq: encodings are plain torch and testable in milliseconds.
 import argparse
 from typing import Callable, Dict, Optional
 
-import torch
 from torch import Tensor, nn
 
 ROLES = ("encoder", "decoder", "cross")
@@ -20,6 +19,8 @@ class PositionalEncoding(nn.Module):
 
     #: absolute input embedding this encoding uses by default ('none', 'sinusoidal', 'learned')
     default_input_positions = "sinusoidal"
+    #: whether `reset_to_identity` can make it add nothing (warm start from stock checkpoints)
+    starts_as_identity = True
 
     def __init__(self, args: argparse.Namespace, dims: "ModelDims"):
         super().__init__()

@@ -29,6 +29,7 @@ def rotate(x: Tensor, positions: Tensor, heads: int, base: float = 10000.0) -> T
 @register_encoding("rotary")
 class Rotary(PositionalEncoding):
     default_input_positions = "none"
+    starts_as_identity = False  # fixed by design: nothing to set to zero
 
     @staticmethod
     def add_args(parser):

@@ -10,7 +10,7 @@ R_d^k = lambda * Phi(d / sigma_k), sigma_k = d_model^(k/d_model), k = 0..d_model
 formula for negative d.
 
 Memory: R and W_r R are computed for the distinct distances of the call only (Tq + Tk - 1 of
-them, or only d >= 0 in the causal decoder: key j <= query i), the query (plus v) meets them once,
+them), the query (plus v) meets them once,
 (B, H, Tq, #distances), and the result is gathered to (B, H, Tq, Tk). No table sized to a
 maximum length, no (n, n, d) tensor. Nothing on cross-attention.
 """
@@ -65,15 +65,13 @@ class TransformerXL(PositionalEncoding):
         return sinusoidal_prior(distances, self.dims.embed_dim)
 
     def distances(self, role, query_positions, key_positions):
-        """Distinct distances d = i - j present (only d >= 0 in the causal decoder), their prior
-        R (N, d_model) and the (Tq, Tk) index of each pair into them."""
+        """Distinct distances d = i - j present, their prior R (N, d_model) and the (Tq, Tk) index
+        of each pair into them. (The causal decoder could skip d < 0, but then a decoder call
+        without the future mask, e.g. fairseq's full-context alignment, would be silently wrong.)"""
         def compute():
             relative = query_positions[:, None] - key_positions[None, :]  # i - j
             low = int(query_positions[0] - key_positions[-1])
             high = int(query_positions[-1] - key_positions[0])
-            if role == "decoder":  # causal: j <= i; masked pairs point at d = 0
-                low = max(low, 0)
-                relative = relative.clamp(min=low)
             distances = torch.arange(low, high + 1, device=query_positions.device)
             return self.prior(distances), relative - low
         return self.memoize((role, self.name, int(query_positions[0]), len(query_positions), len(key_positions)), compute)

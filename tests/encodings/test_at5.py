@@ -1,24 +1,18 @@
 """AT5 and AT5-NoB: the bias each head receives against a naive double loop over (i, j) from the
 paper's equations 17-20, the prior, saturation on long inputs, identity reset, gradients, and
 training through fairseq-train."""
-import argparse
 import math
 
 import pytest
 import torch
 
-from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
+from posenc_fairseq.encodings import ModelDims, build_encoding
 from posenc_fairseq.encodings.at5 import prior_distribution
-from util import QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, random_batch, run
+from util import encoding_options, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, random_batch, run
 
 
 def make(name, layers=2, heads=3, **options):
-    parser = argparse.ArgumentParser()
-    for encoding in sorted(ENCODINGS):
-        ENCODINGS[encoding].add_args(parser)
-    args = parser.parse_args([])
-    for key, value in options.items():
-        setattr(args, key, value)
+    args = encoding_options(**options)
     torch.manual_seed(0)
     return build_encoding(name, args, ModelDims(embed_dim=12, heads=heads, encoder_layers=layers, decoder_layers=layers))
 

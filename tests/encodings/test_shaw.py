@@ -1,5 +1,4 @@
 """Shaw-RPE and LFHC-RPE against naive (i, j) loops written straight from the papers' equations."""
-import argparse
 import math
 
 import pytest
@@ -10,21 +9,14 @@ from fairseq.models.transformer import TransformerDecoder  # noqa: F401  (fairse
 from fairseq.modules import MultiheadAttention
 from posenc_fairseq.attention import use_positional_attention
 from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
-from util import QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, run
+from util import encoding_options, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, run
 
 EMBED, HEADS, LAYERS = 16, 4, 3
 
 
-def options(*argv):
-    parser = argparse.ArgumentParser()
-    for name in sorted(ENCODINGS):
-        ENCODINGS[name].add_args(parser)
-    return parser.parse_args(list(argv))
-
-
 def encoding(name, *argv, seed=1):
     torch.manual_seed(seed)
-    enc = build_encoding(name, options(*argv), ModelDims(EMBED, HEADS, LAYERS, LAYERS)).double()
+    enc = build_encoding(name, encoding_options(*argv), ModelDims(EMBED, HEADS, LAYERS, LAYERS)).double()
     with torch.no_grad():  # move away from any special initialisation
         for parameter in enc.parameters():
             parameter.add_(0.3 * torch.randn_like(parameter))
@@ -123,15 +115,15 @@ def test_attention_output_equals_naive_loops(name, layer, role, values):
 
 
 def test_options_and_defaults():
-    enc = build_encoding("shaw", options(), ModelDims(EMBED, HEADS, 2, 3))
+    enc = build_encoding("shaw", encoding_options(), ModelDims(EMBED, HEADS, 2, 3))
     assert enc.k == 16 and enc.values
     assert sorted(enc.key_tables) == ["decoder0", "decoder1", "decoder2", "encoder0", "encoder1"]
     assert enc.key_tables["encoder0"].shape == (33, EMBED // HEADS)
-    off = build_encoding("lfhc", options("--lfhc-k", "4", "--lfhc-values", "off"), ModelDims(EMBED, HEADS, 2, 0))
+    off = build_encoding("lfhc", encoding_options("--lfhc-k", "4", "--lfhc-values", "off"), ModelDims(EMBED, HEADS, 2, 0))
     assert off.k == 4 and not off.values and len(off.value_tables) == 0 and sorted(off.key_tables) == ["encoder0", "encoder1"]
     assert not off.has_relative_values("encoder", 0)
     assert sum(p.numel() for p in enc.parameters()) == sum(
-        p.numel() for p in build_encoding("lfhc", options(), ModelDims(EMBED, HEADS, 2, 3)).parameters())
+        p.numel() for p in build_encoding("lfhc", encoding_options(), ModelDims(EMBED, HEADS, 2, 3)).parameters())
     assert ENCODINGS["shaw"].default_input_positions == ENCODINGS["lfhc"].default_input_positions == "none"
 
 
@@ -194,7 +186,7 @@ def test_reset_to_identity_adds_nothing():
 @pytest.mark.parametrize("name", ["shaw", "lfhc"])
 def test_2000_tokens(name):
     torch.manual_seed(0)
-    enc = build_encoding(name, options(), ModelDims(32, 4, 3, 3))
+    enc = build_encoding(name, encoding_options(), ModelDims(32, 4, 3, 3))
     length = 2000
     x = torch.randn(length, 1, 32)
     with torch.no_grad():

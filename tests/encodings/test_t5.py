@@ -1,15 +1,14 @@
 """T5 and T5-NoB scalar biases: bucket ids against an independent reference of the HF algorithm,
 the bias each head receives against a naive double loop over (i, j), the prior, long inputs,
 identity reset and training through fairseq-train."""
-import argparse
 import math
 
 import pytest
 import torch
 
-from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
+from posenc_fairseq.encodings import ModelDims, build_encoding
 from posenc_fairseq.encodings.t5 import prior_distribution, relative_position_bucket
-from util import QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, random_batch, run
+from util import encoding_options, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, random_batch, run
 
 
 def reference_bucket(rp, bidirectional, num_buckets, max_distance):
@@ -58,12 +57,7 @@ def test_bucket_function_any_shape_and_known_values():
 
 
 def make(name, layers=2, heads=4, **options):
-    parser = argparse.ArgumentParser()
-    for encoding in sorted(ENCODINGS):
-        ENCODINGS[encoding].add_args(parser)
-    args = parser.parse_args([])
-    for key, value in options.items():
-        setattr(args, key, value)
+    args = encoding_options(**options)
     torch.manual_seed(0)
     return build_encoding(name, args, ModelDims(embed_dim=16, heads=heads, encoder_layers=layers, decoder_layers=layers))
 

@@ -1,5 +1,4 @@
 """XL-RPE and GCDF-RPE against naive (i, j) loops written straight from eqs. 6-8 and 14-15."""
-import argparse
 import math
 
 import pytest
@@ -11,21 +10,14 @@ from fairseq.modules import MultiheadAttention
 from posenc_fairseq.attention import use_positional_attention
 from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
 from posenc_fairseq.encodings.xl import gcdf_prior, sinusoidal_prior
-from util import QUICK_TRAIN, TINY_TRANSFORMER, USER_DIR, run
+from util import encoding_options, QUICK_TRAIN, TINY_TRANSFORMER, USER_DIR, run
 
 EMBED, HEADS, LAYERS = 16, 4, 3
 
 
-def options(*argv):
-    parser = argparse.ArgumentParser()
-    for name in sorted(ENCODINGS):
-        ENCODINGS[name].add_args(parser)
-    return parser.parse_args(list(argv))
-
-
 def encoding(name, *argv, seed=1):
     torch.manual_seed(seed)
-    enc = build_encoding(name, options(*argv), ModelDims(EMBED, HEADS, LAYERS, LAYERS)).double()
+    enc = build_encoding(name, encoding_options(*argv), ModelDims(EMBED, HEADS, LAYERS, LAYERS)).double()
     with torch.no_grad():
         for parameter in enc.parameters():
             parameter.add_(0.3 * torch.randn_like(parameter))
@@ -180,10 +172,10 @@ def test_gcdf_satisfies_properties_1_and_2_and_sinusoid_fails_1():
 
 
 def test_options_parameters_and_reset():
-    enc = build_encoding("gcdf", options(), ModelDims(EMBED, HEADS, 2, 0))
+    enc = build_encoding("gcdf", encoding_options(), ModelDims(EMBED, HEADS, 2, 0))
     assert enc.scale == 4.0 and sorted(enc.projections) == ["encoder0", "encoder1"]
     assert sorted(enc.content_bias) == sorted(enc.position_bias) == ["encoder"]
-    assert build_encoding("gcdf", options("--gcdf-lambda", "2.5"), ModelDims(EMBED, HEADS, 1, 1)).scale == 2.5
+    assert build_encoding("gcdf", encoding_options("--gcdf-lambda", "2.5"), ModelDims(EMBED, HEADS, 1, 1)).scale == 2.5
     assert ENCODINGS["xl"].default_input_positions == ENCODINGS["gcdf"].default_input_positions == "none"
     for name in ("xl", "gcdf"):
         enc = encoding(name)
@@ -199,7 +191,7 @@ def test_options_parameters_and_reset():
 @pytest.mark.parametrize("name", ["xl", "gcdf"])
 def test_2000_tokens(name):
     torch.manual_seed(0)
-    enc = build_encoding(name, options(), ModelDims(32, 4, 3, 3))
+    enc = build_encoding(name, encoding_options(), ModelDims(32, 4, 3, 3))
     length = 2000
     x = torch.randn(length, 1, 32)
     with torch.no_grad():

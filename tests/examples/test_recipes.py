@@ -5,7 +5,7 @@ import json
 import os
 import re
 import sys
-from pathlib import Path
+
 
 import pytest
 

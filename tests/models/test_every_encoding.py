@@ -114,3 +114,25 @@ def test_trains_in_two_gloo_processes_and_resumes(translation_data, tmp_path, en
     assert "num_updates 3" in first
     resumed = run_distributed(command + ["--max-update", "5"], world_size=2)
     assert "Loaded checkpoint" in resumed and "num_updates 5" in resumed
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+@pytest.mark.parametrize("family", ["transformer", "roberta"])
+def test_every_parameter_receives_a_gradient(translation_data, masked_lm_data, encoding, family):
+    """What DDP's unused-parameter check (pytorch_ddp) demands; legacy_ddp would not notice."""
+    torch.manual_seed(0)
+    if family == "transformer":
+        model, task, _ = build_model(translation_data, f"transformer_{encoding}", TINY_TRANSFORMER)
+    else:
+        model, task, _ = build_model(masked_lm_data, f"roberta_{encoding}", TINY_ROBERTA, task="masked_lm")
+    model.train()
+    perturb_away_from_identity(model)  # a zero last layer would block the gradient behind it
+    if family == "transformer":
+        src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=6, tgt_len=5)
+        output, _ = model(src, src_lengths, prev)
+    else:
+        tokens = torch.randint(task.source_dictionary.nspecial, len(task.source_dictionary), (2, 8))
+        output, _ = model(tokens)
+    output.float().pow(2).mean().backward()
+    unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not unused
