@@ -1,0 +1,46 @@
+"""With no encoding term, our models ARE fairseq's: same initialisation (the attention class is
+swapped after fairseq builds it), same outputs, same beam search (which exercises fairseq's
+beamable cross-attention and cache reordering inside our attention)."""
+import torch
+
+from fairseq import search
+from fairseq.sequence_generator import SequenceGenerator
+from util import TINY_ROBERTA, TINY_TRANSFORMER, build_model, random_batch
+
+
+def test_transformer_sinusoidal_is_the_stock_transformer(translation_data):
+    torch.manual_seed(0)
+    stock, task, _ = build_model(translation_data, "transformer", TINY_TRANSFORMER)
+    torch.manual_seed(0)
+    ours, _, _ = build_model(translation_data, "transformer_sinusoidal", TINY_TRANSFORMER)
+    ours_state = {k: v for k, v in ours.state_dict().items() if not k.startswith("positional_encoding.")}
+    assert ours_state.keys() == stock.state_dict().keys()
+    assert all(torch.equal(ours_state[k], v) for k, v in stock.state_dict().items())
+    stock.eval(), ours.eval()
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=4, src_len=9, tgt_len=7)
+    with torch.no_grad():
+        assert (stock(src, src_lengths, prev)[0] - ours(src, src_lengths, prev)[0]).abs().max() <= 1e-5
+        sample = {"net_input": {"src_tokens": src, "src_lengths": src_lengths}}
+        outputs = []
+        for model in (stock, ours):
+            model.decoder.set_beam_size(3)  # fairseq's beamable cross-attention (one source copy per beam group)
+            generator = SequenceGenerator([model], task.target_dictionary, beam_size=3, max_len_b=12,
+                                          search_strategy=search.BeamSearch(task.target_dictionary))
+            outputs.append(generator.generate([model], sample))
+    for stock_hypos, our_hypos in zip(*outputs):
+        assert len(stock_hypos) == len(our_hypos) == 3
+        for a, b in zip(stock_hypos, our_hypos):
+            assert torch.equal(a["tokens"], b["tokens"])
+            assert abs(float(a["score"]) - float(b["score"])) <= 1e-5
+
+
+def test_roberta_learned_is_stock_roberta(masked_lm_data):
+    torch.manual_seed(0)
+    stock, task, _ = build_model(masked_lm_data, "roberta_base", TINY_ROBERTA, task="masked_lm")
+    torch.manual_seed(0)
+    ours, _, _ = build_model(masked_lm_data, "roberta_learned_base", TINY_ROBERTA, task="masked_lm")
+    assert all(torch.equal(ours.state_dict()[k], v) for k, v in stock.state_dict().items())
+    stock.eval(), ours.eval()
+    tokens = torch.randint(task.source_dictionary.nspecial, len(task.source_dictionary), (3, 11))
+    with torch.no_grad():
+        assert (stock(tokens)[0] - ours(tokens)[0]).abs().max() <= 1e-5
