@@ -136,3 +136,19 @@ def test_every_parameter_receives_a_gradient(translation_data, masked_lm_data, e
     output.float().pow(2).mean().backward()
     unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
     assert not unused
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_forward_is_finite_and_close(translation_data, encoding, dtype):
+    """Padded batch (left-padded source, causal decoder) in bf16/fp16: dtype-aware masks, no NaN."""
+    torch.manual_seed(0)
+    model, task, _ = build_model(translation_data, f"transformer_{encoding}", TINY_TRANSFORMER)
+    model.eval()
+    perturb_away_from_identity(model)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
+    with torch.no_grad():
+        reference, _ = model(src, src_lengths, prev)
+        half, _ = model.to(dtype)(src, src_lengths, prev)
+    assert torch.isfinite(half).all()
+    assert (half.float() - reference).abs().max() <= 0.1 * reference.abs().max()
