@@ -116,3 +116,28 @@ def encoding_options(*argv, **overrides):
     for key, value in overrides.items():
         setattr(args, key, value)
     return args
+
+
+def perturbed_encoding(name, *argv, dims, seed=1, scale=0.3):
+    """An encoding in float64 with every parameter moved away from its (possibly zero) init."""
+    from posenc_fairseq.encodings import build_encoding
+
+    torch.manual_seed(seed)
+    encoding = build_encoding(name, encoding_options(*argv), dims).double()
+    with torch.no_grad():
+        for parameter in encoding.parameters():
+            parameter.add_(scale * torch.randn_like(parameter))
+    return encoding
+
+
+def bound_attention(encoding, role, layer, embed, heads, dtype=torch.float64):
+    """A self-attention PositionalAttention bound to `encoding` at (role, layer), eval mode."""
+    from fairseq.modules import MultiheadAttention
+
+    from posenc_fairseq.attention import use_positional_attention
+
+    torch.manual_seed(0)
+    module = MultiheadAttention(embed, heads, self_attention=True)
+    use_positional_attention(module)
+    module.bind_position(encoding, role, layer)
+    return module.to(dtype).eval()

@@ -10,7 +10,6 @@
 Everything is written under work/demo/ (git-ignored). Usage: run_demo.py [--arch A] [--max-update N]
 """
 import argparse
-import os
 import re
 import subprocess
 import sys

@@ -17,8 +17,10 @@ import argparse
 import shutil
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from roberta_bpe import add_bpe_options, dictionary_for  # noqa: E402
 
 TASKS = ["CoLA", "SST-2", "MRPC", "QQP", "STS-B", "MNLI", "QNLI", "RTE"]
 # 1-based columns as in preprocess_GLUE_tasks.sh: (train/dev inputs, test inputs, label, dev label)
@@ -32,7 +34,6 @@ COLUMNS = {
     "SST-2": ((1,), (2,), 2, 2),
     "CoLA": ((4,), (2,), 2, 2),
 }
-GPT2_FILES = "https://dl.fbaipublicfiles.com/fairseq/gpt2_bpe/"
 
 
 def splits_of(task):
@@ -92,7 +93,7 @@ def preprocess_task(task, glue_dir: Path, out: Path, args):
     dev = [s for s in splits if s.startswith("dev")]
     test = [s for s in splits if s.startswith("test")]
     shutil.rmtree(out, ignore_errors=True)
-    dictionary = args.bpe_dir / "dict.txt" if args.bpe == "gpt2" else args.dict
+    dictionary = args.dictionary
     for i in range(len(inputs)):
         options = ["--only-source", "--trainpref", processed / f"train.input{i}",
                    "--validpref", ",".join(str(processed / f"{s}.input{i}") for s in dev),
@@ -118,18 +119,9 @@ def main(argv=None):
     p.add_argument("task", help="one of " + " ".join(TASKS) + ", a comma-separated list of them, or ALL")
     p.add_argument("out_dir", type=Path,
                    help="the binarised task for one task; for a list or ALL, the parent of TASK-bin folders")
-    p.add_argument("--bpe", choices=["gpt2", "none"], default="gpt2")
-    p.add_argument("--bpe-dir", type=Path, default=Path("gpt2_bpe"))
-    p.add_argument("--dict", type=Path, help="fairseq dictionary for --bpe none")
-    p.add_argument("--workers", type=int, default=8)
+    add_bpe_options(p)
     args = p.parse_args(argv)
-    if args.bpe == "gpt2":
-        args.bpe_dir.mkdir(parents=True, exist_ok=True)
-        for name in ("encoder.json", "vocab.bpe", "dict.txt"):
-            if not (args.bpe_dir / name).exists():
-                urllib.request.urlretrieve(GPT2_FILES + name, args.bpe_dir / name)
-    elif args.dict is None:
-        p.error("--bpe none needs --dict")
+    args.dictionary = dictionary_for(p, args)
     tasks = TASKS if args.task == "ALL" else args.task.split(",")
     for task in tasks:
         if task not in TASKS:

@@ -16,10 +16,11 @@ import argparse
 import shutil
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
-GPT2_FILES = "https://dl.fbaipublicfiles.com/fairseq/gpt2_bpe/"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from roberta_bpe import add_bpe_options, dictionary_for  # noqa: E402
+
 SPLITS = ["train", "dev", "test-middle", "test-high"]
 
 
@@ -35,21 +36,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("race_dir", type=Path)
     p.add_argument("out_dir", type=Path)
-    p.add_argument("--bpe", choices=["gpt2", "none"], default="gpt2")
-    p.add_argument("--bpe-dir", type=Path, default=Path("gpt2_bpe"))
-    p.add_argument("--dict", type=Path, help="fairseq dictionary for --bpe none")
-    p.add_argument("--workers", type=int, default=8)
+    add_bpe_options(p)
     args = p.parse_args(argv)
-    if args.bpe == "gpt2":
-        args.bpe_dir.mkdir(parents=True, exist_ok=True)
-        for name in ("encoder.json", "vocab.bpe", "dict.txt"):
-            if not (args.bpe_dir / name).exists():
-                urllib.request.urlretrieve(GPT2_FILES + name, args.bpe_dir / name)
-        dictionary = args.bpe_dir / "dict.txt"
-    elif args.dict is None:
-        p.error("--bpe none needs --dict")
-    else:
-        dictionary = args.dict
+    dictionary = dictionary_for(p, args)
 
     extracted = args.out_dir / "extracted"
     subprocess.run([sys.executable, "-m", "fairseq.examples.roberta.preprocess_RACE",

@@ -13,7 +13,6 @@ line per bin.
 """
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys

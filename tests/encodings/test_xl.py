@@ -5,31 +5,19 @@ import pytest
 import torch
 
 import posenc_fairseq  # noqa: F401
-from fairseq.models.transformer import TransformerDecoder  # noqa: F401  (fairseq import order)
-from fairseq.modules import MultiheadAttention
-from posenc_fairseq.attention import use_positional_attention
 from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
 from posenc_fairseq.encodings.xl import gcdf_prior, sinusoidal_prior
-from util import encoding_options, QUICK_TRAIN, TINY_TRANSFORMER, USER_DIR, run
+from util import bound_attention, encoding_options, perturbed_encoding, QUICK_TRAIN, TINY_TRANSFORMER, USER_DIR, run
 
 EMBED, HEADS, LAYERS = 16, 4, 3
 
 
 def encoding(name, *argv, seed=1):
-    torch.manual_seed(seed)
-    enc = build_encoding(name, encoding_options(*argv), ModelDims(EMBED, HEADS, LAYERS, LAYERS)).double()
-    with torch.no_grad():
-        for parameter in enc.parameters():
-            parameter.add_(0.3 * torch.randn_like(parameter))
-    return enc
+    return perturbed_encoding(name, *argv, dims=ModelDims(EMBED, HEADS, LAYERS, LAYERS), seed=seed)
 
 
 def attention(enc, role, layer, embed=EMBED, heads=HEADS, dtype=torch.float64):
-    torch.manual_seed(0)
-    module = MultiheadAttention(embed, heads, self_attention=True)
-    use_positional_attention(module)
-    module.bind_position(enc, role, layer)
-    return module.to(dtype).eval()
+    return bound_attention(enc, role, layer, embed, heads, dtype)
 
 
 def inputs(length=7, batch=2, left=True):
