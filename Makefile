@@ -1,7 +1,7 @@
 # Two entry points for a newcomer: `make demo` and `make test`.
 # Both create .venv/ on first use (about 5 minutes: fairseq compiles its extensions) and reuse it.
 SHELL := /bin/bash
-PYTHON ?= python3.11
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
