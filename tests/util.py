@@ -141,3 +141,15 @@ def bound_attention(encoding, role, layer, embed, heads, dtype=torch.float64):
     use_positional_attention(module)
     module.bind_position(encoding, role, layer)
     return module.to(dtype).eval()
+
+
+def assert_attention_runs_on(encoding, role_layers, length=2000, embed=32, heads=4):
+    """A bound attention of `encoding` on one `length`-token sequence (causal in the decoder):
+    no table sized to a maximum length, finite output."""
+    x = torch.randn(length, 1, embed)
+    with torch.no_grad():
+        for role, layer in role_layers:
+            encoding.begin(role)
+            mask = torch.triu(torch.full((length, length), float("-inf")), 1) if role == "decoder" else None
+            out, _ = bound_attention(encoding, role, layer, embed, heads, torch.float32)(x, x, x, attn_mask=mask)
+            assert out.shape == (length, 1, embed) and torch.isfinite(out).all()

@@ -32,14 +32,20 @@ def decoder_logits_full_and_stepwise(model, src, src_lengths, prev):
 
 @pytest.mark.parametrize("encoding", EVERY_ENCODING)
 def test_incremental_decoding_equals_full_forward(translation_data, encoding):
-    torch.manual_seed(0)
-    model, task, _ = build_model(translation_data, f"transformer_{encoding}", TINY_TRANSFORMER)
-    model.eval()
-    perturb_away_from_identity(model)
+    model, task = perturbed_translation_model(translation_data, encoding)
     src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
     with torch.no_grad():
         full, stepwise = decoder_logits_full_and_stepwise(model, src, src_lengths, prev)
     assert (full - stepwise).abs().max() <= 1e-5
+
+
+def perturbed_translation_model(data, encoding):
+    """Tiny transformer_{encoding} in eval mode with its encoding moved away from identity."""
+    torch.manual_seed(0)
+    model, task, _ = build_model(data, f"transformer_{encoding}", TINY_TRANSFORMER)
+    model.eval()
+    perturb_away_from_identity(model)
+    return model, task
 
 
 def perturb_away_from_identity(model):
@@ -55,10 +61,7 @@ def perturb_away_from_identity(model):
 def test_position_information_changes_the_output_or_not(translation_data, encoding):
     """Swapping two source tokens changes the encoder output at other positions exactly when
     the architecture carries position information (transformer_nope must be order-blind)."""
-    torch.manual_seed(0)
-    model, task, _ = build_model(translation_data, f"transformer_{encoding}", TINY_TRANSFORMER)
-    model.eval()
-    perturb_away_from_identity(model)
+    model, task = perturbed_translation_model(translation_data, encoding)
     src, src_lengths, _ = random_batch(task.source_dictionary, batch=1, src_len=8, tgt_len=2)
     swapped = src.clone()
     swapped[0, [1, 2]] = src[0, [2, 1]]
@@ -142,10 +145,7 @@ def test_every_parameter_receives_a_gradient(translation_data, masked_lm_data, e
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_forward_is_finite_and_close(translation_data, encoding, dtype):
     """Padded batch (left-padded source, causal decoder) in bf16/fp16: dtype-aware masks, no NaN."""
-    torch.manual_seed(0)
-    model, task, _ = build_model(translation_data, f"transformer_{encoding}", TINY_TRANSFORMER)
-    model.eval()
-    perturb_away_from_identity(model)
+    model, task = perturbed_translation_model(translation_data, encoding)
     src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
     with torch.no_grad():
         reference, _ = model(src, src_lengths, prev)
