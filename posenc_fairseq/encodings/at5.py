@@ -14,7 +14,11 @@ depends on the batch and b saturates to 1 at long distances (any length works). 
 1 -> h1 -> h2 -> 1 with the chosen activation after both hidden layers and dropout after the
 first, one per head and direction (run for all heads at once with batched weights).
 
-AT5-NoB: the same MLPs fed the raw distance scaled to [0, 1], min(|d| * A, 1); no gamma.
+AT5-NoB: the same MLPs fed the raw distance scaled to [0, 1], min(|d| * A, 1); no gamma (the
+paper's text). `--at5-nob-input learned` is the authors' code instead (BDBC-KG-NLP/AAAI2021-
+Scalar-Embedding-of-Relative-Positions, soft_t5_attention_nob.py): a learned scalar s_h(d) per
+head and relative position, initialised U(0, 1), fed as sigmoid(s_h(d)) to one MLP per head
+(both directions); positions clipped to +-floor(L) (their table spans the maximum length).
 
 Layers, sharing and the prior: as T5 (see t5.py: `--scalar-bias-layers`,
 `--scalar-bias-share-layers`, `prior_distribution`).
@@ -26,9 +30,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import register_encoding
+from .option_types import (Checker, OptionValueError, check_size, float_in_range, int_in_range, one_of, option,
+                           option_pair, ordered_pair, probability)
 from .t5 import ScalarBias, _add_once, add_scalar_bias_args, prior_distribution  # noqa: F401
 
 ACTIVATIONS = {"sigmoid": torch.sigmoid, "relu": F.relu, "tanh": torch.tanh, "gelu": F.gelu}
+NOB_INPUTS = ("distance", "learned")
+#: gamma beyond this saturates b at every distance (and overflows float32 products)
+MAX_GAMMA = 1e4
+MAX_WIDTH = 1024
+gamma_type = float_in_range(0.0, MAX_GAMMA)
+length_scale_type = Checker(float, 1.0, name="at5_length_scale")
+width_type = int_in_range(1, MAX_WIDTH)
 
 
 class HeadMLPs(nn.Module):
@@ -67,37 +80,45 @@ class AT5Bias(ScalarBias):
 
     def __init__(self, args, dims):
         super().__init__(args, dims)
-        self.length_scale = float(getattr(args, "at5_length_scale", None) or 256)
-        gamma_range = getattr(args, "at5_gamma_range", None) or (1.0, 10.0)
-        widths = getattr(args, "at5_mlp_widths", None) or (32, 4)
-        activation = getattr(args, "at5_activation", None) or "sigmoid"
-        dropout = float(getattr(args, "at5_dropout", None) or 0.0)
-        if self.length_scale <= 0 or len(gamma_range) != 2 or len(widths) != 2:
-            raise ValueError("--at5-length-scale must be positive; --at5-gamma-range and --at5-mlp-widths take two values")
+        self.length_scale = option(args, "at5_length_scale", length_scale_type, 256.0)
+        gamma_range = option_pair(args, "at5_gamma_range", gamma_type, (1.0, 10.0), ordered=True)
+        if gamma_range[1] == 0:
+            raise OptionValueError("--at5-gamma-range 0 0: expected MAX > 0 (gamma = 0 gives "
+                                   "relu(gamma) no gradient: b would stay 0)")
+        widths = option_pair(args, "at5_mlp_widths", width_type, (32, 4))
+        activation = option(args, "at5_activation", one_of(*sorted(ACTIVATIONS)), "sigmoid")
+        dropout = option(args, "at5_dropout", probability, 0.0)
+        self.nob_input = option(args, "at5_nob_input", one_of(*NOB_INPUTS), "distance")
         self.mlps = nn.ModuleDict()
         self.gammas = nn.ParameterDict()
-        for key in self.table_keys():
-            for direction in self.directions(key):
-                name = f"{key}_{direction}"
-                self.mlps[name] = HeadMLPs(dims.heads, [int(w) for w in widths], activation, dropout)
-                if self.uses_gamma:
-                    self.gammas[name] = nn.Parameter(
-                        torch.empty(dims.heads).uniform_(float(gamma_range[0]), float(gamma_range[1])))
+        names = [f"{key}_{direction}" for key in self.table_keys() for direction in self.directions(key)]
+        h1, h2 = widths
+        check_size(f"--at5-mlp-widths {h1} {h2}", len(names) * dims.heads * (2 * h1 + h1 * h2 + 2 * h2 + 1),
+                   f"the {self.name} MLPs")
+        for name in names:
+            self.mlps[name] = HeadMLPs(dims.heads, widths, activation, dropout)
+            if self.uses_gamma:
+                self.gammas[name] = nn.Parameter(torch.empty(dims.heads).uniform_(*gamma_range))
 
     @staticmethod
     def add_args(parser):
         add_scalar_bias_args(parser)
-        _add_once(parser, "--at5-gamma-range", type=float, nargs=2, metavar=("MIN", "MAX"),
-                  help="at5: gamma+- initialised uniformly in [MIN, MAX]; default 1 10")
-        _add_once(parser, "--at5-length-scale", type=float, metavar="L",
+        _add_once(parser, "--at5-gamma-range", type=gamma_type, nargs=2, metavar=("MIN", "MAX"),
+                  action=ordered_pair(gamma_type, positive_max=True),
+                  help=f"at5: gamma+- initialised uniformly in [MIN, MAX], 0 <= MIN <= MAX <= {MAX_GAMMA:g}, MAX > 0; "
+                       "default 1 10 (the paper's MT run: 1 15)")
+        _add_once(parser, "--at5-length-scale", type=length_scale_type, metavar="L",
                   help="at5/at5_nob: A = 1/L in b = 1 - exp(-A relu(gamma) |d|) (at5_nob: input min(|d|/L, 1)); "
-                       "a constant, not the batch length; default 256")
-        _add_once(parser, "--at5-mlp-widths", type=int, nargs=2, metavar=("H1", "H2"),
-                  help="at5/at5_nob: hidden widths of the per-head MLP 1 -> H1 -> H2 -> 1; default 32 4")
+                       "a constant length in tokens (>= 1), not the batch length; default 256")
+        _add_once(parser, "--at5-mlp-widths", type=width_type, nargs=2, metavar=("H1", "H2"),
+                  help=f"at5/at5_nob: hidden widths of the per-head MLP 1 -> H1 -> H2 -> 1, 1..{MAX_WIDTH}; default 32 4")
         _add_once(parser, "--at5-activation", choices=sorted(ACTIVATIONS),
                   help="at5/at5_nob: activation of the MLP's hidden layers; default sigmoid")
-        _add_once(parser, "--at5-dropout", type=float, metavar="P",
-                  help="at5/at5_nob: dropout after the MLP's first layer; default 0")
+        _add_once(parser, "--at5-dropout", type=probability, metavar="P",
+                  help="at5/at5_nob: dropout after the MLP's first layer, 0 <= P < 1; default 0")
+        _add_once(parser, "--at5-nob-input", choices=NOB_INPUTS,
+                  help="at5_nob: MLP input min(|d|/L, 1) (distance: the paper's text, default) or sigmoid of a "
+                       "learned scalar per head and relative position clipped to +-L (learned: the authors' code)")
 
     def directions(self, key: str):
         """The encoder looks both ways; the causal decoder only at d <= 0."""
@@ -129,10 +150,40 @@ class AT5Bias(ScalarBias):
 
 @register_encoding("at5_nob")
 class AT5NoBuckets(AT5Bias):
-    """AT5-NoB: the MLPs read min(|d| / L, 1) directly (no learnable bucketing, no gamma)."""
+    """AT5-NoB: the MLPs read min(|d| / L, 1) directly (no learnable bucketing, no gamma); with
+    `--at5-nob-input learned`, sigmoid of a learned scalar per head and clipped relative position."""
 
     uses_gamma = False
+
+    def __init__(self, args, dims):
+        super().__init__(args, dims)
+        self.inputs = nn.ParameterDict()
+        if self.nob_input == "learned":
+            self.max_distance = int(self.length_scale)  # positions clipped to +-floor(L)
+            rows = {key: self.input_rows(key) for key in self.table_keys()}
+            check_size(f"--at5-length-scale {self.length_scale:g}", sum(rows.values()) * dims.heads,
+                       "the learned at5_nob input tables")
+            for key, count in rows.items():  # the authors' tf.random_uniform_initializer(): U(0, 1)
+                self.inputs[key] = nn.Parameter(torch.rand(dims.heads, count))
+
+    def input_rows(self, key):
+        """Encoder: d = -M..M; causal decoder: d = -M..0."""
+        return 2 * self.max_distance + 1 if self.key_role(key) == "encoder" else self.max_distance + 1
+
+    def directions(self, key):
+        if getattr(self, "nob_input", "distance") == "learned":
+            return ("both",)  # the authors' code: one MLP per head for every relative position
+        return super().directions(key)
 
     def bucket(self, name, distance):
         scaled = (distance.to(self.mlps[name].w1.dtype) / self.length_scale).clamp(max=1.0)
         return scaled[None, :].expand(self.dims.heads, -1)
+
+    def distance_bias(self, key, low, high):
+        if self.nob_input != "learned":
+            return super().distance_bias(key, low, high)
+        table = self.inputs[key]
+        distance = torch.arange(low, high + 1, device=table.device).clamp(-self.max_distance, self.max_distance)
+        if self.key_role(key) != "encoder":  # causal: keys after the query (masked) read d = 0
+            distance = distance.clamp(max=0)
+        return self.mlps[f"{key}_both"](torch.sigmoid(table[:, distance + self.max_distance]))

@@ -184,16 +184,17 @@ def option_pair(args, dest: str, checker: Callable[[Any], Any], default: Sequenc
     return first, second
 
 
-def ordered_pair(checker: Callable[[Any], Any]):
-    """argparse action for `nargs=2` options whose two values must satisfy first <= second
-    (each value is checked by `type=checker` first)."""
+def ordered_pair(checker: Callable[[Any], Any], positive_max: bool = False):
+    """argparse action for `nargs=2` options whose two values must satisfy first <= second (and,
+    with `positive_max`, second > 0); each value is checked by `type=checker` first."""
 
     class OrderedPair(argparse.Action):
         def __call__(self, parser, namespace, values, option_string=None):
             first, second = values
-            if first > second:
+            if first > second or (positive_max and second <= 0):
+                wanted = "MIN <= MAX and MAX > 0" if positive_max else "MIN <= MAX"
                 raise argparse.ArgumentError(
-                    self, f"invalid values {_number(first)} {_number(second)}: expected MIN <= MAX")
+                    self, f"invalid values {_number(first)} {_number(second)}: expected {wanted}")
             setattr(namespace, self.dest, [first, second])
 
     return OrderedPair

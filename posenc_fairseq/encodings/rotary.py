@@ -10,6 +10,11 @@ import torch
 from torch import Tensor
 
 from .base import PositionalEncoding, register_encoding
+from .option_types import float_in_range, option
+
+#: base of the rotation frequencies base^(-2m/D): positive (0 and negative bases give inf/NaN
+#: angles); bounded by float32, in which the frequencies are computed
+base_type = float_in_range(0.0, 3.0e38, low_open=True)
 
 
 def rotate(x: Tensor, positions: Tensor, heads: int, base: float = 10000.0) -> Tensor:
@@ -33,11 +38,12 @@ class Rotary(PositionalEncoding):
 
     @staticmethod
     def add_args(parser):
-        parser.add_argument("--rotary-base", type=float, metavar="B", help="rotation base (default 10000)")
+        parser.add_argument("--rotary-base", type=base_type, metavar="B",
+                            help="rotation base, 0 < B <= 3e38 (default 10000)")
 
     def __init__(self, args, dims):
         super().__init__(args, dims)
-        self.base = getattr(args, "rotary_base", None) or 10000.0
+        self.base = option(args, "rotary_base", base_type, 10000.0)
 
     def project(self, role, layer, which, x, positions):
         if role == "cross" or which == "v":

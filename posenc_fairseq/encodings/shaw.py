@@ -2,20 +2,25 @@
 added to the keys (and optionally the values) of self-attention.
 
     e_ij = q_i . (k_j + a^K_ij) / sqrt(d_head)        z_i = sum_j alpha_ij (v_j + a^V_ij)
-    a^K_ij = w^K[clip(j - i, k)],  a^V_ij = w^V[clip(j - i, k)],  w^K, w^V in R^{(2k+1) x d_head}
+    Shaw:  a^K_ij = w^K[clip(j - i, k)],  a^V_ij = w^V[clip(j - i, k)],  w^K, w^V in R^{(2k+1) x d_head}
 
-one table pair per self-attention layer, shared by the heads; relative = key - query. LFHC
-replaces clip by eq. 9 of Qu et al. at layer l (counted from 1, so layer 1 is Shaw):
+one table pair per self-attention layer, shared by the heads. Shaw indexes by key - query
+(j - i, Shaw et al. 2018) and keeps its value term by default (their full model). LFHC follows
+Qu et al.: eq. 5 indexes by x = i - j (query - key) and has the key term only (the value term
+is an extension, `--lfhc-values on`), and eq. 9 replaces clip at layer l (counted from 1, so
+layer 1 is Shaw up to the sign of the index):
 
-    clip^l(x, k) = k if x > kl;  floor(x / l) if -kl <= x <= kl;  -k if x < -kl
+    clip^l(x, k) = k if x > kl;  floor(x / l) if -kl <= x <= kl;  -k if x < -kl,   x = i - j
 
-taken literally, i.e. floor also for negative x (floor(-1/2) = -1, so -1 and -2 share a bucket
-at layer 2 while 0 and 1 share one). Same number of parameters as Shaw.
+taken literally, i.e. floor also for negative x (the paper prints the branches x >= 0 and x < 0
+separately but identically; `--lfhc-rounding trunc` is the symmetric reading, truncation
+toward zero). Same number of parameters as Shaw.
 
-Memory: never an (n, n, d_head) tensor. The query meets the 2k+1 embeddings once, (B, H, Tq,
-2k+1), and that is gathered to (B, H, Tq, Tk) with a (Tq, Tk) bucket-index matrix; the value term
-sums the attention probabilities per bucket (scatter-add, (B, H, Tq, 2k+1)) and multiplies by w^V.
-Nothing on cross-attention; nothing sized to a maximum length.
+Memory: never an (n, n, d_head) tensor. The query meets the embeddings of the buckets the call
+uses (at most Tq + Tk - 1 of the 2k+1) once, (B, H, Tq, #buckets), and that is gathered to
+(B, H, Tq, Tk) with a (Tq, Tk) bucket-index matrix; the value term sums the attention
+probabilities per bucket (scatter-add, (B, H, Tq, #buckets)) and multiplies by w^V. Nothing on
+cross-attention; nothing sized to a maximum length, so a large k costs parameters only.
 """
 import argparse
 
@@ -23,8 +28,13 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionalEncoding, register_encoding
+from .option_types import Checker, check_size, checked, one_of, option
 
 SELF_ROLES = ("encoder", "decoder")
+#: parse-time bound of k (2k+1 table rows per layer); build time checks the exact table size
+MAX_K = 2 ** 16
+k_type = Checker(int, 1, MAX_K, name="k")
+ROUNDINGS = ("floor", "trunc")
 
 
 def switch(value) -> bool:
@@ -42,22 +52,27 @@ def shaw_buckets(relative: Tensor, k: int) -> Tensor:
     return relative.clamp(-k, k) + k
 
 
-def lfhc_buckets(relative: Tensor, k: int, layer: int) -> Tensor:
-    """Eq. 9 at 1-based layer `layer`, shifted to 0..2k. floor(x / l) for both signs (literal)."""
-    return torch.div(relative, layer, rounding_mode="floor").clamp(-k, k) + k
+def lfhc_buckets(relative: Tensor, k: int, layer: int, rounding: str = "floor") -> Tensor:
+    """Eq. 9 at 1-based layer `layer` of x = `relative`, shifted to 0..2k. floor(x / l) for both
+    signs (literal), or with rounding='trunc' truncation toward zero (the symmetric reading)."""
+    return torch.div(relative, layer, rounding_mode=rounding).clamp(-k, k) + k
 
 
 @register_encoding("shaw")
 class Shaw(PositionalEncoding):
     default_input_positions = "none"  # Shaw et al.: no sinusoidal input encoding in addition
     option_prefix = "shaw"
+    default_values = True  # Shaw et al.'s full model has the value term
 
     def __init__(self, args, dims):
         super().__init__(args, dims)
         prefix = self.option_prefix.replace("-", "_")
-        self.k = int(getattr(args, f"{prefix}_k", None) or 16)
+        self.k = option(args, f"{prefix}_k", k_type, 16)
         values = getattr(args, f"{prefix}_values", None)
-        self.values = True if values is None else switch(values)
+        self.values = self.default_values if values is None else checked(f"{prefix}_values", values, switch)
+        tables = (2 if self.values else 1) * (dims.encoder_layers + dims.decoder_layers)
+        check_size(f"--{self.option_prefix}-k {self.k}", tables * (2 * self.k + 1) * dims.head_dim,
+                   f"the {self.name} relative embedding tables")
         size = (2 * self.k + 1, dims.head_dim)
         self.key_tables = nn.ParameterDict()
         self.value_tables = nn.ParameterDict()
@@ -76,21 +91,28 @@ class Shaw(PositionalEncoding):
     @classmethod
     def add_args(cls, parser):
         p = cls.option_prefix
-        parser.add_argument(f"--{p}-k", type=int, metavar="K",
-                            help=f"{cls.name}: maximum clipped relative distance k, 2k+1 embeddings per layer (default 16)")
-        parser.add_argument(f"--{p}-values", type=switch, metavar="on|off",
-                            help=f"{cls.name}: also add a^V_ij to the values (default on, as in Shaw et al.'s "
-                                 "full model; they found it unnecessary for MT)")
+        parser.add_argument(f"--{p}-k", type=k_type, metavar="K",
+                            help=f"{cls.name}: maximum clipped relative distance k, 1..{MAX_K}; 2k+1 embeddings "
+                                 "per layer (default 16)")
+        if cls.default_values:
+            values_help = f"{cls.name}: also add a^V_ij to the values (default on, as in Shaw et al.'s full model; " \
+                          "they found it unnecessary for MT)"
+        else:
+            values_help = f"{cls.name}: also add a^V_ij to the values (default off: Qu et al.'s eqs. 5 and 9 have " \
+                          "the key term only; on is an extension, Shaw et al.'s value term)"
+        parser.add_argument(f"--{p}-values", type=switch, metavar="on|off", help=values_help)
 
     # --- buckets ------------------------------------------------------------------------------
-    def bucket_of(self, relative: Tensor, layer: int) -> Tensor:
-        """Table row (0..2k) of relative distance j - i at 0-based `layer`."""
-        return shaw_buckets(relative, self.k)
+    def bucket_of(self, query_positions: Tensor, key_positions: Tensor, layer: int) -> Tensor:
+        """(Tq, Tk) table rows (0..2k) at 0-based `layer`: Shaw's clip(j - i, k) + k."""
+        return shaw_buckets(key_positions[None, :] - query_positions[:, None], self.k)
 
-    def buckets(self, role: str, layer: int, query_positions: Tensor, key_positions: Tensor) -> Tensor:
+    def buckets(self, role: str, layer: int, query_positions: Tensor, key_positions: Tensor):
+        """(index, low, high): the rows low..high that the call uses and each pair's row - low."""
         def compute():
-            relative = key_positions[None, :] - query_positions[:, None]
-            return self.bucket_of(relative, layer)
+            rows = self.bucket_of(query_positions, key_positions, layer)
+            low, high = int(rows.min()), int(rows.max())
+            return rows - low, low, high
         return self.memoize((role, self.name, self._layer_key(layer), int(query_positions[0]),
                              len(query_positions), len(key_positions)), compute)
 
@@ -101,9 +123,9 @@ class Shaw(PositionalEncoding):
     def relative_logits(self, role, layer, query, key, query_positions, key_positions):
         if role not in SELF_ROLES:
             return None
-        table = self.key_tables[f"{role}{layer}"].to(query.dtype)
-        scores = query @ table.t()  # (B, H, Tq, 2k+1); query is already scaled by 1/sqrt(d)
-        index = self.buckets(role, layer, query_positions, key_positions)  # (Tq, Tk)
+        index, low, high = self.buckets(role, layer, query_positions, key_positions)  # (Tq, Tk)
+        table = self.key_tables[f"{role}{layer}"][low: high + 1].to(query.dtype)
+        scores = query @ table.t()  # (B, H, Tq, #rows used); query is already scaled by 1/sqrt(d)
         batch, heads, tq, _ = scores.shape
         return scores.gather(-1, index.expand(batch, heads, tq, index.size(-1)))
 
@@ -113,8 +135,8 @@ class Shaw(PositionalEncoding):
     def relative_values(self, role, layer, probs, query_positions, key_positions):
         if not self.has_relative_values(role, layer):
             return None
-        table = self.value_tables[f"{role}{layer}"]
-        index = self.buckets(role, layer, query_positions, key_positions)
+        index, low, high = self.buckets(role, layer, query_positions, key_positions)
+        table = self.value_tables[f"{role}{layer}"][low: high + 1]
         batch, heads, tq, tk = probs.shape
         per_bucket = probs.new_zeros(batch, heads, tq, table.size(0))
         per_bucket = per_bucket.scatter_add(-1, index.expand(batch, heads, tq, tk), probs)
@@ -128,12 +150,26 @@ class Shaw(PositionalEncoding):
 
 @register_encoding("lfhc")
 class LFHC(Shaw):
-    """Shaw with eq. 9's layer-dependent clip: layer l (1-based) buckets floor((j - i) / l)."""
+    """Qu et al.'s LFHC-RPE: eq. 9's layer-dependent clip of x = i - j (layer l, 1-based, buckets
+    floor(x / l)), key term only by default (eqs. 5 and 9)."""
 
     option_prefix = "lfhc"
+    default_values = False
 
-    def bucket_of(self, relative, layer):
-        return lfhc_buckets(relative, self.k, layer + 1)
+    def __init__(self, args, dims):
+        super().__init__(args, dims)
+        self.rounding = option(args, "lfhc_rounding", one_of(*ROUNDINGS), "floor")
+
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        parser.add_argument("--lfhc-rounding", choices=ROUNDINGS,
+                            help="lfhc: floor(x/l) for both signs of x = i - j (eq. 9 as printed, default) or trunc "
+                                 "(truncation toward zero: a symmetric reading of eq. 9's two identical branches)")
+
+    def bucket_of(self, query_positions, key_positions, layer):
+        relative = query_positions[:, None] - key_positions[None, :]  # x = i - j (eq. 5)
+        return lfhc_buckets(relative, self.k, layer + 1, self.rounding)
 
     def _layer_key(self, layer):
         return layer

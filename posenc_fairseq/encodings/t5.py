@@ -18,7 +18,13 @@ one, shared by all layers of a stack with `--scalar-bias-share-layers` or one pe
 The bias is computed once per forward over the distinct distances and gathered into
 (heads, q_len, k_len); layers that share a table share that tensor.
 
-Also here: `prior_distribution`, the prior beta of paper eq. 6 (softmax over keys of the bias).
+Also here: `prior_distribution`, the prior beta of paper eq. 6 (softmax over keys of the bias),
+for every encoding with a token-independent logit bias (T5, T5-NoB, AT5, AT5-NoB, ALiBi).
+
+Options are checked where they are parsed and again where the encoding is built (see
+option_types.py): `--t5-num-buckets` must be even (eq. 14 splits the buckets between the two
+directions), 0 is honoured where it means something (`--t5-max-distance 0` for t5_nob clips every
+distance to 0) and refused where it does not.
 """
 import argparse
 import math
@@ -28,6 +34,15 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionalEncoding, layers_with_bias, register_encoding
+from .option_types import (Checker, OptionValueError, check_size, even_int_in_range, int_in_range, one_of,
+                           option)
+
+#: parse-time bounds; beyond them a table would be absurdly large (build time checks the exact size)
+MAX_BUCKETS = 2 ** 20
+MAX_T5_DISTANCE = 2 ** 20
+num_buckets_type = Checker(int, 4, MAX_BUCKETS, even=True, name="t5_num_buckets")
+max_distance_type = int_in_range(0, MAX_T5_DISTANCE)
+bias_layers_type = one_of("first", "all")
 
 
 def relative_position_bucket(relative_position: Tensor, bidirectional: bool = True, num_buckets: int = 32,
@@ -91,10 +106,8 @@ class ScalarBias(PositionalEncoding):
 
     def __init__(self, args, dims):
         super().__init__(args, dims)
-        self.bias_layers = getattr(args, "scalar_bias_layers", None) or "first"
+        self.bias_layers = option(args, "scalar_bias_layers", bias_layers_type, "first")
         self.share_layers = bool(getattr(args, "scalar_bias_share_layers", False))
-        if self.bias_layers not in ("first", "all"):
-            raise ValueError(f"--scalar-bias-layers must be first or all, not {self.bias_layers!r}")
 
     # --- layout ---------------------------------------------------------------------------
     def has_bias(self, role: str, layer: int) -> bool:
@@ -152,7 +165,9 @@ class _TableBias(ScalarBias):
 
     def __init__(self, args, dims):
         super().__init__(args, dims)
-        self.max_distance = int(getattr(args, "t5_max_distance", None) or 128)
+        self.max_distance = option(args, "t5_max_distance", max_distance_type, 128)
+        rows = sum(self.rows(self.key_role(key) == "encoder") for key in self.table_keys())
+        check_size(self.size_option(), rows * dims.heads, f"the {self.name} bias tables")
         self.tables = nn.ParameterDict({
             key: nn.Parameter(torch.empty(self.rows(self.key_role(key) == "encoder"), dims.heads))
             for key in self.table_keys()})
@@ -163,14 +178,19 @@ class _TableBias(ScalarBias):
     @staticmethod
     def add_args(parser):
         add_scalar_bias_args(parser)
-        _add_once(parser, "--t5-num-buckets", type=int, metavar="N",
-                  help="t5: number of buckets B_max (half per direction in the encoder); default 32")
-        _add_once(parser, "--t5-max-distance", type=int, metavar="M",
-                  help="t5: distance M from which all distances share the last bucket; t5_nob: distances "
-                       "are clipped to +-M; default 128")
+        _add_once(parser, "--t5-num-buckets", type=num_buckets_type, metavar="N",
+                  help=f"t5: number of buckets B_max, even (half per direction in the encoder), 4..{MAX_BUCKETS}; "
+                       "default 32 (the paper's MT runs: 64)")
+        _add_once(parser, "--t5-max-distance", type=max_distance_type, metavar="M",
+                  help="t5: distance M from which all distances share the last bucket (must exceed B_max/2); "
+                       f"t5_nob: distances are clipped to +-M (0 allowed); 0..{MAX_T5_DISTANCE}; default 128")
 
     def rows(self, bidirectional: bool) -> int:
         raise NotImplementedError
+
+    def size_option(self) -> str:
+        """The option(s) that size the tables, as the user gave them (for the size error)."""
+        return f"--t5-max-distance {self.max_distance}"
 
     def rows_of(self, distances: Tensor, bidirectional: bool) -> Tensor:
         raise NotImplementedError
@@ -192,17 +212,19 @@ class T5Bias(_TableBias):
     """T5: e_h(l) = E[b(l), h] with T5's fixed buckets (paper eqs. 14-16)."""
 
     def __init__(self, args, dims):
-        self.num_buckets = int(getattr(args, "t5_num_buckets", None) or 32)
-        max_distance = int(getattr(args, "t5_max_distance", None) or 128)
-        for side in (self.num_buckets // 2, self.num_buckets):  # bidirectional, causal
-            if side < 2 or max_distance <= side // 2:
-                raise ValueError(f"--t5-max-distance ({max_distance}) must exceed half of --t5-num-buckets "
-                                 f"({self.num_buckets}) (the exact buckets of the causal decoder), and "
-                                 "there must be at least 4 buckets")
+        self.num_buckets = option(args, "t5_num_buckets", num_buckets_type, 32)
+        max_distance = option(args, "t5_max_distance", max_distance_type, 128)
+        if max_distance <= self.num_buckets // 2:  # the causal side's exact buckets (the larger)
+            raise OptionValueError(
+                f"--t5-max-distance {max_distance}: expected an integer > {self.num_buckets // 2} "
+                f"(half of --t5-num-buckets {self.num_buckets}: distances below it have exact buckets)")
         super().__init__(args, dims)
 
     def rows(self, bidirectional):
         return self.num_buckets
+
+    def size_option(self):
+        return f"--t5-num-buckets {self.num_buckets}"
 
     def rows_of(self, distances, bidirectional):
         return relative_position_bucket(distances, bidirectional, self.num_buckets, self.max_distance)
@@ -221,20 +243,40 @@ class T5NoBuckets(_TableBias):
         return (-distances).clamp(0, self.max_distance)
 
 
-def prior_distribution(encoding: ScalarBias, role: str, layer: int, query_position: int,
+def _device_and_dtype(encoding: nn.Module):
+    for tensor in list(encoding.parameters()) + list(encoding.buffers()):
+        if tensor.is_floating_point():
+            return tensor.device, tensor.dtype
+    return torch.device("cpu"), torch.get_default_dtype()
+
+
+def prior_distribution(encoding: PositionalEncoding, role: str, layer: int, query_position: int,
                        key_positions, head: int) -> Tensor:
     """The prior beta over the keys of one head (paper eq. 6): softmax over `key_positions` of the
-    scalar bias e_h(j - i) for query position i = `query_position`, independent of the tokens.
+    encoding's token-independent logit bias for query position i = `query_position`.
 
-    In the causal decoder keys after the query cannot be attended and get probability 0. A layer
-    without a bias has the uniform prior. Returns a 1-D float tensor (len(key_positions),) that
-    sums to 1, e.g. to plot with `plt.plot(key_positions, prior)`.
+    Works for every encoding: the bias is what its `logit_bias` hook adds in that layer (T5,
+    T5-NoB, AT5, AT5-NoB: e_h(j - i); ALiBi: -m_h |j - i|), computed as in the model (its device
+    and dtype) but with dropout off (eval mode, restored afterwards) and without touching the
+    per-forward cache. In the causal decoder keys after the query get probability 0. A layer,
+    role or encoding without such a bias (cross-attention, T5 layers without a table, and the
+    encodings whose position terms depend on the tokens: Shaw, LFHC, XL, GCDF, rotary, FLOATER)
+    gives the uniform prior. Returns a 1-D float32 tensor (len(key_positions),) on the model's
+    device that sums to 1, e.g. to plot with `plt.plot(key_positions, prior.cpu())`.
     """
-    keys = torch.as_tensor(key_positions).long().reshape(-1)
-    query = torch.tensor([int(query_position)], device=keys.device)
-    with torch.no_grad():
-        bias = encoding.bias(role, layer, query, keys) if isinstance(encoding, ScalarBias) else None
-        scores = bias[head, 0].float() if bias is not None else torch.zeros(len(keys))
-        if role == "decoder":
-            scores = scores.masked_fill(keys > int(query_position), float("-inf"))
-        return torch.softmax(scores, dim=-1)
+    device, _ = _device_and_dtype(encoding)
+    keys = torch.as_tensor(key_positions, device=device).long().reshape(-1)
+    query = torch.tensor([int(query_position)], device=device)
+    training, memo = encoding.training, encoding._memo
+    encoding.eval()
+    encoding._memo = {}
+    try:
+        with torch.no_grad():
+            bias = encoding.logit_bias(role, layer, query, keys)
+    finally:
+        encoding._memo = memo
+        encoding.train(training)
+    scores = torch.zeros(len(keys), device=device) if bias is None else bias[head, 0].float()
+    if role == "decoder":
+        scores = scores.masked_fill(keys > int(query_position), float("-inf"))
+    return torch.softmax(scores, dim=-1)

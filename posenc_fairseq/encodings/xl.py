@@ -20,7 +20,12 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionalEncoding, register_encoding
+from .option_types import float_in_range, option
 
+#: lambda of eq. 15: positive (0 removes the position term, a negative one only flips its sign);
+#: bounded so that lambda * W_r R stays far from float16/float32 overflow
+MAX_LAMBDA = 1e4
+lambda_type = float_in_range(0.0, MAX_LAMBDA, low_open=True)
 SELF_ROLES = ("encoder", "decoder")
 
 
@@ -104,13 +109,13 @@ class TransformerXL(PositionalEncoding):
 class GCDF(TransformerXL):
     def __init__(self, args, dims):
         super().__init__(args, dims)
-        scale = getattr(args, "gcdf_lambda", None)
-        self.scale = 4.0 if scale is None else float(scale)
+        self.scale = option(args, "gcdf_lambda", lambda_type, 4.0)
 
     @staticmethod
     def add_args(parser):
-        parser.add_argument("--gcdf-lambda", type=float, metavar="L",
-                            help="gcdf: scale factor lambda of the prior R_d^k = lambda * Phi(d / sigma_k) (default 4)")
+        parser.add_argument("--gcdf-lambda", type=lambda_type, metavar="L",
+                            help="gcdf: scale factor lambda of the prior R_d^k = lambda * Phi(d / sigma_k), "
+                                 f"0 < L <= {MAX_LAMBDA:g} (default 4)")
 
     def prior(self, distances):
         return gcdf_prior(distances, self.dims.embed_dim, self.scale)

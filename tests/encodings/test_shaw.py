@@ -49,7 +49,8 @@ def lfhc_clip(x, k, l):
 
 def naive(module, x, padding, causal, w_key, w_value, clip):
     """z_i = sum_j alpha_ij (v_j + a^V_ij), alpha = softmax_j(q_i.(k_j + a^K_ij) / sqrt(d)),
-    a_ij = w[clip(j - i)] (w indexed -k..k), one (i, j) pair at a time."""
+    a_ij = w[clip(i, j)] (w indexed -k..k; Shaw: clip(j - i), LFHC: clip^l(i - j)), one (i, j)
+    pair at a time."""
     length, batch, embed = x.shape
     heads = module.num_heads
     d = embed // heads
@@ -62,14 +63,14 @@ def naive(module, x, padding, causal, w_key, w_value, clip):
             for i in range(length):
                 e = []
                 for j in range(length):
-                    a_key = w_key[clip(j - i) + k_max]
+                    a_key = w_key[clip(i, j) + k_max]
                     score = q[i, b, part] @ (k[j, b, part] + a_key) / math.sqrt(d)
                     if padding[b, j] or (causal and j > i):
                         score = torch.tensor(float("-inf"), dtype=x.dtype)
                     e.append(score)
                 alpha = torch.softmax(torch.stack(e), dim=0)
                 for j in range(length):
-                    a_value = w_value[clip(j - i) + k_max] if w_value is not None else 0
+                    a_value = w_value[clip(i, j) + k_max] if w_value is not None else 0
                     z[i, b, part] += alpha[j] * (v[j, b, part] + a_value)
     return module.out_proj(z)
 
@@ -92,7 +93,8 @@ def test_attention_output_equals_naive_loops(name, layer, role, values):
     got, _ = module(x, x, x, key_padding_mask=padding, attn_mask=causal_mask(len(x)) if causal else None)
     key = f"{role}{layer}"
     w_value = enc.value_tables[key] if values == "on" else None
-    clip = (lambda x: shaw_clip(x, k)) if name == "shaw" else (lambda x: lfhc_clip(x, k, layer + 1))
+    # Shaw et al. index by key - query; Qu et al.'s eqs. 5 and 9 by x = i - j (query - key)
+    clip = (lambda i, j: shaw_clip(j - i, k)) if name == "shaw" else (lambda i, j: lfhc_clip(i - j, k, layer + 1))
     with torch.no_grad():
         expected = naive(module, x, padding, causal, enc.key_tables[key], w_value, clip)
     assert (got - expected).abs().max() <= 1e-5
@@ -104,21 +106,26 @@ def test_attention_output_equals_naive_loops(name, layer, role, values):
 
 def test_options_and_defaults():
     enc = build_encoding("shaw", encoding_options(), ModelDims(EMBED, HEADS, 2, 3))
-    assert enc.k == 16 and enc.values
+    assert enc.k == 16 and enc.values  # Shaw et al.'s full model: value term on
     assert sorted(enc.key_tables) == ["decoder0", "decoder1", "decoder2", "encoder0", "encoder1"]
     assert enc.key_tables["encoder0"].shape == (33, EMBED // HEADS)
+    lfhc = build_encoding("lfhc", encoding_options(), ModelDims(EMBED, HEADS, 2, 3))
+    # Qu et al.'s eqs. 5 and 9: key term only by default, floor rounding
+    assert lfhc.k == 16 and not lfhc.values and len(lfhc.value_tables) == 0 and lfhc.rounding == "floor"
     off = build_encoding("lfhc", encoding_options("--lfhc-k", "4", "--lfhc-values", "off"), ModelDims(EMBED, HEADS, 2, 0))
     assert off.k == 4 and not off.values and len(off.value_tables) == 0 and sorted(off.key_tables) == ["encoder0", "encoder1"]
     assert not off.has_relative_values("encoder", 0)
-    assert sum(p.numel() for p in enc.parameters()) == sum(
-        p.numel() for p in build_encoding("lfhc", encoding_options(), ModelDims(EMBED, HEADS, 2, 3)).parameters())
+    on = build_encoding("lfhc", encoding_options("--lfhc-values", "on"), ModelDims(EMBED, HEADS, 2, 3))
+    assert on.values and on.has_relative_values("encoder", 0)
+    assert sum(p.numel() for p in enc.parameters()) == sum(p.numel() for p in on.parameters())
     assert ENCODINGS["shaw"].default_input_positions == ENCODINGS["lfhc"].default_input_positions == "none"
 
 
 def test_lfhc_layer_one_equals_shaw_and_higher_layers_differ():
-    shaw = encoding("shaw", "--shaw-k", "2")
+    shaw = encoding("shaw", "--shaw-k", "2", "--shaw-values", "off")
     lfhc = encoding("lfhc", "--lfhc-k", "2")
-    lfhc.load_state_dict(shaw.state_dict())
+    # LFHC indexes by i - j, Shaw by j - i: layer 1 is Shaw with the table's rows reversed
+    lfhc.load_state_dict({key: value.flip(0) for key, value in shaw.state_dict().items()})
     x, padding = inputs()
     outputs = {}
     for layer in (0, 1):
@@ -129,22 +136,31 @@ def test_lfhc_layer_one_equals_shaw_and_higher_layers_differ():
     assert (outputs["shaw", 1] - outputs["lfhc", 1]).abs().max() > 1e-3
 
 
-# eq. 9 by hand for k = 2 and positions 0..5, entry [i][j] = clip^l(j - i, 2)
+# eq. 9 by hand for k = 2 and positions 0..5, entry [i][j] = clip^l(i - j, 2) (query - key, eq. 5)
 LAYER_2 = [
-    [0, 0, 1, 1, 2, 2],
-    [-1, 0, 0, 1, 1, 2],
-    [-1, -1, 0, 0, 1, 1],
-    [-2, -1, -1, 0, 0, 1],
-    [-2, -2, -1, -1, 0, 0],
-    [-2, -2, -2, -1, -1, 0],
+    [0, -1, -1, -2, -2, -2],
+    [0, 0, -1, -1, -2, -2],
+    [1, 0, 0, -1, -1, -2],
+    [1, 1, 0, 0, -1, -1],
+    [2, 1, 1, 0, 0, -1],
+    [2, 2, 1, 1, 0, 0],
 ]
 LAYER_3 = [
-    [0, 0, 0, 1, 1, 1],
-    [-1, 0, 0, 0, 1, 1],
-    [-1, -1, 0, 0, 0, 1],
-    [-1, -1, -1, 0, 0, 0],
-    [-2, -1, -1, -1, 0, 0],
-    [-2, -2, -1, -1, -1, 0],
+    [0, -1, -1, -1, -2, -2],
+    [0, 0, -1, -1, -1, -2],
+    [0, 0, 0, -1, -1, -1],
+    [1, 0, 0, 0, -1, -1],
+    [1, 1, 0, 0, 0, -1],
+    [1, 1, 1, 0, 0, 0],
+]
+# the symmetric reading (truncation toward zero), layer 2: {-1, 0, 1} share bucket 0
+LAYER_2_TRUNC = [
+    [0, 0, -1, -1, -2, -2],
+    [0, 0, 0, -1, -1, -2],
+    [1, 0, 0, 0, -1, -1],
+    [1, 1, 0, 0, 0, -1],
+    [2, 1, 1, 0, 0, 0],
+    [2, 2, 1, 1, 0, 0],
 ]
 
 
@@ -152,12 +168,37 @@ def test_lfhc_index_matrix_is_eq_9():
     enc = encoding("lfhc", "--lfhc-k", "2")
     positions = torch.arange(6)
     for layer, expected in ((1, LAYER_2), (2, LAYER_3)):  # 0-based layer index: l = 2, 3
-        got = enc.buckets("encoder", layer, positions, positions) - 2
-        assert got.tolist() == expected
-    # layer 1 is Shaw's clip; last query row of a step-by-step call matches the full matrix
-    assert (enc.buckets("encoder", 0, positions, positions) - 2).tolist() == [
-        [shaw_clip(j - i, 2) for j in range(6)] for i in range(6)]
-    assert (enc.buckets("decoder", 1, positions[-1:], positions) - 2).tolist() == [LAYER_2[-1]]
+        assert (enc.bucket_of(positions, positions, layer) - 2).tolist() == expected
+    # the issue's example: at layer 2, keys after the query (j - i = 1, 2, ...) group as {0}, {1, 2}, {3, 4}
+    assert (enc.bucket_of(torch.tensor([0]), positions[:5], 1) - 2).tolist() == [[0, -1, -1, -2, -2]]
+    # layer 1 is the paper's Shaw clip(i - j, k); last query row of a step-by-step call matches the full matrix
+    assert (enc.bucket_of(positions, positions, 0) - 2).tolist() == [
+        [shaw_clip(i - j, 2) for j in range(6)] for i in range(6)]
+    assert (enc.bucket_of(positions[-1:], positions, 1) - 2).tolist() == [LAYER_2[-1]]
+    # buckets(): the rows the call uses and the index relative to the first of them
+    index, low, high = enc.buckets("encoder", 1, positions, positions)
+    assert (low, high) == (0, 4) and (index + low - 2).tolist() == LAYER_2
+    trunc = encoding("lfhc", "--lfhc-k", "2", "--lfhc-rounding", "trunc")
+    assert (trunc.bucket_of(positions, positions, 1) - 2).tolist() == LAYER_2_TRUNC
+    assert (trunc.bucket_of(positions, positions, 0) - 2).tolist() == [
+        [shaw_clip(i - j, 2) for j in range(6)] for i in range(6)]
+
+
+@pytest.mark.parametrize("name", ["shaw", "lfhc"])
+def test_large_k_uses_only_the_rows_of_the_call(name):
+    """k far beyond the length: only the rows of the call's distances enter the product."""
+    k = 50
+    enc = encoding(name, f"--{name}-k", str(k), f"--{name}-values", "on")
+    module = attention(enc, "encoder", 1)
+    x, padding = inputs()
+    enc.begin("encoder")
+    got, _ = module(x, x, x, key_padding_mask=padding)
+    clip = (lambda i, j: shaw_clip(j - i, k)) if name == "shaw" else (lambda i, j: lfhc_clip(i - j, k, 2))
+    with torch.no_grad():
+        expected = naive(module, x, padding, False, enc.key_tables["encoder1"], enc.value_tables["encoder1"], clip)
+    assert (got - expected).abs().max() <= 1e-5
+    _, low, high = enc.buckets("encoder", 1, torch.arange(8), torch.arange(8))
+    assert high - low + 1 <= 15 < 2 * k + 1
 
 
 def test_reset_to_identity_adds_nothing():
