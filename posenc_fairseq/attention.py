@@ -12,8 +12,19 @@ incremental-state layout and beam handling) with a forward that asks a bound
 Positions are explicit: in self-attention the queries are the last `q_len` of the `k_len` keys
 (the cache holds the earlier ones), so query i has position k_len - q_len + i during step-by-step
 decoding exactly as in the full forward pass.
+
+fairseq features handled here (see README, "Works with"):
+- `--cross-self-attention`: the decoder self-attention keys are cat(source, target). The projection
+  hooks (rotary, FLOATER) see the key positions cat(source positions, target positions); the
+  relative hooks (logit_bias, relative_logits, relative_values) are given the target keys only and
+  add nothing on the source keys, exactly as they add nothing on cross-attention.
+- head pruning (`_adaptive_prune_heads`): the module remembers which of the original heads it keeps
+  (`kept_heads`, saved with the model) and each kept head keeps its own per-head position terms.
+- `--retain-dropout`: attention dropout follows the dropout module's own decision
+  (`FairseqDropout.apply_during_inference`) on both paths.
+- TorchScript: refused with one message (`__prepare_scriptable__`), see TORCHSCRIPT_MESSAGE.
 """
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +53,15 @@ class PositionBinding:
         self.encoding, self.role, self.layer = encoding, role, layer
 
 
+TORCHSCRIPT_MESSAGE = (
+    "posenc_fairseq models cannot be compiled with TorchScript (torch.jit.script): the positional "
+    "encoding is one Python module shared by every layer that keeps per-forward state (the token "
+    "positions each stack announces, position terms memoized across layers, FLOATER's ODE table solved "
+    "by torchdiffeq), which TorchScript cannot represent. Run the model in eager mode (fairseq-generate, "
+    "fairseq-interactive, hub interfaces) or trace a fixed-shape call with torch.jit.trace; see README, "
+    "'Works with'.")
+
+
 def blocked_fill_value(dtype: torch.dtype) -> float:
     """Finite 'minus infinity' for masks: exp() of it underflows to 0 in softmax, and unlike -inf
     a fully masked row gives uniform weights instead of NaN, in fp16/bf16 as in fp32."""
@@ -53,6 +73,53 @@ class PositionalAttention(MultiheadAttention):
 
     def bind_position(self, encoding, role: str, layer: int):
         self.position_binding = PositionBinding(encoding, role, layer) if encoding is not None else None
+
+    def __prepare_scriptable__(self):
+        raise RuntimeError(TORCHSCRIPT_MESSAGE)
+
+    # --- head pruning (fairseq's AdaPrune: trainer `--mha-heads-to-keep`, `_adaptive_prune_heads`) ---
+    def _adaptive_prune_heads(self, reserve_head_index: List[Tuple[int, int]]):
+        """fairseq's pruning, plus a record of which original heads remain (in their new order):
+        per-head position terms (ALiBi slopes, T5 columns, XL u/v, ...) stay with their head."""
+        previous = self._kept_heads()
+        self.__dict__.setdefault("full_heads", self.num_heads)  # what the encoding's per-head terms cover
+        full_biases = {which: self.full_projection_bias(which).detach().clone() for which in "qkv"}
+        super()._adaptive_prune_heads(reserve_head_index)
+        chosen = torch.tensor([start // self.head_dim for start, _ in reserve_head_index], dtype=torch.long)
+        kept = previous.cpu()[chosen] if previous is not None else chosen
+        self.register_buffer("kept_heads", kept.to(self.q_proj.weight.device))
+        for which, bias in full_biases.items():
+            if bias is not None:  # the pruned heads' biases (kept heads' entries are zero), see full_projection_bias
+                self.register_buffer(f"pruned_{which}_bias", bias.index_fill(0, self._kept_channels(), 0.0))
+
+    def _kept_channels(self) -> Tensor:
+        kept = self._kept_heads()
+        return (kept[:, None] * self.head_dim + torch.arange(self.head_dim, device=kept.device)[None, :]).reshape(-1)
+
+    def full_projection_bias(self, which: str) -> Optional[Tensor]:
+        """The bias of `{which}_proj` over all the original heads: after head pruning the kept
+        heads' entries are the live parameter (gradients flow) and the pruned heads' entries are
+        their values at pruning time. FLOATER's ODE runs on full-size initial values b(0)."""
+        bias = getattr(self, f"{which}_proj").bias
+        if bias is None or self._kept_heads() is None:
+            return bias
+        return self._buffers[f"pruned_{which}_bias"].index_copy(0, self._kept_channels(), bias)
+
+    def _kept_heads(self) -> Optional[Tensor]:
+        return self._buffers.get("kept_heads")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = prefix + "kept_heads"
+        if key in state_dict and "kept_heads" not in self._buffers:
+            # a pruned checkpoint loaded into a model pruned the same way before loading: adopt it
+            self.register_buffer("kept_heads", torch.empty_like(state_dict[key]))
+            self.__dict__.setdefault("full_heads", self.num_heads)
+            for which in "qkv":
+                if prefix + f"pruned_{which}_bias" in state_dict:
+                    self.register_buffer(f"pruned_{which}_bias", torch.empty_like(state_dict[prefix + f"pruned_{which}_bias"]))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     def forward(
         self,
@@ -80,7 +147,16 @@ class PositionalAttention(MultiheadAttention):
         if saved_state is not None and "prev_key" in saved_state and static_kv:
             key = value = None  # cross-attention keys/values were cached at the first step
 
+        # --cross-self-attention: the decoder self-attention keys are cat(source, target)
+        cross_self = binding is not None and binding.role == "decoder" and not self.self_attention \
+            and not self.encoder_decoder_attention
         query_positions, key_positions = self._token_positions(binding)
+        source_keys = 0  # keys (cached or not) that are source tokens, before the target keys
+        if cross_self:
+            source_positions = encoding.token_positions.get("source")
+            source_keys = source_positions.size(1) if source_positions is not None else 0
+            if key is not None and key.size(0) == source_keys + tgt_len and source_positions is not None:
+                key_positions = torch.cat([source_positions, key_positions], dim=1)
         q = self._project("q", self.q_proj(query), query_positions)
         k = v = None
         if self.self_attention:
@@ -125,19 +201,36 @@ class PositionalAttention(MultiheadAttention):
         if key_padding_mask is not None and key_padding_mask.dim() == 0:
             key_padding_mask = None
 
-        # Relative positions of this call: queries are the last tgt_len of src_len positions.
+        # Relative positions of this call: queries are the last tgt_len of the (target) keys. With
+        # --cross-self-attention the relative terms cover the target keys only (nothing on the
+        # source keys, as on cross-attention).
         relative = encoding is not None and not self.encoder_decoder_attention
-        q_pos = torch.arange(src_len - tgt_len, src_len, device=q.device)
-        k_pos = torch.arange(src_len, device=q.device)
+        if relative and source_keys and src_len < source_keys + tgt_len:
+            raise RuntimeError(f"cross-self-attention: {src_len} keys cannot hold {source_keys} source "
+                               f"and {tgt_len} target tokens")
+        target_len = src_len - source_keys
+        q_pos = torch.arange(target_len - tgt_len, target_len, device=q.device)
+        k_pos = torch.arange(target_len, device=q.device)
+        k_target = k[:, :, source_keys:] if source_keys else k
         q = q * self.scaling
+        kept = self._kept_heads()
 
         additive = None  # everything added to the scaled logits, (B or 1, H or 1, T, S)
-        if encoding is not None:
-            bias = encoding.logit_bias(binding.role, binding.layer, q_pos, k_pos) if relative else None
-            rel = encoding.relative_logits(binding.role, binding.layer, q, k, q_pos, k_pos) if relative else None
+        if relative:
+            bias = encoding.logit_bias(binding.role, binding.layer, q_pos, k_pos)
+            if bias is not None and kept is not None:
+                bias = bias[kept]
+            if kept is None:
+                rel = encoding.relative_logits(binding.role, binding.layer, q, k_target, q_pos, k_pos)
+            else:
+                rel = encoding.relative_logits(binding.role, binding.layer, self._all_heads(q, 1),
+                                               self._all_heads(k_target, 1), q_pos, k_pos)
+                rel = rel[:, kept] if rel is not None else None
             for term in (bias, rel):
                 if term is not None:
                     term = term.to(q.dtype)
+                    if source_keys:
+                        term = F.pad(term, (source_keys, 0))
                     additive = term if additive is None else additive + term
         blocked = None
         if attn_mask is not None:
@@ -166,16 +259,24 @@ class PositionalAttention(MultiheadAttention):
             dropped = self.dropout_module(probs)
             out = dropped @ v
             if value_term:
-                out = out + encoding.relative_values(binding.role, binding.layer, dropped, q_pos, k_pos).to(out.dtype)
+                target_probs = dropped[..., source_keys:] if source_keys else dropped
+                if kept is None:
+                    term = encoding.relative_values(binding.role, binding.layer, target_probs, q_pos, k_pos)
+                else:
+                    term = encoding.relative_values(binding.role, binding.layer, self._all_heads(target_probs, 1),
+                                                    q_pos, k_pos)
+                    term = term[:, kept] if term is not None else None
+                if term is not None:
+                    out = out + term.to(out.dtype)
         else:
             probs = None
             if additive is not None:
                 additive = additive.expand(bsz, heads, tgt_len, src_len)
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=additive, scale=1.0,  # q is already scaled
-                dropout_p=self.dropout_module.p if self.training else 0.0,
+                dropout_p=self._dropout_probability(),
             )
-        out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)
+        out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, heads * head_dim)
         out = self.out_proj(out)
 
         weights = None
@@ -184,6 +285,22 @@ class PositionalAttention(MultiheadAttention):
             if not need_head_weights:
                 weights = weights.mean(dim=0)
         return out, weights
+
+    def _dropout_probability(self) -> float:
+        """What the dropout module itself would apply now: in training, and at inference when
+        fairseq's --retain-dropout set `apply_during_inference` on it."""
+        module = self.dropout_module
+        applies = module.training or getattr(module, "apply_during_inference", False)
+        return float(module.p) if applies else 0.0
+
+    def _all_heads(self, x: Tensor, dim: int) -> Tensor:
+        """After head pruning: `x` with the kept heads along `dim` put back among zeros for the
+        pruned ones, in the original head order the encoding's per-head terms are indexed by."""
+        kept = self._kept_heads()
+        shape = list(x.shape)
+        shape[dim] = self.__dict__.get("full_heads", self.num_heads)
+        full = x.new_zeros(shape)
+        return full.index_copy(dim, kept, x)
 
     def _token_positions(self, binding) -> Tuple[Optional[Tensor], Optional[Tensor]]:
         """Absolute (B, T) positions of the tokens projected in this call, for the project hook."""
@@ -198,4 +315,10 @@ class PositionalAttention(MultiheadAttention):
         binding = self.position_binding
         if binding is None:
             return x
-        return binding.encoding.project(binding.role, binding.layer, which, x, positions)
+        kept = self._kept_heads()
+        if kept is None:
+            return binding.encoding.project(binding.role, binding.layer, which, x, positions)
+        length, batch, _ = x.shape
+        full = self._all_heads(x.view(length, batch, len(kept), self.head_dim), 2)
+        full = binding.encoding.project(binding.role, binding.layer, which, full.view(length, batch, -1), positions)
+        return full.view(length, batch, -1, self.head_dim)[:, :, kept].reshape(length, batch, -1)

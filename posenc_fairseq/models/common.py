@@ -1,9 +1,10 @@
 """What the translation and RoBERTa models share: options, stacks that tell the encoding the
 token positions, and attaching one encoding to a model."""
 import argparse
+import re
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from fairseq.models import register_model_architecture
 from fairseq.models.transformer import TransformerDecoder, TransformerEncoder
@@ -57,6 +58,8 @@ class PositionalTransformerEncoder(TransformerEncoder):
     def __init__(self, args, dictionary, embed_tokens, return_fc=False):
         super().__init__(args, dictionary, embed_tokens, return_fc=return_fc)
         use_positional_attention(self)
+        # stock's name, so that --retain-dropout-modules TransformerEncoder matches as in stock
+        self.dropout_module.module_name = TransformerEncoder.__name__
         self.__dict__["encoding"] = None  # owned (and saved) by the model, not by this stack
 
     def bind_encoding(self, encoding):
@@ -79,6 +82,7 @@ class PositionalTransformerDecoder(TransformerDecoder):
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
         use_positional_attention(self)
+        self.dropout_module.module_name = TransformerDecoder.__name__  # as stock (--retain-dropout-modules)
         self.__dict__["encoding"] = None
 
     def bind_encoding(self, encoding):
@@ -106,25 +110,124 @@ class PositionalTransformerDecoder(TransformerDecoder):
         return super().extract_features(prev_output_tokens, encoder_out, incremental_state, **kwargs)
 
 
+class PerStackEncoding(nn.Module):
+    """The model's encoding when the encoder and decoder differ in embedding size or head count:
+    one part sized by each stack (the encoder part serves the encoder's self-attention, the decoder
+    part the decoder's self- and cross-attention, whose projections have the decoder's size). Each
+    part is an ordinary encoding of the chosen class; the stacks talk to this module as to one
+    encoding. State-dict keys: `positional_encoding.{encoder,decoder}.*`."""
+
+    def __init__(self, encoder_part, decoder_part):
+        super().__init__()
+        self.encoder, self.decoder = encoder_part, decoder_part
+        self.name = encoder_part.name
+        self.default_input_positions = encoder_part.default_input_positions
+        self.starts_as_identity = encoder_part.starts_as_identity
+
+    def parts(self):
+        return [self.encoder, self.decoder]
+
+    def for_role(self, role: str):
+        return self.encoder if role == "encoder" else self.decoder
+
+    def begin(self, role, positions=None, source_positions=None):
+        for part in self.parts():
+            part.begin(role, positions, source_positions)
+
+    def bind_model(self, model):
+        for part in self.parts():
+            if hasattr(part, "bind_model"):
+                part.bind_model(model)
+
+    def reset_to_identity(self):
+        for part in self.parts():
+            part.reset_to_identity()
+
+
 def attach_encoding(model, args, encoder_stack, decoder_stack=None):
-    """Build the model's one encoding and bind every attention layer to it."""
-    dims = ModelDims(
-        embed_dim=args.encoder_embed_dim,
-        heads=args.encoder_attention_heads,
-        encoder_layers=args.encoder_layers,
-        decoder_layers=args.decoder_layers if decoder_stack is not None else 0,
-    )
-    if decoder_stack is not None and (args.decoder_embed_dim != args.encoder_embed_dim
-                                      or args.decoder_attention_heads != args.encoder_attention_heads):
-        raise ValueError("posenc_fairseq needs equal encoder/decoder embedding sizes and head counts")
-    encoding = build_encoding(args.positional_encoding, args, dims)
+    """Build the model's one encoding and bind every attention layer to it. Encoder and decoder
+    of different embedding sizes or head counts get a `PerStackEncoding` (each part sized by its stack)."""
+    encoder_layers = args.encoder_layers
+    decoder_layers = args.decoder_layers if decoder_stack is not None else 0
+    same_size = decoder_stack is None or (args.decoder_embed_dim == args.encoder_embed_dim
+                                          and args.decoder_attention_heads == args.encoder_attention_heads)
+    if same_size:
+        dims = ModelDims(embed_dim=args.encoder_embed_dim, heads=args.encoder_attention_heads,
+                         encoder_layers=encoder_layers, decoder_layers=decoder_layers)
+        encoding = build_encoding(args.positional_encoding, args, dims)
+        encoder_part = decoder_part = encoding
+    else:
+        encoder_part = build_encoding(args.positional_encoding, args, ModelDims(
+            embed_dim=args.encoder_embed_dim, heads=args.encoder_attention_heads,
+            encoder_layers=encoder_layers, decoder_layers=0))
+        decoder_part = build_encoding(args.positional_encoding, args, ModelDims(
+            embed_dim=args.decoder_embed_dim, heads=args.decoder_attention_heads,
+            encoder_layers=0, decoder_layers=decoder_layers))
+        encoding = PerStackEncoding(encoder_part, decoder_part)
     model.positional_encoding = encoding
-    encoder_stack.bind_encoding(encoding)
+    encoder_stack.bind_encoding(encoder_part)
+    encoder_stack.__dict__["encoding"] = encoding  # begin() reaches every part
     if decoder_stack is not None:
-        decoder_stack.bind_encoding(encoding)
+        decoder_stack.bind_encoding(decoder_part)
+        decoder_stack.__dict__["encoding"] = encoding
     if hasattr(encoding, "bind_model"):
         encoding.bind_model(model)
     return encoding
+
+
+# --- LayerDrop pruning (--encoder-layers-to-keep / --decoder-layers-to-keep) ------------------------
+_PER_LAYER = re.compile(r"^(encoder|decoder)(_?)(\d+)((?:_.*)?)$")
+
+
+def _layers_to_keep(cfg, role):
+    value = getattr(cfg, f"{role}_layers_to_keep", None) if cfg is not None else None
+    return sorted(int(layer) for layer in str(value).split(",")) if value else None
+
+
+def prune_encoding_state_dict(state_dict, model_cfg, prefix="positional_encoding."):
+    """What fairseq's `checkpoint_utils.prune_state_dict` does to `*.layers.N.*`, done to the
+    encoding's per-layer parameters: a key component `{role}{N}` / `{role}_{N}[_...]` (Shaw/LFHC
+    tables, XL/GCDF projections, T5/AT5 per-layer sets) of a kept layer is renumbered to the layer's
+    new index, one of a dropped layer is removed; every other encoding key is kept. FLOATER's table
+    `cache` is laid out by layer and is dropped, so the loaded model solves it for its own layers.
+    Same condition as fairseq's (a config with an arch and *_layers_to_keep), so that the encoding
+    is renumbered exactly when the layers are. Returns a new dict."""
+    if model_cfg is None:
+        return state_dict
+    arch = getattr(model_cfg, "_name", None) or getattr(model_cfg, "arch", None)
+    keep = {role: _layers_to_keep(model_cfg, role) for role in ("encoder", "decoder")}
+    if arch is None or arch == "ptt_transformer" or not any(keep.values()):
+        return state_dict
+    mapping = {role: {old: new for new, old in enumerate(layers)} for role, layers in keep.items() if layers}
+    pruned = {}
+    for key, value in state_dict.items():
+        if not key.startswith(prefix):
+            pruned[key] = value
+            continue
+        parts = key[len(prefix):].split(".")
+        if parts[-1] == "cache":
+            continue
+        dropped = False
+        for index, part in enumerate(parts):
+            match = _PER_LAYER.match(part)
+            if match and match.group(1) in mapping:
+                role, sep, layer, rest = match.groups()
+                if int(layer) not in mapping[role]:
+                    dropped = True
+                    break
+                parts[index] = f"{role}{sep}{mapping[role][int(layer)]}{rest}"
+        if not dropped:
+            pruned[prefix + ".".join(parts)] = value
+    return pruned
+
+
+class PrunableEncodingMixin:
+    """Model mixin: per-layer encoding parameters follow their layer under LayerDrop pruning."""
+
+    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
+        cfg = model_cfg if model_cfg is not None else args
+        state_dict = prune_encoding_state_dict(state_dict, cfg)
+        return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 
 
 def register_architectures(model_name: str, prefix: str, sizes: dict):

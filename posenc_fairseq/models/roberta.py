@@ -8,7 +8,8 @@ from fairseq.models.roberta import RobertaEncoder, RobertaModel
 from fairseq.models.roberta import model as stock
 from fairseq.modules.transformer_sentence_encoder import init_bert_params
 
-from .common import PositionalTransformerEncoder, add_position_args, attach_encoding, register_architectures
+from .common import (PositionalTransformerEncoder, PrunableEncodingMixin, add_position_args, attach_encoding,
+                     register_architectures)
 
 SIZES = {
     "": stock.base_architecture,
@@ -25,7 +26,7 @@ class PositionalRobertaEncoder(RobertaEncoder):
 
 
 @register_model("posenc_roberta")
-class PositionalRobertaModel(RobertaModel):
+class PositionalRobertaModel(PrunableEncodingMixin, RobertaModel):
     @staticmethod
     def add_args(parser):
         RobertaModel.add_args(parser)

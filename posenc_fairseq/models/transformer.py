@@ -7,8 +7,8 @@ from fairseq.models import register_model
 from fairseq.models.transformer import TransformerModel
 from fairseq.models.transformer import transformer_legacy as stock
 
-from .common import (PositionalTransformerDecoder, PositionalTransformerEncoder, add_position_args,
-                     attach_encoding, register_architectures)
+from .common import (PositionalTransformerDecoder, PositionalTransformerEncoder, PrunableEncodingMixin,
+                     add_position_args, attach_encoding, register_architectures)
 
 SIZES = {
     "": stock.base_architecture,
@@ -19,7 +19,7 @@ SIZES = {
 
 
 @register_model("posenc_transformer")
-class PositionalTransformerModel(TransformerModel):
+class PositionalTransformerModel(PrunableEncodingMixin, TransformerModel):
     @staticmethod
     def add_args(parser):
         TransformerModel.add_args(parser)
