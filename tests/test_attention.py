@@ -121,3 +121,108 @@ def test_half_precision_masks_do_not_produce_nan(dtype):
     out, _ = ours(x, x, x, key_padding_mask=mask, need_weights=False)
     out32, _ = reference32(x.float(), x.float(), x.float(), key_padding_mask=mask, need_weights=False)
     assert (out.float() - out32).abs().max() < 5e-2
+
+
+# --- fairseq features inside the attention (issue 10; model-level tests in models/test_workflows.py) ---
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_retained_dropout_applies_on_both_paths(need_weights):
+    """--retain-dropout sets FairseqDropout.apply_during_inference; the attention follows the dropout
+    module's own decision on the SDPA path (need_weights=False) as on the explicit one."""
+    _, ours = pair("self")
+    ours.dropout_module.p = 0.5
+    x = torch.randn(6, 2, EMBED)
+    first, second = (ours(x, x, x, need_weights=need_weights)[0] for _ in range(2))
+    assert torch.equal(first, second)  # eval: no dropout
+    ours.dropout_module.apply_during_inference = True
+    first, second = (ours(x, x, x, need_weights=need_weights)[0] for _ in range(2))
+    assert (first - second).abs().max() > 1e-3
+
+
+class RecordingShift(ConstantBias):
+    """ConstantBias plus a q/k projection shift by position, recording the positions it is given."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.seen = {}
+
+    def project(self, role, layer, which, x, positions):
+        self.seen.setdefault(which, []).append(positions.clone())
+        if which == "v":
+            return x
+        return x + 0.1 * positions.t()[..., None].to(x.dtype)
+
+
+def cross_self_module(encoding, source_positions, target_positions):
+    """The decoder self-attention fairseq builds for --cross-self-attention (self_attention=False)."""
+    torch.manual_seed(0)
+    module = MultiheadAttention(EMBED, HEADS, self_attention=False)
+    use_positional_attention(module)
+    module.bind_position(encoding, "decoder", 0)
+    encoding.token_positions.update(decoder=target_positions, source=source_positions)
+    return module.eval()
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_cross_self_attention_positions_and_bias(need_weights):
+    """Keys cat(source, target): the projection hook sees cat(source positions, target positions);
+    the relative bias covers the target keys only (nothing on the source keys, as on cross-attention);
+    step-by-step (source cached with the first step) equals the full call."""
+    source_len, target_len, batch = 4, 5, 2
+    encoding = RecordingShift(None, ModelDims(EMBED, HEADS, 1, 1))
+    source_positions = torch.tensor([[0, 0, 1, 2], [0, 1, 2, 3]])  # row 0 left-padded by one token
+    target_positions = torch.arange(target_len).expand(batch, target_len)
+    module = cross_self_module(encoding, source_positions, target_positions)
+    memory, x = torch.randn(source_len, batch, EMBED), torch.randn(target_len, batch, EMBED)
+    keys = torch.cat([memory, x])
+    causal = torch.triu(torch.full((target_len, target_len), float("-inf")), 1)
+    attn_mask = torch.cat([torch.zeros(target_len, source_len), causal], dim=1)
+    got, _ = module(x, keys, keys, attn_mask=attn_mask, need_weights=need_weights)
+    assert torch.equal(encoding.seen["k"][0], torch.cat([source_positions, target_positions], dim=1))
+    assert torch.equal(encoding.seen["q"][0], target_positions)
+    # naive: shifted q/k by position, bias (h+1)(j-i)/10 between target tokens, 0 towards source keys
+    q = (module.q_proj(x) + 0.1 * target_positions.t()[..., None]) * module.scaling
+    k = module.k_proj(keys) + 0.1 * torch.cat([source_positions, target_positions], 1).t()[..., None]
+    v = module.v_proj(keys)
+    i, j = torch.arange(target_len)[:, None], torch.arange(target_len)[None, :]
+    outputs = []
+    for h in range(HEADS):
+        part = slice(h * module.head_dim, (h + 1) * module.head_dim)
+        bias = torch.cat([torch.zeros(target_len, source_len), (h + 1) * (j - i).float() / 10 + causal], dim=1)
+        logits = torch.einsum("tbd,sbd->bts", q[..., part], k[..., part]) + bias
+        outputs.append(torch.einsum("bts,sbd->tbd", logits.softmax(-1), v[..., part]))
+    expected = module.out_proj(torch.cat(outputs, dim=-1))
+    assert (got - expected).abs().max() <= 1e-5
+    # fairseq's step-by-step call: cat(source, step 0) first, then each step alone
+    state, steps = {}, []
+    for t in range(target_len):
+        encoding.token_positions["decoder"] = target_positions[:, t: t + 1]
+        step_keys = torch.cat([memory, x[:1]]) if t == 0 else x[t: t + 1]
+        steps.append(module(x[t: t + 1], step_keys, step_keys, incremental_state=state, need_weights=need_weights)[0])
+    assert (torch.cat(steps) - expected).abs().max() <= 1e-5
+
+
+def test_repeated_head_pruning_keeps_original_head_terms():
+    """Two rounds of _adaptive_prune_heads equal one round to the same heads: per-head logit bias
+    columns follow the original head index."""
+    x = torch.randn(5, 2, EMBED)
+    results = []
+    for rounds in ([[3, 0, 1], [1, 2]], [[0, 1]]):  # 4 -> (3, 0, 1) -> (0, 1)  vs  4 -> (0, 1)
+        _, ours = pair("self")
+        ours.bind_position(ConstantBias(None, ModelDims(EMBED, HEADS, 1, 1)), "encoder", 0)
+        for heads in rounds:
+            d = ours.head_dim
+            ours._adaptive_prune_heads([(h * d, (h + 1) * d) for h in heads])
+        assert ours.kept_heads.tolist() == [0, 1]
+        results.append(ours(x, x, x, need_weights=False)[0])
+    assert (results[0] - results[1]).abs().max() <= 1e-6
+    _, full = pair("self")
+    full.bind_position(ConstantBias(None, ModelDims(EMBED, HEADS, 1, 1)), "encoder", 0)
+    with torch.no_grad():
+        full.out_proj.weight[:, 2 * full.head_dim:] = 0  # heads 2, 3 silenced
+    assert (full(x, x, x, need_weights=False)[0] - results[1]).abs().max() <= 1e-5
+
+
+def test_torchscript_is_refused_with_one_message():
+    _, ours = pair("self")
+    with pytest.raises(RuntimeError, match="cannot be compiled with TorchScript"):
+        torch.jit.script(ours)
