@@ -22,7 +22,7 @@ $(STAMP): setup.py
 	$(PIP) install Cython "numpy<2.4"
 	$(PIP) install --no-build-isolation --no-deps fairseq-fixed==0.12.3.1
 	$(PIP) install hydra-core==1.3.2 omegaconf==2.3.0 regex tqdm bitarray scikit-learn packaging cffi
-	$(PIP) install torchdiffeq sacrebleu sentencepiece matplotlib pytest pytest-xdist
+	$(PIP) install torchdiffeq sacrebleu sentencepiece matplotlib tensorboardX pytest pytest-xdist
 	$(PIP) install --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
