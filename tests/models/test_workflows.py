@@ -330,3 +330,51 @@ def test_cli_layerdrop_tensorboard_and_pruned_generate(translation_data, tmp_pat
                "checkpoint_last.pt", "--beam", "2", "--max-len-b", "10", "--batch-size", "32", "--cpu",
                "--model-overrides", "{'encoder_layers_to_keep': '0,2', 'decoder_layers_to_keep': '1'}"])
     assert out.count("\nH-") == 20
+
+
+# --- fairseq-generate's search options, prefixes, alignments, ensembles ------------------------------
+GENERATION_OPTIONS = {
+    "beam": dict(beam=3),
+    "sampling_topk": dict(beam=2, sampling=True, sampling_topk=3),
+    "sampling_topp": dict(beam=2, sampling=True, sampling_topp=0.9),
+    "diverse_beam": dict(beam=2, diverse_beam_groups=2),
+    "diverse_siblings": dict(beam=2, diversity_rate=0.5),
+    "no_repeat_ngram": dict(beam=2, no_repeat_ngram_size=2),
+    "alignment": dict(beam=2, print_alignment="hard"),
+}
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_generation_options_prefixes_alignments_ensembles(translation_data, encoding):
+    """The generators fairseq-generate builds (task.build_generator from its options), a forced
+    prefix and a two-model ensemble, on an untrained tiny model: every sentence gets its hypotheses."""
+    import argparse
+
+    model, task, _ = translation_model(translation_data, f"transformer_{encoding}")
+    other, _, _ = translation_model(translation_data, f"transformer_{encoding}")
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(0.01)
+    src, src_lengths, _ = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=2)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": src_lengths}, "id": torch.arange(3),
+              "target": src.clone()}
+    for name, options in GENERATION_OPTIONS.items():
+        args = argparse.Namespace(max_len_b=8, **options)
+        for candidate in (model, other):
+            candidate.prepare_for_inference_(generation_cfg(beam=options["beam"],
+                                                            print_alignment=bool(options.get("print_alignment"))))
+        models = [model, other] if name == "beam" else [model]  # "beam": an ensemble of two models
+        generator = task.build_generator(models, args)
+        torch.manual_seed(0)
+        hypotheses = task.inference_step(generator, models, sample)
+        assert len(hypotheses) == 3, name
+        for hypos in hypotheses:
+            assert len(hypos) == options["beam"] and all(torch.isfinite(h["score"]) for h in hypos), name
+            # (no_repeat_ngram: runs; on CPU fairseq-fixed's NGramRepeatBlock reads the whole token
+            # buffer instead of the tokens so far and blocks nothing, for the stock transformer too)
+            if name == "alignment":
+                assert hypos[0]["alignment"] is not None
+    prefix = torch.full((3, 2), task.target_dictionary.nspecial + 1)
+    generator = task.build_generator([model], argparse.Namespace(beam=2, max_len_b=8))
+    for hypos in task.inference_step(generator, [model], sample, prefix_tokens=prefix):
+        assert all(h["tokens"][:2].tolist() == prefix[0].tolist() for h in hypos)
