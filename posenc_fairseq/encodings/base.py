@@ -9,6 +9,7 @@ fairseq: encodings are plain torch and testable in milliseconds.
 import argparse
 from typing import Callable, Dict, Optional
 
+import torch
 from torch import Tensor, nn
 
 ROLES = ("encoder", "decoder", "cross")
@@ -46,10 +47,24 @@ class PositionalEncoding(nn.Module):
 
     def memoize(self, key: tuple, compute: Callable[[], Tensor]) -> Tensor:
         """Compute a position-only term once per forward and share it across layers.
-        `key[0]` must be the role whose next `begin` invalidates it."""
+        `key[0]` must be the role whose next `begin` invalidates it.
+
+        A term is shared only within one grad mode, and never inside a backward pass: activation
+        checkpointing (fairseq's --checkpoint-activations) runs each layer under no_grad and
+        recomputes it during backward, where each layer needs a term with a graph of its own."""
+        if in_backward():
+            return compute()
+        key = (*key, torch.is_grad_enabled())
         if key not in self._memo:
             self._memo[key] = compute()
         return self._memo[key]
+
+    def __getstate__(self):
+        """Copies (fairseq's EMA deep-copies the model) start without per-forward results, which
+        may hold autograd graphs that cannot be copied."""
+        state = super().__getstate__()
+        state.update(_memo={}, token_positions={})
+        return state
 
     # --- the four hooks, called by PositionalAttention ------------------------------------
     def project(self, role: str, layer: int, which: str, x: Tensor, positions: Optional[Tensor]) -> Tensor:
@@ -75,6 +90,11 @@ class PositionalEncoding(nn.Module):
     # --- warm start ------------------------------------------------------------------------
     def reset_to_identity(self):
         """Initialise so that the encoding adds nothing (used when converting stock checkpoints)."""
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (e.g. a checkpointed layer being recomputed)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class ModelDims:

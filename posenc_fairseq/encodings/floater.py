@@ -10,27 +10,55 @@ The initial values b(0) ARE the attention layers' own projection biases (`q_proj
 attention modules it serves. The `project` hook adds b(t_i) - b(0), so with h == 0 the model is
 exactly the stock model and stock checkpoints map 1:1. One dynamics network h (paper eq. 10) is
 shared by every layer, by q/k/v and by encoder and decoder; all initial vectors are integrated
-together in one `odeint` call, state shape (num_vectors, d).
+together, state shape (num_vectors, d).
 
-Cache: the table of b(t_i) - b(0) for positions 0..n is a (persistent, variable-size) buffer.
-Training integrates once per forward over the batch's longest sequence (or, with
-`--floater-recompute-every K`, once every K updates, using a detached copy in between); evaluation
-reuses the table while the parameters are unchanged, and inputs longer than the table extend it by
-integrating onward from its last point. The table is refreshed when the state dict is saved, so a
-reloaded checkpoint runs without solving the ODE. See docs/floater.md.
+Solving. The fixed-grid methods (rk4, midpoint, euler: torchdiffeq's coefficients) run in
+`FixedGridSolve`: a tight loop over the subdivided grid with h's time input folded into
+per-step biases, and a discrete adjoint (backpropagation through the same steps, recomputed one
+interval at a time) instead of thousands of autograd nodes. torchdiffeq does `dopri5` and the
+continuous adjoint (`--floater-adjoint`). The ODE is always solved in float32 or better with a
+float64 time grid, whatever the model's dtype.
+
+Tables. A table is b(t_i) - b(0) for positions 0..n-1, all slots. Which table a forward pass uses:
+  - training, K = 1: solved every forward pass from the live parameters (with gradient);
+  - training, K > 1 (`--floater-recompute-every K`): solved with gradient on the first forward of
+    every K-update window; the window's other passes use that table, detached (extended from the
+    window's parameter snapshot when a batch is longer); the snapshot is saved in checkpoints,
+    so resuming inside a window is exact;
+  - evaluation without gradient: cached across passes, tied to the exact parameter values and
+    solver options it was computed from (checked once per forward pass that starts at position 0,
+    not per decoding step), extended onward for longer inputs.
+Tables are never stored in checkpoints: they would be averaged by checkpoint averaging and EMA.
 """
 import math
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import ROLES, PositionalEncoding, register_encoding
+from .base import ROLES, PositionalEncoding, in_backward, register_encoding
 
 METHODS = ("rk4", "midpoint", "euler", "dopri5")
 FIXED_GRID = ("rk4", "midpoint", "euler")
 EVAL_CHUNK = 64  # evaluation extends the table in chunks of this many positions
+MAX_SUBSTEPS = 1000  # steps per position above this are a typo (e.g. --floater-step-size 1e-7)
+
+
+class Tableau(NamedTuple):
+    """Explicit Runge-Kutta method: stage i evaluates k_i = h(t + c_i dt, y + dt sum_j a_ij k_j);
+    the step is y + dt sum_i b_i k_i."""
+    a: List[List[float]]
+    b: List[float]
+    c: List[float]
+
+
+TABLEAUS = {  # torchdiffeq's fixed-grid methods, same coefficients
+    "euler": Tableau([[]], [1.0], [0.0]),
+    "midpoint": Tableau([[], [0.5]], [0.0, 1.0], [0.0, 0.5]),
+    # torchdiffeq's 'rk4' is Kutta's 3/8 rule (rk4_alt_step_func), not the classic tableau
+    "rk4": Tableau([[], [1 / 3], [-1 / 3, 1.0], [1.0, -1.0, 1.0]], [1 / 8, 3 / 8, 3 / 8, 1 / 8], [0.0, 1 / 3, 2 / 3, 1.0]),
+}
 
 
 class Dynamics(nn.Module):
@@ -53,10 +81,25 @@ class Dynamics(nn.Module):
             else:
                 raise ValueError(f"unknown --floater-init {init!r} (zero|small)")
 
-    def forward(self, t: Tensor, state: Tensor) -> Tensor:
+    def weights(self, dtype: torch.dtype) -> List[Tensor]:
+        """(W1, c1, W2, c2) in `dtype` (a differentiable cast: gradients reach the parameters)."""
+        return [p.to(dtype) for p in (self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)]
+
+
+def dynamics_function(w1: Tensor, c1: Tensor, w2: Tensor, c2: Tensor):
+    """h as a function of (t, b) with the given weights, for torchdiffeq."""
+
+    def h(t: Tensor, state: Tensor) -> Tensor:
         tau = t.to(state.dtype).expand(state.size(0), 1)
-        hidden = F.relu(self.fc1(torch.cat([state, tau], dim=-1)))
-        return self.fc2(torch.cat([hidden, tau], dim=-1))
+        hidden = F.relu(F.linear(torch.cat([state, tau], dim=-1), w1, c1))
+        return F.linear(torch.cat([hidden, tau], dim=-1), w2, c2)
+
+    return h
+
+
+def grid_times(first: int, last: int, delta: float) -> Tensor:
+    """t_i = i * delta for positions first..last, float64 (exact spacing at any model dtype)."""
+    return torch.arange(first, last + 1, dtype=torch.float64) * delta
 
 
 def subdivided_grid(substeps: int):
@@ -73,46 +116,187 @@ def subdivided_grid(substeps: int):
     return construct
 
 
+class FixedGridSolve(torch.autograd.Function):
+    """States b(t_i), i = first..last, of db/dt = h(t, b) by an explicit Runge-Kutta method with
+    `substeps` equal steps per interval [t_i, t_i+1], and their exact discrete gradient.
+
+    h's time input is folded into biases: W1 [b; tau] + c1 = W1_b b + (c1 + tau w1_tau), and the
+    biases of every stage of every step are computed at once. Forward keeps only the states at the
+    grid points; backward recomputes one interval at a time and runs the chain rule through the
+    Runge-Kutta stages by hand (reverse accumulation over the same steps), batching the weight
+    gradients of an interval into two matrix products.
+    """
+
+    @staticmethod
+    def forward(ctx, tableau: Tableau, first: int, last: int, delta: float, substeps: int,
+                y0: Tensor, w1: Tensor, c1: Tensor, w2: Tensor, c2: Tensor) -> Tensor:
+        run = _Run(tableau, first, last, delta, substeps, y0, w1, c1, w2, c2)
+        states = y0.new_empty(last - first + 1, *y0.shape)
+        states[0] = y0
+        y = y0.reshape(1, -1)
+        for interval in range(last - first):
+            for j in range(substeps):
+                y = run.step(interval * substeps + j, y)
+            states[interval + 1] = y.view_as(y0)
+        ctx.save_for_backward(states, w1, c1, w2, c2)
+        ctx.settings = (tableau, first, last, delta, substeps)
+        return states
+
+    @staticmethod
+    def backward(ctx, grad_states: Tensor):
+        states, w1, c1, w2, c2 = ctx.saved_tensors
+        tableau, first, last, delta, substeps = ctx.settings
+        run = _Run(tableau, first, last, delta, substeps, states[0], w1, c1, w2, c2)
+        rows, (count, dim), hidden = states.size(0), states.shape[1:], w1.size(0)
+        stages, dt = len(tableau.b), run.dt
+        # per interval: each stage's input (Y) and relu output (R), and their gradients (G, GP)
+        Y = states.new_empty(substeps, stages, count, dim)
+        R = states.new_empty(substeps, stages, count, hidden)
+        G = states.new_empty(substeps, stages, count, dim)
+        GP = states.new_empty(substeps, stages, count, hidden)
+        starts = states.new_empty(substeps, 1, count * dim)
+        V = states.new_empty(stages, count * dim)  # gradient reaching each stage's input
+        grad_w1b, grad_w2h = states.new_zeros(hidden, dim), states.new_zeros(dim, hidden)
+        grad_bias1 = states.new_empty(run.steps, stages, hidden)
+        grad_bias2 = states.new_empty(run.steps, stages, dim)
+        a = grad_states[-1].reshape(1, -1).clone()  # gradient with respect to the current state
+        later = [torch.tensor([[tableau.a[l][i] for l in range(i + 1, stages)]], dtype=states.dtype,
+                              device=states.device) for i in range(stages)]
+        for interval in reversed(range(rows - 1)):
+            y = states[interval].reshape(1, -1)
+            for j in range(substeps):  # recompute the interval, keeping what the chain rule needs
+                starts[j] = y
+                y = run.step(interval * substeps + j, y, inputs=Y[j], relus=R[j])
+            for j in reversed(range(substeps)):
+                for i in reversed(range(stages)):
+                    g = G[j, i].view(1, -1)  # d loss / d k_i
+                    if i + 1 < stages:
+                        torch.addmm(a, later[i], V[i + 1:], beta=dt * tableau.b[i], alpha=dt, out=g)
+                    else:
+                        torch.mul(a, dt * tableau.b[i], out=g)
+                    torch.ops.aten.threshold_backward.grad_input(G[j, i] @ run.w2h_t.T, R[j, i], 0, grad_input=GP[j, i])
+                    torch.mm(GP[j, i], run.w1b_t.T, out=V[i].view(count, dim))
+                a.add_(V.sum(0, keepdim=True))
+            grad_w2h.addmm_(G.view(-1, dim).T, R.view(-1, hidden))
+            grad_w1b.addmm_(GP.view(-1, hidden).T, Y.view(-1, dim))
+            steps = slice(interval * substeps, (interval + 1) * substeps)
+            torch.sum(G, dim=2, out=grad_bias2[steps])
+            torch.sum(GP, dim=2, out=grad_bias1[steps])
+            a.add_(grad_states[interval].reshape(1, -1))
+        tau = run.tau.reshape(-1)
+        grad_w1 = torch.cat([grad_w1b, (tau @ grad_bias1.view(-1, hidden))[:, None]], dim=1)
+        grad_w2 = torch.cat([grad_w2h, (tau @ grad_bias2.view(-1, dim))[:, None]], dim=1)
+        return (None, None, None, None, None, a.view_as(states[0]),
+                grad_w1, grad_bias1.sum((0, 1)), grad_w2, grad_bias2.sum((0, 1)))
+
+
+class _Run:
+    """One solve's precomputed pieces: the time of every stage of every step, the folded biases,
+    the weights split into state and time parts, the tableau as tensors."""
+
+    def __init__(self, tableau, first, last, delta, substeps, y0, w1, c1, w2, c2):
+        dim = y0.size(-1)
+        self.tableau, self.dt, self.count = tableau, delta / substeps, y0.size(0)
+        self.steps = (last - first) * substeps
+        step = torch.arange(first * substeps, last * substeps, dtype=torch.float64)
+        start = torch.div(step, substeps, rounding_mode="floor") * delta + torch.remainder(step, substeps) * self.dt
+        nodes = torch.tensor(tableau.c, dtype=torch.float64)
+        self.tau = (start[:, None] + nodes[None, :] * self.dt).to(device=y0.device, dtype=y0.dtype)  # (steps, stages)
+        self.w1b_t, self.w2h_t = w1[:, :dim].T, w2[:, :-1].T
+        self.bias1 = c1 + self.tau[..., None] * w1[:, dim]  # (steps, stages, hidden)
+        self.bias2 = c2 + self.tau[..., None] * w2[:, -1]  # (steps, stages, dim)
+        as_tensor = lambda row: torch.tensor([row], dtype=y0.dtype, device=y0.device)
+        self.a = [as_tensor(row) for row in tableau.a]
+        self.b = as_tensor(tableau.b)
+        self.k = y0.new_empty(len(tableau.b), y0.numel())
+
+    def step(self, index: int, y: Tensor, inputs: Optional[Tensor] = None, relus: Optional[Tensor] = None) -> Tensor:
+        """One Runge-Kutta step from the flat state y (1, N*d); optionally records every stage's
+        input (stages, N, d) and relu output (stages, N, hidden) for the backward pass."""
+        k, count = self.k, self.count
+        for i in range(len(self.a)):
+            if i == 0:
+                stage_input = y.view(count, -1)
+            else:
+                stage_input = torch.addmm(y, self.a[i], k[:i], alpha=self.dt).view(count, -1)
+            if inputs is not None:
+                inputs[i].copy_(stage_input)
+            hidden = torch.addmm(self.bias1[index, i], stage_input, self.w1b_t,
+                                 out=relus[i] if relus is not None else None).relu_()
+            torch.addmm(self.bias2[index, i], hidden, self.w2h_t, out=k[i].view(count, -1))
+        return torch.addmm(y, self.b, k, alpha=self.dt)
+
+
+class Solved(NamedTuple):
+    """A table and the first position whose bias the model's dtype cannot hold (len if none)."""
+    values: Tensor
+    first_overflow: int
+
+
 @register_encoding("floater")
 class Floater(PositionalEncoding):
     default_input_positions = "stock"
 
     def __init__(self, args, dims):
         super().__init__(args, dims)
-        option = lambda name, default: getattr(args, f"floater_{name}", None) if getattr(
-            args, f"floater_{name}", None) is not None else default
+
+        def option(name, default):
+            value = getattr(args, f"floater_{name}", None)
+            return default if value is None else value
+
         dim = dims.embed_dim
         self.delta = float(option("delta", 0.1))
+        if not (math.isfinite(self.delta) and 0 < self.delta <= 1e3):
+            raise ValueError(f"--floater-delta must be a finite number in (0, 1000], got {self.delta}")
         self.method = option("method", "rk4")
         if self.method not in METHODS:
             raise ValueError(f"unknown --floater-method {self.method!r}; choose one of {METHODS}")
         self.step_size = float(option("step_size", self.delta / 5))
+        if not (math.isfinite(self.step_size) and 0 < self.step_size):
+            raise ValueError(f"--floater-step-size must be a finite number > 0, got {self.step_size}")
         self.substeps = max(1, math.ceil(self.delta / self.step_size - 1e-9))
+        if self.substeps > MAX_SUBSTEPS:
+            raise ValueError(f"--floater-step-size {self.step_size:g} gives {self.substeps} solver steps per position "
+                             f"(--floater-delta {self.delta:g}); at most {MAX_SUBSTEPS} are allowed")
         self.tolerance = float(option("tolerance", 1e-6))
+        if not (math.isfinite(self.tolerance) and 0 < self.tolerance < 1):
+            raise ValueError(f"--floater-tolerance must be in (0, 1), got {self.tolerance}")
         self.adjoint = bool(option("adjoint", False))
         self.first_block_only = bool(option("first_block_only", False))
         self.recompute_every = int(option("recompute_every", 1))
         if self.recompute_every < 1:
-            raise ValueError("--floater-recompute-every must be >= 1")
+            raise ValueError(f"--floater-recompute-every must be >= 1, got {self.recompute_every}")
+        hidden = int(option("hidden", dim))
+        if not 1 <= hidden <= 65536:
+            raise ValueError(f"--floater-hidden must be in [1, 65536], got {hidden}")
+        self.init = option("init", "zero")
         self.freeze_dynamics = bool(option("freeze_dynamics", False))
         self.train_dynamics_only = bool(option("train_dynamics_only", False))
         if self.freeze_dynamics and self.train_dynamics_only:
             raise ValueError("--floater-freeze-dynamics and --floater-train-dynamics-only exclude each other")
-        self.dynamics = Dynamics(dim, int(option("hidden", dim)), option("init", "zero"))
+        self.dynamics_lr_scale = float(option("dynamics_lr_scale", 1.0))
+        if not (math.isfinite(self.dynamics_lr_scale) and 0 < self.dynamics_lr_scale <= 1e4):
+            raise ValueError(f"--floater-dynamics-lr-scale must be in (0, 10000], got {self.dynamics_lr_scale}")
+        optimizer = getattr(args, "optimizer", None)
+        if self.dynamics_lr_scale != 1.0 and isinstance(optimizer, str) and optimizer != "composite":
+            raise ValueError(f"--floater-dynamics-lr-scale needs fairseq's composite optimizer (got --optimizer "
+                             f"{optimizer}); see docs/floater.md")
+        self.dynamics = Dynamics(dim, hidden, self.init)
         if self.freeze_dynamics:
             self.dynamics.requires_grad_(False)
-        # table[i, s] = b_s(i * delta) - b_s(0) for positions i = 0..n and slots s; size varies
-        self.register_buffer("cache", torch.zeros(0, 0, dim))
-        self.register_load_state_dict_post_hook(Floater._trust_loaded_cache)
+        if self.dynamics_lr_scale != 1.0:
+            # fairseq's composite optimizer (dynamic groups) gives these their own group: lr * scale
+            for parameter in self.dynamics.parameters():
+                parameter.optim_overrides = {"optimizer": {"lr_scale": self.dynamics_lr_scale}}
         # plain attributes, not submodules: the model owns the attention modules and their biases
         self.__dict__["_slots"] = []  # [(role, layer, which, attention module)]
         self._slot_index = {}
-        self._cache_versions: Optional[Tensor] = None  # parameter fingerprint the cache was solved with
-        self._recomputed_at: Optional[int] = None  # num_updates // K of the last training solve
-        self._pending = True
-        self._forward_table: Optional[Tensor] = None
+        self._num_updates = 0
+        self._window: Optional[dict] = None  # K > 1: {'index', 'parameters' (flat snapshot), 'table'}
+        self._eval_cache: Optional[tuple] = None  # (what it was computed from, Solved)
+        self._reset_pass()
         self._last_begin: Optional[str] = None
-        self._needed = 0
+        self.register_load_state_dict_post_hook(Floater._after_load)
 
     @staticmethod
     def add_args(parser):
@@ -123,18 +307,20 @@ class Floater(PositionalEncoding):
                            help="fixed-grid solver step (default delta/5; rounded so it divides delta)")
         group.add_argument("--floater-tolerance", type=float, metavar="TOL", help="rtol = atol of dopri5 (default 1e-6)")
         group.add_argument("--floater-adjoint", action="store_true", default=None,
-                           help="gradients by the adjoint method (odeint_adjoint), O(1) memory in the length")
+                           help="gradients by torchdiffeq's continuous adjoint (odeint_adjoint)")
         group.add_argument("--floater-hidden", type=int, metavar="H", help="hidden width of h (default: embed dim)")
         group.add_argument("--floater-init", choices=("zero", "small"),
                            help="last layer of h: zero (exactly the stock model, default) or small random")
         group.add_argument("--floater-first-block-only", action="store_true", default=None,
                            help="FLOATER biases only in layer 0 of each stack (paper's 'input block only')")
         group.add_argument("--floater-recompute-every", type=int, metavar="K",
-                           help="solve the ODE every K updates, detached cache in between (default 1)")
+                           help="solve the ODE with gradient every K updates, reuse the table in between (default 1)")
         group.add_argument("--floater-freeze-dynamics", action="store_true", default=None,
                            help="do not train the dynamics network h")
         group.add_argument("--floater-train-dynamics-only", action="store_true", default=None,
                            help="train only h: every other parameter (including the b(0) projection biases) is frozen")
+        group.add_argument("--floater-dynamics-lr-scale", type=float, metavar="X",
+                           help="learning rate of h = X * the others' (needs fairseq's composite optimizer; default 1)")
 
     # --- binding ------------------------------------------------------------------------------
     def bind_model(self, model: nn.Module):
@@ -154,8 +340,7 @@ class Floater(PositionalEncoding):
         slots.sort(key=lambda slot: (ROLES.index(slot[0]), slot[1], "qkv".index(slot[2])))
         self.__dict__["_slots"] = slots
         self._slot_index = {slot[:3]: index for index, slot in enumerate(slots)}
-        self.cache = self.cache.new_zeros(0, len(slots), self.dims.embed_dim)
-        self._invalidate()
+        self._forget_tables()
         if self.train_dynamics_only:
             dynamics = {id(p) for p in self.dynamics.parameters()}
             for parameter in model.parameters():
@@ -172,113 +357,182 @@ class Floater(PositionalEncoding):
     def reset_to_identity(self):
         """h == 0 (zero last layer): b(t) == b(0) and the model equals the stock model."""
         self.dynamics.initialise("zero")
-        self._invalidate()
-        self.cache = self.cache.new_zeros(0, len(self._slots), self.dims.embed_dim)
+        self._forget_tables()
 
-    def _invalidate(self):
-        self._cache_versions = None
-        self._pending = True
-        self._forward_table = None
+    def apply_init_option(self):
+        """The initialisation `--floater-init` asked for, on top of the identity (conversion)."""
+        if self.init != "zero":
+            self.dynamics.initialise(self.init)
+            self._forget_tables()
 
-    def _fingerprint(self) -> Tensor:
-        """Sums of the values of every parameter the table depends on. (Not `_version`:
-        fairseq's optimizers update `p.data` in place, which does not bump the version.)"""
-        with torch.no_grad():
-            params = [p.detach() for p in (*self.dynamics.parameters(), *self.initial_parameters())]
-            return torch.stack([q.double().sum() for q in params] + [q.double().square().sum() for q in params]).cpu()
+    def _forget_tables(self):
+        self._window, self._eval_cache = None, None
+        self._reset_pass()
+
+    def _reset_pass(self):
+        self._pass_tables = {}  # (grad, layer key inside backward) -> Solved, this forward pass only
+        self._needed = 0
+        self._window_pass = False
+        self._eval_checked = False
+
+    def __getstate__(self):  # copies (fairseq's EMA deep-copies the model) drop per-pass graphs
+        state = super().__getstate__()
+        state.update(_pass_tables={}, _eval_cache=None, _window=None)
+        return state
 
     # --- solving ------------------------------------------------------------------------------
-    def _odeint(self, y0: Tensor, first: int, last: int) -> Tensor:
+    def solve_dtype(self) -> torch.dtype:
+        """float32, or float64 for a float64 model: never the half precisions of fp16/bf16."""
+        return torch.promote_types(self.dynamics.fc1.weight.dtype, torch.float32)
+
+    def _live_parameters(self):
+        dtype = self.solve_dtype()
+        return self.dynamics.weights(dtype), self.initial_values().to(dtype)
+
+    def _odeint(self, y0: Tensor, first: int, last: int, weights) -> Tensor:
         """States b(t_i) for positions i = first..last, shape (last - first + 1, N, d)."""
+        if self.method in FIXED_GRID and not self.adjoint:
+            return FixedGridSolve.apply(TABLEAUS[self.method], first, last, self.delta, self.substeps, y0, *weights)
         import torchdiffeq
 
-        times = (torch.arange(first, last + 1, dtype=torch.float64) * self.delta).to(device=y0.device, dtype=y0.dtype)
+        times = grid_times(first, last, self.delta).to(y0.device)
         if self.method in FIXED_GRID:
             kwargs = dict(method=self.method, options=dict(grid_constructor=subdivided_grid(self.substeps)))
         else:
             kwargs = dict(method=self.method, rtol=self.tolerance, atol=self.tolerance)
+        func = dynamics_function(*weights)
         if self.adjoint:
             # gradients to b(0) flow through y0 (the adjoint returns dL/dy0); h's parameters are
             # the only ones inside the integrand
             params = tuple(p for p in self.dynamics.parameters() if p.requires_grad)
-            return torchdiffeq.odeint_adjoint(self.dynamics, y0, times, adjoint_params=params, **kwargs)
-        return torchdiffeq.odeint(self.dynamics, y0, times, **kwargs)
+            return torchdiffeq.odeint_adjoint(func, y0, times, adjoint_params=params, **kwargs)
+        return torchdiffeq.odeint(func, y0, times, **kwargs)
 
-    def solve(self, rows: int) -> Tensor:
-        """Fresh table b(t_i) - b(0) for positions 0..rows-1 (in the autograd graph)."""
-        b0 = self.initial_values()
-        rows = max(rows, 2)
-        return self._odeint(b0, 0, rows - 1) - b0
+    def solve(self, rows: int, parameters=None) -> Tensor:
+        """Table b(t_i) - b(0) for positions 0..rows-1 (in the autograd graph of `parameters`,
+        default the live ones), in the solve dtype."""
+        weights, b0 = parameters if parameters is not None else self._live_parameters()
+        return self._odeint(b0, 0, max(rows, 2) - 1, weights) - b0
 
-    def extend(self, table: Tensor, rows: int) -> Tensor:
-        """`table` continued to `rows` positions by integrating onward from its last point."""
+    def extend(self, table: Tensor, rows: int, parameters=None) -> Tensor:
+        """`table` continued to `rows` positions by integrating onward from its last point
+        (the same grid as one solve: equal to a fresh solve)."""
         if table.size(0) >= rows:
             return table
         if table.size(0) == 0:
-            return self.solve(rows)
-        b0 = self.initial_values()
+            return self.solve(rows, parameters)
+        weights, b0 = parameters if parameters is not None else self._live_parameters()
         last = table.size(0) - 1
-        states = self._odeint(b0 + table[-1], last, rows - 1)
+        states = self._odeint(b0 + table[-1], last, rows - 1, weights)
         return torch.cat([table, states[1:] - b0], dim=0)
 
-    def _store(self, table: Tensor):
-        self.cache = table.detach()
-        self._cache_versions = self._fingerprint()
+    def _checked(self, table: Tensor) -> Solved:
+        """Record the first position the model's dtype cannot hold (inf/NaN, or beyond fp16's range)."""
+        limit = torch.finfo(self.dynamics.fc1.weight.dtype).max
+        peaks = table.detach().abs().flatten(1).amax(dim=1)
+        bad = ~(peaks <= limit)  # also NaN
+        first = int(bad.nonzero()[0, 0]) if bool(bad.any()) else table.size(0)
+        return Solved(table, first)
 
-    def _cache_is_fresh(self) -> bool:
-        if self._cache_versions is None:
-            return False
-        current = self._fingerprint()
-        return current.shape == self._cache_versions.shape and bool(torch.equal(current, self._cache_versions))
+    # --- the parameters a table was computed from ------------------------------------------------
+    def _flat_parameters(self, dtype: torch.dtype) -> Tensor:
+        with torch.no_grad():
+            return torch.cat([p.detach().reshape(-1).to(dtype) for p in (*self.dynamics.parameters(), *self.initial_parameters())])
 
+    def _unflatten(self, flat: Tensor):
+        """(weights, b0) from a flat snapshot, in the order of `_flat_parameters`."""
+        pieces, offset = [], 0
+        for p in (*self.dynamics.parameters(), *self.initial_parameters()):
+            pieces.append(flat[offset: offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        weights = pieces[:4]
+        return weights, torch.stack(pieces[4:]) if len(pieces) > 4 else flat.new_zeros(0, self.dims.embed_dim)
+
+    def _options(self) -> tuple:
+        return (self.method, self.delta, self.substeps, self.tolerance, self.adjoint, tuple(self._slot_index))
+
+    # --- which table a forward pass uses ------------------------------------------------------
     def table(self, rows: int) -> Tensor:
-        """b(t_i) - b(0) for at least positions 0..rows-1, as this forward pass should use it."""
-        live = self._forward_table
-        if live is not None and live.size(0) >= rows:
-            return live
-        if self.training:
-            if self.recompute_every == 1:
-                table = self.solve(rows) if live is None else self.extend(live, rows)
-                self._store(table)
-            elif self._pending or self.cache.size(0) < rows:
-                table = self.solve(max(rows, self.cache.size(0)))
-                self._store(table)
-                self._pending = False
-            else:
-                table = self.cache
-                touch = [p.sum() for p in self.dynamics.parameters() if p.requires_grad]
-                if touch and torch.is_grad_enabled():  # keep h in the graph: DDP sees no unused parameters
-                    table = table + 0.0 * torch.stack(touch).sum()
-        else:
-            if self._cache_is_fresh() and self.cache.size(0) >= rows:
-                table = self.cache
-            else:
-                target = EVAL_CHUNK * math.ceil(rows / EVAL_CHUNK)
-                if self._cache_is_fresh():
-                    table = self.extend(self.cache, target)
-                else:
-                    table = self.solve(max(target, self.cache.size(0)))
-                self._store(table)
-        self._forward_table = table
-        return table
+        """b(t_i) - b(0) for at least positions 0..rows-1, as this forward pass uses it."""
+        return self._table(rows, None).values
 
-    # --- called by the stacks and the attention -------------------------------------------------
+    def _table(self, rows: int, layer_key) -> Solved:
+        grad = torch.is_grad_enabled() and any(p.requires_grad for p in self._solve_inputs())
+        if self.training and self._window_pass:
+            solved = self._window_table(rows)
+            if grad:  # keep h in the graph (zero gradient): DDP sees no unused parameters
+                touch = torch.stack([p.sum() for p in self.dynamics.parameters() if p.requires_grad]).sum()
+                solved = Solved(solved.values + 0.0 * touch, solved.first_overflow)
+            return solved
+        if not self.training and not grad:
+            return self._eval_table(rows)
+        # Inside a backward pass (activation checkpointing recomputes each layer there), every
+        # layer needs a graph of its own: one table per layer, not shared.
+        key = (grad, layer_key if in_backward() else None)
+        solved = self._pass_tables.get(key)
+        if solved is None or solved.values.size(0) < rows:
+            values = self.solve(rows) if solved is None else self.extend(solved.values, rows)
+            solved = self._pass_tables[key] = self._checked(values)
+            if self.training and self._window is not None and (
+                    self._window["table"] is None or self._window["table"].values.size(0) < values.size(0)):
+                self._window["table"] = Solved(values.detach(), solved.first_overflow)
+        return solved
+
+    def _solve_inputs(self):
+        return (*self.dynamics.parameters(), *self.initial_parameters())
+
+    def _window_table(self, rows: int) -> Solved:
+        window = self._window
+        solved = window["table"]
+        if solved is None or solved.values.size(0) < rows:
+            with torch.no_grad():
+                snapshot = self._unflatten(window["parameters"])
+                values = self.solve(rows, snapshot) if solved is None else self.extend(solved.values, rows, snapshot)
+            solved = window["table"] = self._checked(values)
+        return solved
+
+    def _eval_table(self, rows: int) -> Solved:
+        dtype = self.solve_dtype()
+        if self._eval_cache is not None and not self._eval_checked:
+            source, _ = self._eval_cache
+            flat = self._flat_parameters(dtype)
+            if source[0] != self._options() or source[1].device != flat.device or not torch.equal(source[1], flat):
+                self._eval_cache = None
+        self._eval_checked = True
+        solved = self._eval_cache[1] if self._eval_cache is not None else None
+        if solved is None or solved.values.size(0) < rows:
+            target = EVAL_CHUNK * math.ceil(rows / EVAL_CHUNK)
+            with torch.no_grad():
+                values = self.solve(target) if solved is None else self.extend(solved.values, target)
+            solved = self._checked(values)
+            self._eval_cache = ((self._options(), self._flat_parameters(dtype)), solved)
+        return solved
+
+    # --- called by the trainer, the stacks and the attention ---------------------------------------
     def set_num_updates(self, num_updates: int):
-        index = num_updates // self.recompute_every
-        if index != self._recomputed_at:
-            self._recomputed_at = index
-            self._pending = True
+        self._num_updates = num_updates
 
     def begin(self, role, positions=None, source_positions=None):
         super().begin(role, positions, source_positions)
         # a new forward pass starts with the encoder, or with a decoder call that follows a decoder call
         if role == "encoder" or self._last_begin != "encoder":
-            self._forward_table = None
-            self._needed = 0
+            self._reset_pass()
+            if self.training and self.recompute_every > 1:
+                self._start_window_pass()
         self._last_begin = role
+        if not self.training and positions is not None and positions.numel() and int(positions.min()) > 0:
+            self._eval_checked = True  # a later decoding step: its pass's first step checked the table
         for given in (positions, source_positions):
             if given is not None and given.numel() > 0:
                 self._needed = max(self._needed, int(given.max()) + 1)
+
+    def _start_window_pass(self):
+        index = self._num_updates // self.recompute_every
+        if self._window is not None and self._window["index"] == index and self._window["options"] == self._options():
+            self._window_pass = True  # reuse the window's table
+        else:  # first pass of a window: solve with gradient from the live parameters
+            self._window = {"index": index, "options": self._options(),
+                            "parameters": self._flat_parameters(self.solve_dtype()), "table": None}
 
     def project(self, role, layer, which, x, positions):
         slot = self._slot_index.get((role, layer, which))
@@ -286,45 +540,46 @@ class Floater(PositionalEncoding):
             return x
         # begin() saw every position of this forward (one host sync per stack, not one per layer)
         rows = self._needed or (int(positions.max()) + 1 if positions.numel() else 1)
-        delta = self.table(rows)[:, slot][positions]  # (B, T, d)
-        return x + delta.transpose(0, 1).to(x.dtype)
+        solved = self._table(rows, ("encoder" if role == "encoder" else "decoder", layer))
+        if rows > solved.first_overflow:
+            peak = float(solved.values[solved.first_overflow].abs().max())
+            raise ValueError(
+                f"FLOATER position biases overflow at position {solved.first_overflow} (|b(t) - b(0)| = {peak:.3g}, "
+                f"more than {self.dynamics.fc1.weight.dtype} holds) for an input of {rows} positions: the learned "
+                "dynamics grow without bound beyond the lengths seen in training. Train on longer inputs, use a "
+                "smaller --floater-delta, or shorten the input (docs/floater.md)")
+        bias = solved.values[:, slot][positions]  # (B, T, d)
+        return x + bias.transpose(0, 1).to(x.dtype)
 
-    # --- checkpoints ----------------------------------------------------------------------------
+    # --- checkpoints: the window snapshot (K > 1), never a table -----------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if not self._slots:
-            return
-        if not self._cache_is_fresh():  # saved biases must be those of the saved parameters
-            rows = max(self.cache.size(0), 2)
-            with torch.no_grad():
-                fresh = self.solve(rows)
-            if not self.training:  # (in training keep the K-update cache as it is: all ranks alike)
-                self._store(fresh)
-            destination[prefix + "cache"] = fresh
-        elif not keep_vars:
-            destination[prefix + "cache"] = self.cache.detach()
+        if self.recompute_every > 1 and self._slots:
+            window = self._window
+            # fixed shapes (EMA and checkpoint averaging combine entries key by key); index -1: none yet
+            parameters = window["parameters"] if window is not None else self._flat_parameters(self.solve_dtype())
+            destination[prefix + "window_parameters"] = parameters.clone()
+            destination[prefix + "window_index"] = torch.tensor(
+                float(window["index"]) if window is not None else -1.0, dtype=torch.float64)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        key = prefix + "cache"
-        if key in state_dict:
-            self.cache = self.cache.new_empty(state_dict[key].shape)  # the table's size varies
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        if key not in state_dict:  # e.g. a checkpoint written before the table existed
-            if key in missing_keys:
-                missing_keys.remove(key)
-            self.cache = self.cache.new_zeros(0, len(self._slots), self.dims.embed_dim)
-            self.__dict__["_loaded_table"] = False
-        else:
-            self.__dict__["_loaded_table"] = True
+        ours = [prefix + name for name in ("window_parameters", "window_index", "cache")]  # cache: older versions
+        for key in ours:
+            if key in unexpected_keys:
+                unexpected_keys.remove(key)
+        self.__dict__["_loaded_window"] = (state_dict.get(ours[0]), state_dict.get(ours[1]))
 
     @staticmethod
-    def _trust_loaded_cache(module, incompatible_keys):
-        """After the whole model is loaded: the stored table belongs to the loaded parameters."""
-        module._forward_table = None
-        module._pending = True
-        if module.__dict__.pop("_loaded_table", False) and module.cache.size(0) > 0:
-            module._cache_versions = module._fingerprint()
-        else:
-            module._cache_versions = None
+    def _after_load(module, incompatible_keys):
+        """After the whole model is loaded: forget every table; adopt the saved window (exact resume)."""
+        parameters, index = module.__dict__.pop("_loaded_window", (None, None))
+        module._forget_tables()
+        expected = sum(p.numel() for p in module._solve_inputs())
+        if (module.recompute_every > 1 and parameters is not None and index is not None
+                and parameters.numel() == expected and float(index) >= 0 and float(index) == int(float(index))):
+            device = module.dynamics.fc1.weight.device
+            module._window = {"index": int(float(index)), "options": module._options(),
+                              "parameters": parameters.to(device=device, dtype=module.solve_dtype()), "table": None}

@@ -1,10 +1,12 @@
 """FLOATER against hand-written references: a fixed-step RK4 / Euler loop of the same ODE, the
-stock model (h == 0), a fresh solve (extension of the cache), and fairseq's own training."""
+stock model (h == 0), a fresh solve (extension of a table), and fairseq's own training.
+The fast integrator against torchdiffeq, precision, long inputs and checkpoint workflows are in
+test_floater_solver.py and test_floater_workflows.py."""
 import torch
 import torch.nn.functional as F
-import torchdiffeq
 
 from posenc_fairseq.attention import PositionalAttention
+from posenc_fairseq.encodings.floater import FixedGridSolve
 from util import QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, random_batch, run
 
 
@@ -120,7 +122,7 @@ def test_dopri5_and_midpoint_agree_with_rk4(translation_data):
 def test_slots_first_block_only_and_model_output_uses_them(translation_data):
     model, task, encoding = floater_model(translation_data, ["--floater-first-block-only"])
     assert sorted(encoding._slot_index) == sorted(key for key in expected_slots(model) if key[1] == 0)
-    assert encoding.cache.shape == (0, 9, 32)
+    assert encoding.initial_values().shape == (9, 32)
 
 
 def test_zero_last_layer_is_exactly_the_stock_model(translation_data):
@@ -174,39 +176,46 @@ def model_gradients(model, encoding, src, src_lengths, prev):
     return ([p.grad for p in encoding.dynamics.parameters()], [p.grad for p in encoding.initial_parameters()])
 
 
-def test_gradients_with_the_k_update_cache(translation_data):
+def counting_solves(monkeypatch):
+    """Count the fixed-grid solves (each call of the fast integrator)."""
+    calls = []
+    original = FixedGridSolve.apply
+
+    def counting(*args):
+        calls.append(args[2] - args[1] + 1)  # positions solved
+        return original(*args)
+
+    monkeypatch.setattr(FixedGridSolve, "apply", counting)
+    return calls
+
+
+def test_gradients_with_the_k_update_window(translation_data, monkeypatch):
     model, task, encoding = floater_model(translation_data, ["--floater-recompute-every", "3", "--dropout", "0"])
     model.train()
     perturb(model)
     src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=10, tgt_len=8)
-    calls = []
-    original = torchdiffeq.odeint
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    torchdiffeq.odeint = counting
-    try:
-        model.set_num_updates(0)
-        theta, b0 = model_gradients(model, encoding, src, src_lengths, prev)  # solves
-        assert len(calls) == 1 and all(g.abs().sum() > 0 for g in theta) and all(g.abs().sum() > 0 for g in b0)
-        for update in (1, 2):
-            model.set_num_updates(update)
-            theta, b0 = model_gradients(model, encoding, src, src_lengths, prev)  # cached
-            assert len(calls) == 1
-            assert all(g is not None and g.abs().sum() == 0 for g in theta)  # in the graph, zero gradient
-            assert all(g.abs().sum() > 0 for g in b0)  # directly, as the Linear bias
-        model.set_num_updates(3)
-        theta, _ = model_gradients(model, encoding, src, src_lengths, prev)  # recomputes
-        assert len(calls) == 2 and all(g.abs().sum() > 0 for g in theta)
-        # a longer batch than the cache: recomputed (with gradient) at once
-        src2, len2, prev2 = random_batch(task.source_dictionary, batch=2, src_len=30, tgt_len=8)
-        model.set_num_updates(4)
-        theta, _ = model_gradients(model, encoding, src2, len2, prev2)
-        assert len(calls) == 3 and all(g.abs().sum() > 0 for g in theta) and encoding.cache.size(0) >= 30
-    finally:
-        torchdiffeq.odeint = original
+    calls = counting_solves(monkeypatch)
+    model.set_num_updates(0)
+    theta, b0 = model_gradients(model, encoding, src, src_lengths, prev)  # first pass of the window: solves
+    assert len(calls) == 1 and all(g.abs().sum() > 0 for g in theta) and all(g.abs().sum() > 0 for g in b0)
+    window_table = encoding._window["table"].values.clone()
+    for update in (1, 2):
+        model.set_num_updates(update)
+        theta, b0 = model_gradients(model, encoding, src, src_lengths, prev)  # reuses the window's table
+        assert len(calls) == 1
+        assert all(g is not None and g.abs().sum() == 0 for g in theta)  # in the graph, zero gradient
+        assert all(g.abs().sum() > 0 for g in b0)  # directly, as the Linear bias
+    # a longer batch inside the window: extended from the window's parameter snapshot, not re-solved
+    with torch.no_grad():
+        for p in encoding.dynamics.parameters():
+            p.add_(0.05)  # what an optimizer step would do; the window's table must not follow
+    src2, len2, prev2 = random_batch(task.source_dictionary, batch=2, src_len=30, tgt_len=8)
+    model_gradients(model, encoding, src2, len2, prev2)
+    assert len(calls) == 2 and encoding._window["table"].values.size(0) >= 30
+    assert torch.equal(encoding._window["table"].values[: window_table.size(0)], window_table)
+    model.set_num_updates(3)
+    theta, _ = model_gradients(model, encoding, src, src_lengths, prev)  # a new window: solves with gradient
+    assert len(calls) == 3 and all(g.abs().sum() > 0 for g in theta)
 
 
 def test_model_gradients_with_adjoint(translation_data):
@@ -251,16 +260,16 @@ def test_trained_on_32_tokens_runs_on_1000(translation_data):
     model, task, encoding = floater_model(translation_data, ["--max-source-positions", "64", "--max-target-positions", "64",
                                                              "--floater-init", "small"])
     train_a_little(model, task, lr=0.05)
-    assert encoding.cache.size(0) <= 32 and encoding.cache.abs().max() > 0
+    assert encoding.dynamics.fc2.weight.abs().max() > 0.01  # h moved
     model.eval()
     src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=1000, tgt_len=1000)
     with torch.no_grad():
         logits, _ = model(src, src_lengths, prev)
-    assert torch.isfinite(logits).all() and encoding.cache.size(0) >= 1000
-    assert torch.isfinite(encoding.cache).all()
+    assert torch.isfinite(logits).all() and encoding.table(1000).size(0) >= 1000
+    assert torch.isfinite(encoding.table(1000)).all()
 
 
-def test_checkpoint_reloads_without_solving_and_gives_identical_outputs(translation_data, tmp_path):
+def test_checkpoint_holds_no_table_and_reloads_to_identical_outputs(translation_data, tmp_path):
     model, task, encoding = floater_model(translation_data)
     perturb(model)
     train_a_little(model, task)
@@ -270,37 +279,59 @@ def test_checkpoint_reloads_without_solving_and_gives_identical_outputs(translat
         expected, _ = model(src, src_lengths, prev)
     torch.save(model.state_dict(), tmp_path / "model.pt")
     state = torch.load(tmp_path / "model.pt")
-    with torch.no_grad():
-        assert torch.equal(state["positional_encoding.cache"], encoding.solve(state["positional_encoding.cache"].size(0)))
-    assert state["positional_encoding.cache"].size(0) >= 40
+    # only parameters: checkpoint averaging and EMA combine entries key by key
+    assert not any(key.startswith("positional_encoding.") and "dynamics" not in key for key in state)
 
     reloaded, _, reloaded_encoding = floater_model(translation_data)
-    assert reloaded_encoding.cache.size(0) == 0
     reloaded.load_state_dict(state, strict=True)
     reloaded.eval()
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the ODE was solved after reload")
-
-    original, original_adjoint = torchdiffeq.odeint, torchdiffeq.odeint_adjoint
-    torchdiffeq.odeint = torchdiffeq.odeint_adjoint = refuse
-    try:
-        with torch.no_grad():
-            got, _ = reloaded(src, src_lengths, prev)
-            # incremental decoding reads the stored table too
-            encoder_out = reloaded.encoder(src, src_lengths=src_lengths)
-            state_inc = {}
-            for t in range(prev.size(1)):
-                step, _ = reloaded.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state_inc)
-                assert (step[:, 0] - expected[:, t]).abs().max() <= 1e-5
-    finally:
-        torchdiffeq.odeint, torchdiffeq.odeint_adjoint = original, original_adjoint
+    with torch.no_grad():
+        got, _ = reloaded(src, src_lengths, prev)
+        # incremental decoding reads the same table
+        encoder_out = reloaded.encoder(src, src_lengths=src_lengths)
+        state_inc = {}
+        for t in range(prev.size(1)):
+            step, _ = reloaded.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state_inc)
+            assert (step[:, 0] - expected[:, t]).abs().max() <= 1e-5
     assert torch.equal(got, expected)
-    # a stale table is not trusted: change the parameters and the outputs follow them
+    # a stale table is not used: change the parameters and the outputs follow them
     with torch.no_grad():
         reloaded_encoding.dynamics.fc2.bias.data.add_(0.5)
         changed, _ = reloaded(src, src_lengths, prev)
     assert (changed - expected).abs().max() > 1e-3
+
+
+def test_evaluation_table_is_tied_to_options_parameters_and_reused_across_steps(translation_data, monkeypatch):
+    model, task, encoding = floater_model(translation_data)
+    model.eval()
+    perturb(model)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=12, tgt_len=9)
+    calls = counting_solves(monkeypatch)
+    with torch.no_grad():
+        first, _ = model(src, src_lengths, prev)
+        again, _ = model(src, src_lengths, prev)
+        assert len(calls) == 1 and torch.equal(first, again)  # cached across passes
+        # incremental decoding: no solve, and no parameter check after the first step
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
+        checks = []
+        monkeypatch.setattr(type(encoding), "_flat_parameters",
+                            lambda self, dtype, original=type(encoding)._flat_parameters: checks.append(1) or original(self, dtype))
+        state = {}
+        for t in range(prev.size(1)):
+            model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+        assert len(calls) == 1 and len(checks) <= 1
+        # every solver option the table depends on: a changed option re-solves
+        for name, value in (("delta", 0.2), ("substeps", 2), ("method", "midpoint")):
+            setattr(encoding, name, value)
+            changed, _ = model(src, src_lengths, prev)
+            assert (changed - first).abs().max() > 1e-4, name
+        encoding.delta, encoding.substeps, encoding.method = 0.1, 5, "rk4"
+        back, _ = model(src, src_lengths, prev)
+        assert torch.equal(back, first)
+        # fairseq-style in-place parameter update (p.data) is seen
+        encoding.dynamics.fc1.bias.data.add_(0.1)
+        moved, _ = model(src, src_lengths, prev)
+        assert (moved - first).abs().max() > 1e-4
 
 
 def test_training_switches(translation_data):
@@ -325,7 +356,7 @@ def test_fairseq_train_transformer_floater(translation_data, tmp_path):
                          "--update-freq", "2"])
     assert "num_updates 4" in out and "valid" in out
     state = torch.load(tmp_path / "k3" / "checkpoint_last.pt", weights_only=False)["model"]
-    assert state["positional_encoding.cache"].size(0) > 1 and torch.isfinite(state["positional_encoding.cache"]).all()
+    assert float(state["positional_encoding.window_index"]) == 1  # the window of updates 3..5
 
 
 def test_fairseq_train_roberta_floater(masked_lm_data, tmp_path):
