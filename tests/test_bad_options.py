@@ -1,0 +1,253 @@
+"""Every bad option value of the T5/AT5/Shaw/LFHC/XL/GCDF/ALiBi/rotary encodings ends in one clear
+line naming the option (issue 12), wherever the value comes from:
+
+- the command line (argparse `type=` / `choices=` / actions, as fairseq parses `add_args`):
+  exit status 2, `argument --OPTION: ...`, no traceback;
+- a Namespace (a stored config, the converters' overrides, code that builds models directly):
+  `OptionValueError` (a ValueError) naming `--OPTION` and the value, before any parameter exists.
+
+Edge values that mean something (0 where meaningful) are honoured, not replaced by the default.
+FLOATER's options are tested with FLOATER.
+"""
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import posenc_fairseq  # noqa: F401
+from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
+from posenc_fairseq.encodings.option_types import (MAX_PARAMETER_BYTES, OptionValueError, check_size, even_int_in_range,
+                                                   float_in_range, int_in_range, option, option_pair, positive_float,
+                                                   probability)
+from util import USER_DIR, encoding_options
+
+DIMS = ModelDims(embed_dim=16, heads=4, encoder_layers=2, decoder_layers=2)
+
+# (encoding to build, command-line arguments): every one refused at parse time and at build time
+BAD = [
+    # Shaw / LFHC: k >= 1 (k = 0 was silently 16), bounded table size
+    ("shaw", ["--shaw-k", "0"]),
+    ("shaw", ["--shaw-k", "-2"]),
+    ("shaw", ["--shaw-k", "1000000000"]),
+    ("shaw", ["--shaw-k", "2.5"]),
+    ("shaw", ["--shaw-k", "many"]),
+    ("shaw", ["--shaw-values", "maybe"]),
+    ("lfhc", ["--lfhc-k", "0"]),
+    ("lfhc", ["--lfhc-k", "1000000000"]),
+    ("lfhc", ["--lfhc-values", "2"]),
+    ("lfhc", ["--lfhc-rounding", "ceil"]),
+    # T5 / T5-NoB: even bucket count >= 4 (0 was silently 32; odd leaves a row unused)
+    ("t5", ["--t5-num-buckets", "0"]),
+    ("t5", ["--t5-num-buckets", "7"]),
+    ("t5", ["--t5-num-buckets", "2"]),
+    ("t5", ["--t5-num-buckets", "-4"]),
+    ("t5", ["--t5-num-buckets", "1000000000"]),
+    ("t5", ["--t5-max-distance", "-1"]),
+    ("t5_nob", ["--t5-max-distance", "-3"]),
+    ("t5_nob", ["--t5-max-distance", "1000000000"]),
+    ("t5", ["--scalar-bias-layers", "some"]),
+    # AT5 / AT5-NoB
+    ("at5", ["--at5-length-scale", "0"]),
+    ("at5", ["--at5-length-scale", "-5"]),
+    ("at5", ["--at5-length-scale", "0.5"]),
+    ("at5", ["--at5-length-scale", "nan"]),
+    ("at5", ["--at5-length-scale", "inf"]),
+    ("at5", ["--at5-gamma-range", "10", "1"]),
+    ("at5", ["--at5-gamma-range", "nan", "1"]),
+    ("at5", ["--at5-gamma-range", "-1", "5"]),
+    ("at5", ["--at5-gamma-range", "0", "0"]),
+    ("at5", ["--at5-gamma-range", "1", "1e9"]),
+    ("at5", ["--at5-mlp-widths", "0", "4"]),
+    ("at5", ["--at5-mlp-widths", "32", "-1"]),
+    ("at5", ["--at5-mlp-widths", "100000", "4"]),
+    ("at5", ["--at5-dropout", "1"]),
+    ("at5", ["--at5-dropout", "-0.1"]),
+    ("at5", ["--at5-dropout", "nan"]),
+    ("at5", ["--at5-activation", "softmax"]),
+    ("at5_nob", ["--at5-nob-input", "bucket"]),
+    ("at5_nob", ["--at5-length-scale", "0"]),
+    # rotary, GCDF
+    ("rotary", ["--rotary-base", "0"]),
+    ("rotary", ["--rotary-base", "-1"]),
+    ("rotary", ["--rotary-base", "nan"]),
+    ("rotary", ["--rotary-base", "inf"]),
+    ("gcdf", ["--gcdf-lambda", "nan"]),
+    ("gcdf", ["--gcdf-lambda", "inf"]),
+    ("gcdf", ["--gcdf-lambda", "-1"]),
+    ("gcdf", ["--gcdf-lambda", "0"]),
+    ("gcdf", ["--gcdf-lambda", "1e9"]),
+]
+
+# values that only the combination with other options or the model's size makes bad: refused
+# when the encoding is built, with the computed figure where it is a size
+BAD_AT_BUILD = [
+    ("t5", {"t5_max_distance": 16}, "--t5-max-distance 16: expected an integer > 16"),
+    ("t5", {"t5_num_buckets": 64, "t5_max_distance": 0}, "--t5-max-distance 0"),
+    ("shaw", {"shaw_k": 65536}, "would take"),  # with a big model (below): figure in bytes
+    ("at5_nob", {"at5_nob_input": "learned", "at5_length_scale": 1e9}, "would take"),
+]
+BIG = ModelDims(embed_dim=1024, heads=16, encoder_layers=24, decoder_layers=24)
+
+
+def option_of(argv):
+    return argv[0]
+
+
+def parser():
+    """The encodings' options on a parser that behaves like fairseq's (errors exit with status 2)."""
+    from posenc_fairseq.models.common import add_position_args
+
+    result = argparse.ArgumentParser(prog="fairseq-train")
+    add_position_args(result)
+    return result
+
+
+def typed(argv):
+    """The Namespace value a config would hold for `argv` (numbers as numbers, pairs as lists)."""
+    def number(text):
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+        return text
+    values = [number(part) for part in argv[1:]]
+    return argv[0][2:].replace("-", "_"), values[0] if len(values) == 1 else values
+
+
+@pytest.mark.parametrize("name,argv", BAD, ids=[" ".join(argv) for _, argv in BAD])
+def test_bad_value_refused_on_the_command_line(name, argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parser().parse_args(["--positional-encoding", name, *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("fairseq-train: error: argument " + option_of(argv)), err
+    assert "expected" in last or "invalid choice" in last, last
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("name,argv", BAD, ids=[" ".join(argv) for _, argv in BAD])
+def test_bad_value_refused_when_building_from_a_namespace(name, argv):
+    dest, value = typed(argv)
+    args = encoding_options(**{dest: value})
+    torch.manual_seed(0)
+    with pytest.raises(OptionValueError) as error:
+        build_encoding(name, args, DIMS)
+    message = str(error.value)
+    assert message.startswith(option_of(argv)) and "\n" not in message, message
+    assert "expected" in message or "would take" in message, message
+
+
+@pytest.mark.parametrize("name,options,expected", BAD_AT_BUILD, ids=[name for name, _, _ in BAD_AT_BUILD])
+def test_bad_combination_or_size_refused_when_building(name, options, expected):
+    dims = BIG if "would take" in expected else DIMS
+    with pytest.raises(OptionValueError, match=expected.replace("+", r"\+")) as error:
+        build_encoding(name, encoding_options(**options), dims)
+    message = str(error.value)
+    if "would take" in expected:  # the computed figure and the limit
+        assert "GiB" in message and "the limit is 1.0 GiB" in message, message
+
+
+def test_shaw_size_figure_is_computed():
+    """k = 65536 in a 24+24-layer model with 64-dim heads: 2 tables a layer of 131073 x 64 floats."""
+    with pytest.raises(OptionValueError) as error:
+        build_encoding("shaw", encoding_options(shaw_k=65536), BIG)
+    values = 2 * 48 * 131073 * 64
+    assert f"{values * 4 / 2 ** 30:.1f} GiB" in str(error.value) and f"({values:,} values)" in str(error.value)
+
+
+# --- edge values that mean something are honoured, not replaced by the default -------------
+def test_t5_nob_max_distance_zero_clips_every_distance():
+    encoding = build_encoding("t5_nob", encoding_options(t5_max_distance=0), DIMS)
+    assert encoding.max_distance == 0 and encoding.tables["encoder"].shape == (1, 4)
+    assert encoding.tables["decoder"].shape == (1, 4)
+    bias = encoding.bias("encoder", 0, torch.arange(5), torch.arange(5))
+    assert (bias == bias[:, :1, :1]).all()  # one value per head for every distance
+
+
+def test_smallest_allowed_values_are_honoured():
+    assert build_encoding("shaw", encoding_options("--shaw-k", "1"), DIMS).key_tables["encoder0"].shape == (3, 4)
+    t5 = build_encoding("t5", encoding_options("--t5-num-buckets", "4", "--t5-max-distance", "3"), DIMS)
+    assert t5.num_buckets == 4 and t5.max_distance == 3 and t5.tables["encoder"].shape == (4, 4)
+    at5 = build_encoding("at5", encoding_options("--at5-length-scale", "1", "--at5-gamma-range", "0", "0.5",
+                                                 "--at5-mlp-widths", "1", "1", "--at5-dropout", "0"), DIMS)
+    assert at5.length_scale == 1.0 and at5.mlps["encoder_minus"].w2.shape == (4, 1, 1)
+    gammas = torch.cat(list(at5.gammas.values()))
+    assert (gammas >= 0).all() and (gammas <= 0.5).all()
+    assert build_encoding("rotary", encoding_options("--rotary-base", "1"), DIMS).base == 1.0
+    assert build_encoding("gcdf", encoding_options("--gcdf-lambda", "0.001"), DIMS).scale == 0.001
+
+
+def test_namespace_zero_is_judged_not_replaced_by_the_default():
+    """A config holding 0 (as fairseq stores it) is refused, never silently the default."""
+    for name, dest in (("shaw", "shaw_k"), ("lfhc", "lfhc_k"), ("t5", "t5_num_buckets"),
+                       ("at5", "at5_length_scale"), ("rotary", "rotary_base"), ("gcdf", "gcdf_lambda")):
+        with pytest.raises(OptionValueError, match="--" + dest.replace("_", "-") + " 0:"):
+            build_encoding(name, encoding_options(**{dest: 0}), DIMS)
+    # and absent (None) is the default
+    assert build_encoding("shaw", encoding_options(), DIMS).k == 16
+
+
+def test_every_encoding_option_has_a_checked_type():
+    """No option of these encodings takes a bare int/float (which accepts 0, nan, -1 ...)."""
+    prefixes = ("--t5-", "--scalar-bias-", "--at5-", "--shaw-", "--lfhc-", "--gcdf-", "--rotary-", "--xl-", "--alibi-")
+    seen = 0
+    for action in parser()._actions:
+        if not any(name.startswith(prefixes) for name in action.option_strings):
+            continue
+        seen += 1
+        if action.choices is None and action.nargs != 0:
+            assert action.type not in (int, float, None), f"{action.option_strings} has type {action.type}"
+    assert seen == 17  # scalar-bias 2, t5 2, at5 6, shaw 2, lfhc 3, gcdf 1, rotary 1
+
+
+# --- the checkers themselves ------------------------------------------------------------------
+@pytest.mark.parametrize("checker,good,bad", [
+    (int_in_range(1, 10), ["1", "10", 5, 7.0], ["0", "11", "1.5", "x", True, None, 2.5]),
+    (even_int_in_range(4), ["4", "6", 100], ["5", "2", "-4"]),
+    (float_in_range(0.0, 1.0, high_open=True), ["0", "0.5", 0], ["1", "-0.1", "nan", "inf"]),
+    (positive_float, ["1e-9", 3], ["0", "-1", "nan", "-inf", False]),
+    (probability, ["0", "0.999"], ["1", "1.5"]),
+])
+def test_checkers(checker, good, bad):
+    for value in good:
+        checker(value)
+    for value in bad:
+        with pytest.raises(argparse.ArgumentTypeError, match="expected"):
+            checker(value)
+
+
+def test_option_helpers():
+    args = argparse.Namespace(a=0, b=None, pair=[3.0, 1.0], single=[1.0])
+    with pytest.raises(OptionValueError, match=r"^--a 0: expected a finite number > 0$"):
+        option(args, "a", positive_float, 5.0)
+    assert option(args, "b", positive_float, 5.0) == 5.0
+    assert option({"a": "2"}, "a", positive_float, 5.0) == 2.0
+    with pytest.raises(OptionValueError, match="MIN <= MAX"):
+        option_pair(args, "pair", positive_float, (1, 2), ordered=True)
+    with pytest.raises(OptionValueError, match="two values"):
+        option_pair(args, "single", positive_float, (1, 2))
+    with pytest.raises(OptionValueError, match=r"--x 5: t would take 1\.0 GiB \(268,435,457 values\)"):
+        check_size("--x 5", MAX_PARAMETER_BYTES // 4 + 1, "t")
+    check_size("--x 5", MAX_PARAMETER_BYTES // 4, "t")
+
+
+# --- the real command: fairseq-train stops at parsing, one line, before touching data ---------
+@pytest.mark.parametrize("arch,argv", [
+    ("transformer_shaw", ["--shaw-k", "0"]),
+    ("transformer_at5", ["--at5-gamma-range", "10", "1"]),
+    ("roberta_t5", ["--t5-num-buckets", "7"]),
+])
+def test_fairseq_train_refuses_with_one_line(tmp_path, arch, argv):
+    done = subprocess.run([sys.executable, "-m", "fairseq_cli.train", str(tmp_path / "no-data"), "--user-dir", USER_DIR,
+                           "--arch", arch, "--cpu", *argv], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"argument {argv[0]}" in errors[0], done.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,309 @@
+"""The conversion scripts' file safety (issue 12): never overwrite without --force, never over files
+in SRC's folder, create a missing DST folder, the umask's file mode, and every OS error or bad
+option as one `error:` line with exit status 2, no partial file, nothing created, SRC untouched.
+
+The stock checkpoints are tiny fairseq models built in-process and saved in the old `args` format
+(fast); most cases call the scripts' `main` in-process, a few run the real scripts."""
+import argparse
+import errno
+import hashlib
+import io
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import posenc_fairseq  # noqa: F401
+from posenc_fairseq import convert, convert_cli
+from util import REPO
+
+SCRIPTS = REPO / "scripts"
+
+
+def stock_state(kind):
+    from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
+
+    if kind == "transformer":
+        args = argparse.Namespace(
+            arch="transformer", encoder_layers=1, decoder_layers=1, encoder_embed_dim=16, decoder_embed_dim=16,
+            encoder_ffn_embed_dim=32, decoder_ffn_embed_dim=32, encoder_attention_heads=2, decoder_attention_heads=2,
+            max_source_positions=64, max_target_positions=64)
+    else:
+        args = argparse.Namespace(arch="roberta_base", encoder_layers=1, encoder_embed_dim=16, encoder_ffn_embed_dim=32,
+                                  encoder_attention_heads=2, max_positions=64, tokens_per_sample=64)
+    ARCH_CONFIG_REGISTRY[args.arch](args)
+    torch.manual_seed(0)
+    model = ARCH_MODEL_REGISTRY[args.arch].build_model(args, convert._Task(convert._dictionary(24), max_positions=64))
+    return {"args": args, "model": model.state_dict(), "optimizer_history": [], "extra_state": {},
+            "last_optimizer_state": None}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stock")
+    torch.save(stock_state("transformer"), root / "transformer.pt")
+    release = root / "roberta.base"
+    release.mkdir()
+    torch.save(stock_state("roberta"), release / "model.pt")
+    (release / "dict.txt").write_text("".join(f"w{index} 1\n" for index in range(20)))
+    return root
+
+
+@pytest.fixture
+def work(sources, tmp_path):
+    """A private copy of the sources in tmp_path/src (so every case can check nothing changed)."""
+    src = tmp_path / "src"
+    (src / "roberta.base").mkdir(parents=True)
+    for name in ("transformer.pt", "roberta.base/model.pt", "roberta.base/dict.txt"):
+        (src / name).write_bytes((sources / name).read_bytes())
+    return tmp_path
+
+
+def snapshot(root):
+    """Every path under root with its content digest and mode."""
+    result = {}
+    for folder, folders, files in os.walk(root):
+        for name in folders + files:
+            path = os.path.join(folder, name)
+            info = os.lstat(path)
+            digest = hashlib.sha256(open(path, "rb").read()).hexdigest() if stat.S_ISREG(info.st_mode) else None
+            result[os.path.relpath(path, root)] = (digest, stat.S_IMODE(info.st_mode))
+    return result
+
+
+def run_main(kind, *arguments, capsys):
+    """convert_cli.main in-process: (exit status, stdout, stderr)."""
+    try:
+        status = convert_cli.main(kind, [str(part) for part in arguments])
+    except SystemExit as exit_:
+        status = exit_.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def assert_refused(status, err, expected):
+    assert status == 2, err
+    assert expected in err, err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("warning:")]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+
+
+# --- refusals: (kind, arguments relative to the work folder, set-up, expected message) ---------
+def _existing_dst(root):
+    (root / "out").mkdir()
+    (root / "out" / "notes.pt").write_text("an unrelated file\n")
+
+
+def _dst_parent_is_file(root):
+    (root / "blocker").write_text("a file\n")
+
+
+def _hard_link(root):
+    os.link(root / "src" / "transformer.pt", root / "link.pt")
+
+
+REFUSALS = [
+    ("existing dst", "transformer", ["src/transformer.pt", "out/notes.pt", "--encoding", "t5"], _existing_dst,
+     "exists; refusing to overwrite it (use --force"),
+    ("roberta dst = source dict.txt", "roberta", ["src/roberta.base/model.pt", "src/roberta.base/dict.txt", "--encoding", "t5"],
+     None, "would be the dictionary"),
+    ("transformer dst = file beside src", "transformer", ["src/roberta.base/model.pt", "src/roberta.base/dict.txt",
+                                                          "--encoding", "t5"], None, "in SRC's folder"),
+    ("file beside src, even with --force", "roberta", ["src/roberta.base/model.pt", "src/roberta.base/dict.txt", "--force"],
+     None, "would be the dictionary"),
+    ("dst is src", "transformer", ["src/transformer.pt", "src/./transformer.pt", "--force"], None, "DST is SRC"),
+    ("dst hard link to src", "transformer", ["src/transformer.pt", "link.pt", "--force"], _hard_link, "DST is SRC"),
+    ("dst is a folder", "transformer", ["src/transformer.pt", "src", "--encoding", "t5"], None, "is a folder; give the file"),
+    ("dst ends with /", "transformer", ["src/transformer.pt", "new/", "--encoding", "t5"], None, "is a folder; give the file"),
+    ("dst parent is a file", "transformer", ["src/transformer.pt", "blocker/x/model.pt", "--encoding", "t5"],
+     _dst_parent_is_file, "exists and is not a folder"),
+    ("src missing", "transformer", ["src/nothing.pt", "out/model.pt"], None, "no such file"),
+    ("src is a folder", "roberta", ["src/roberta.base", "out/model.pt"], None, "is a folder; give the checkpoint file"),
+    ("bad option: --shaw-k 0", "transformer", ["src/transformer.pt", "new/model.pt", "--encoding", "shaw", "--shaw-k", "0"],
+     None, "argument --shaw-k: invalid value '0': expected an integer in [1, 65536]"),
+    ("bad option: odd buckets", "roberta", ["src/roberta.base/model.pt", "new/model.pt", "--encoding", "t5",
+                                            "--t5-num-buckets", "7"], None, "argument --t5-num-buckets"),
+    ("bad option: gamma range", "transformer", ["src/transformer.pt", "new/model.pt", "--encoding", "at5",
+                                                "--at5-gamma-range", "10", "1"], None, "expected MIN <= MAX"),
+    ("bad option combination", "transformer", ["src/transformer.pt", "new/deeper/model.pt", "--encoding", "t5",
+                                               "--t5-max-distance", "3"], None, "--t5-max-distance 3: expected an integer > 16"),
+    ("unknown option", "transformer", ["src/transformer.pt", "new/model.pt", "--encoding", "t5", "--t5-bukets", "8"],
+     None, "unknown options: --t5-bukets"),
+    ("fixed-by-design encoding", "transformer", ["src/transformer.pt", "new/model.pt", "--encoding", "alibi"],
+     None, "fixed by design"),
+]
+
+
+@pytest.mark.parametrize("case,kind,arguments,setup,expected", REFUSALS, ids=[case[0] for case in REFUSALS])
+def test_refused_with_one_line_and_nothing_changed(work, monkeypatch, capsys, case, kind, arguments, setup, expected):
+    monkeypatch.chdir(work)
+    if setup:
+        setup(work)
+    before = snapshot(work)
+    status, _, err = run_main(kind, *arguments, capsys=capsys)
+    assert_refused(status, err, expected)
+    assert snapshot(work) == before
+
+
+def test_beside_src_refused_even_with_force(work, monkeypatch, capsys):
+    """An existing file in SRC's folder is never replaced (here: a second checkpoint there)."""
+    monkeypatch.chdir(work)
+    (work / "src" / "other.pt").write_bytes((work / "src" / "transformer.pt").read_bytes())
+    before = snapshot(work)
+    status, _, err = run_main("transformer", "src/transformer.pt", "src/other.pt", "--encoding", "t5", "--force",
+                              capsys=capsys)
+    assert_refused(status, err, "is an existing file in SRC's folder; refusing to overwrite files beside the source")
+    assert snapshot(work) == before
+
+
+# --- OS errors while writing: permission, disk full -------------------------------------------
+class FullDisk(io.RawIOBase):
+    """A file that fails like a full disk after `room` bytes."""
+
+    def __init__(self, path, room=2000):
+        self.handle, self.room = open(path, "wb"), room
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        self.room -= len(data)
+        if self.room < 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.handle.write(data)
+
+    def fileno(self):
+        return self.handle.fileno()
+
+    def close(self):
+        self.handle.close()
+        super().close()
+
+
+def test_disk_full_leaves_nothing(work, monkeypatch, capsys):
+    monkeypatch.chdir(work)
+    temporaries = []
+
+    def full_disk(folder):
+        path = os.path.join(folder, ".convert-test.tmp")
+        temporaries.append(path)
+        return FullDisk(path), path
+
+    monkeypatch.setattr(convert_cli, "_open_temporary", full_disk)
+    before = snapshot(work)
+    status, _, err = run_main("transformer", "src/transformer.pt", "new/sub/model.pt", "--encoding", "t5", capsys=capsys)
+    assert_refused(status, err, "cannot write new/sub/model.pt: No space left on device")
+    assert temporaries and not any(os.path.exists(path) for path in temporaries)
+    assert snapshot(work) == before  # the folders new/sub it had created are gone again
+
+
+def test_permission_denied_leaves_nothing(work, monkeypatch, capsys):
+    monkeypatch.chdir(work)
+
+    def denied(folder):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), folder)
+
+    monkeypatch.setattr(convert_cli, "_open_temporary", denied)
+    before = snapshot(work)
+    status, _, err = run_main("roberta", "src/roberta.base/model.pt", "out/model.pt", "--encoding", "t5", capsys=capsys)
+    assert_refused(status, err, "cannot write out/model.pt: Permission denied")
+    assert snapshot(work) == before
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_folder(work, monkeypatch, capsys):
+    monkeypatch.chdir(work)
+    (work / "locked").mkdir()
+    os.chmod(work / "locked", 0o555)
+    try:
+        status, _, err = run_main("transformer", "src/transformer.pt", "locked/model.pt", "--encoding", "t5", capsys=capsys)
+        assert_refused(status, err, "Permission denied")
+        assert list((work / "locked").iterdir()) == []
+    finally:
+        os.chmod(work / "locked", 0o755)
+
+
+def test_dictionary_copy_failure_removes_the_new_checkpoint(work, monkeypatch, capsys):
+    monkeypatch.chdir(work)
+
+    def failing(src, dst):
+        raise convert_cli.CLIError("cannot write out/dict.txt: No space left on device")
+
+    monkeypatch.setattr(convert_cli, "copy_dictionary", failing)
+    before = snapshot(work)
+    status, _, err = run_main("roberta", "src/roberta.base/model.pt", "out/model.pt", "--encoding", "t5", capsys=capsys)
+    assert_refused(status, err, "cannot write out/dict.txt")
+    assert snapshot(work) == before
+
+
+# --- what succeeds ----------------------------------------------------------------------------------
+def test_creates_missing_folder_with_umask_mode_and_copies_dictionary(work, monkeypatch, capsys):
+    """The GLUE README's own example writes roberta.large.floater/model.pt into a new folder."""
+    monkeypatch.chdir(work)
+    old = os.umask(0o027)
+    try:
+        before = snapshot(work / "src")
+        status, out, err = run_main("roberta", "src/roberta.base/model.pt", "roberta.base.t5/deeper/model.pt",
+                                    "--encoding", "t5", capsys=capsys)
+    finally:
+        os.umask(old)
+    assert status == 0, err
+    folder = work / "roberta.base.t5" / "deeper"
+    assert "wrote roberta.base.t5/deeper/model.pt" in out and "copied dict.txt" in out
+    for name in ("model.pt", "dict.txt"):
+        assert stat.S_IMODE(os.stat(folder / name).st_mode) == 0o640  # 0o666 & ~0o027, not mkstemp's 0o600
+    assert (folder / "dict.txt").read_bytes() == (work / "src" / "roberta.base" / "dict.txt").read_bytes()
+    assert sorted(os.listdir(folder)) == ["dict.txt", "model.pt"]  # no temporary file left
+    assert snapshot(work / "src") == before
+    assert convert.model_namespace(torch.load(folder / "model.pt", map_location="cpu")).arch == "roberta_t5_base"
+
+
+def test_force_replaces_an_unrelated_file_keeping_its_mode(work, monkeypatch, capsys):
+    monkeypatch.chdir(work)
+    (work / "out").mkdir()
+    target = work / "out" / "model.pt"
+    target.write_text("old\n")
+    os.chmod(target, 0o600)
+    status, _, err = run_main("transformer", "src/transformer.pt", "out/model.pt", "--encoding", "t5", "--force",
+                              capsys=capsys)
+    assert status == 0, err
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o600
+    assert convert.model_namespace(torch.load(target, map_location="cpu")).arch == "transformer_t5"
+    assert sorted(os.listdir(work / "out")) == ["model.pt"]
+
+
+def test_new_file_beside_src_is_allowed_and_source_files_untouched(work, monkeypatch, capsys):
+    monkeypatch.chdir(work)
+    before = snapshot(work / "src")
+    status, out, err = run_main("roberta", "src/roberta.base/model.pt", "src/roberta.base/model.t5.pt",
+                                "--encoding", "t5", capsys=capsys)
+    assert status == 0, err
+    assert "copied dict.txt" not in out  # the folder has its own dict.txt already: the source's
+    after = snapshot(work / "src")
+    assert after.pop("roberta.base/model.t5.pt") and after == before
+
+
+# --- the real scripts ----------------------------------------------------------------------------
+def script(kind, *arguments, cwd):
+    return subprocess.run([sys.executable, str(SCRIPTS / f"convert_{kind}_checkpoint.py"), *map(str, arguments)],
+                          capture_output=True, text=True, timeout=300, cwd=cwd,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+
+
+def test_scripts_refuse_and_succeed(work):
+    before = snapshot(work)
+    done = script("roberta", "src/roberta.base/model.pt", "src/roberta.base/dict.txt", "--encoding", "t5", cwd=work)
+    assert_refused(done.returncode, done.stderr, "would be the dictionary")
+    done = script("transformer", "src/roberta.base/model.pt", "src/roberta.base/dict.txt", "--force", cwd=work)
+    assert_refused(done.returncode, done.stderr, "in SRC's folder")
+    assert snapshot(work) == before
+    done = script("transformer", "src/transformer.pt", "new/model.pt", "--encoding", "t5", "--t5-num-buckets", "64",
+                  cwd=work)
+    assert done.returncode == 0, done.stderr
+    done = script("transformer", "src/transformer.pt", "new/model.pt", "--encoding", "t5", cwd=work)
+    assert_refused(done.returncode, done.stderr, "exists; refusing to overwrite it (use --force")
+    assert convert.model_namespace(torch.load(work / "new" / "model.pt", map_location="cpu")).t5_num_buckets == 64
