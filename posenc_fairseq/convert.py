@@ -1,4 +1,4 @@
-"""Warm start: turn a stock fairseq `transformer` or `roberta` checkpoint into one of ours.
+"""Warm start: turn a stock fairseq `transformer`, `roberta` or `transformer_lm` checkpoint into one of ours.
 
 Pure functions on the checkpoint dict (what `torch.save` wrote: "model" state dict, "cfg" and/or
 the older "args" Namespace, optimizer history ...); no file IO. The scripts in `scripts/` are thin
@@ -27,7 +27,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-KINDS = ("transformer", "roberta")
+KINDS = ("transformer", "roberta", "transformer_lm")
 TOLERANCE = 1e-5
 
 
@@ -103,6 +103,9 @@ def _stock_class(kind):
     if kind == "transformer":
         from fairseq.models.transformer import TransformerModel
         return TransformerModel
+    if kind == "transformer_lm":
+        from fairseq.models.transformer_lm import TransformerLanguageModel
+        return TransformerLanguageModel
     from fairseq.models.roberta import RobertaModel
     return RobertaModel
 
@@ -111,6 +114,9 @@ def _our_class(kind):
     if kind == "transformer":
         from .models.transformer import PositionalTransformerModel
         return PositionalTransformerModel
+    if kind == "transformer_lm":
+        from .models.lm import PositionalLanguageModel
+        return PositionalLanguageModel
     from .models.roberta import PositionalRobertaModel
     return PositionalRobertaModel
 
@@ -227,6 +233,9 @@ def build_from_state(state: dict, kind: str):
         if len(source) == len(target):
             target = source
         task = _Task(source, target)
+    elif kind == "transformer_lm":
+        task = _Task(_dictionary(_embedding_rows(weights, "decoder.embed_tokens.weight", "decoder.output_projection.weight")),
+                     max_positions=getattr(args, "tokens_per_sample", None) or 512)
     else:
         task = _Task(_dictionary(_embedding_rows(weights, "sentence_encoder.embed_tokens.weight")),
                      max_positions=getattr(args, "tokens_per_sample", None) or 512)
@@ -260,6 +269,10 @@ def random_inputs(kind: str, task, args, seed: int = 0, batch: int = 3, length: 
         prev = torch.randint(target.nspecial, len(target), (batch, max(2, length - 2)), generator=generator)
         prev[:, 0] = target.eos()
         return tokens, lengths, prev
+    if kind == "transformer_lm":  # right-padded, as fairseq's language_modeling task
+        for row, size in enumerate(lengths.tolist()):
+            tokens[row, size:] = source.pad()
+        return tokens, lengths, None
     for row, size in enumerate(lengths.tolist()):  # right-padded, <s> ... </s>
         tokens[row, 0] = source.bos()
         tokens[row, size - 1] = source.eos()
@@ -273,6 +286,8 @@ def model_outputs(model, kind: str, inputs) -> Dict[str, torch.Tensor]:
     with torch.no_grad():
         if kind == "transformer":
             return {"logits": model(tokens, lengths, prev)[0]}
+        if kind == "transformer_lm":
+            return {"logits": model(tokens)[0]}
         outputs = {"features": model(tokens, features_only=True)[0], "lm_logits": model(tokens)[0]}
         for name in getattr(model, "classification_heads", {}):
             outputs[f"head {name}"] = model(tokens, features_only=True, classification_head_name=name)[0]
@@ -307,9 +322,9 @@ def verify_conversion(source_state: dict, converted_state: dict, kind: str, seed
 
 # --------------------------------------------------------------------------- converting
 def _size_suffix(kind: str, arch: str) -> str:
-    from .models import roberta, transformer
+    from .models import lm, roberta, transformer
 
-    sizes = transformer.SIZES if kind == "transformer" else roberta.SIZES
+    sizes = {"transformer": transformer.SIZES, "roberta": roberta.SIZES, "transformer_lm": lm.SIZES}[kind]
     for suffix in sorted(sizes, key=len, reverse=True):
         if suffix and arch == kind + suffix:
             return suffix

@@ -1,1 +1,1 @@
-from . import roberta, transformer  # noqa: F401  (registers the models and architectures)
+from . import lm, roberta, transformer  # noqa: F401  (registers the models and architectures)

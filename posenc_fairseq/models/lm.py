@@ -1,0 +1,99 @@
+"""`posenc_lm`: fairseq's decoder-only TransformerLanguageModel with PositionalAttention.
+
+Registers, for every encoding NAME, `transformer_lm_NAME` (fairseq's `transformer_lm`: the options'
+defaults of its config, post-norm) and
+`transformer_lm_NAME{SUFFIX}` for each of fairseq's LM sizes (`_big`, `_wiki103`, `_gbw`, `_gpt`,
+`_gpt2_small` ... `_gpt3_175`, the list in SIZES). The one encoding module serves the decoder's
+self-attention in the 'decoder' role (causal; there is no encoder and no cross-attention).
+
+Positions are those of the tokens in the model's input, counted from 0 over non-padding tokens:
+with `fairseq-eval-lm --context-window C` each window (up to C context tokens, then the scored
+block) starts at position 0, as in stock fairseq, and the relative encodings see the true
+distances inside the window.
+"""
+import dataclasses
+from unittest import mock
+
+from fairseq.models import register_model
+from fairseq.models import transformer_lm as stock
+from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
+
+from ..encodings import ModelDims, build_encoding
+from .common import PositionalTransformerDecoder, add_position_args, register_architectures
+
+
+def transformer_lm_architecture(args):
+    """What `--arch transformer_lm` gives in stock fairseq: that name is the no-op architecture of
+    TransformerLanguageModelConfig, so every unset option takes the dataclass default (post-norm,
+    decoder input/output dims 512 whatever --decoder-embed-dim is), not base_lm_architecture's
+    (pre-norm), which the named sizes use. Values tied to the task (tokens_per_sample, ...) are left
+    to the task's options."""
+    for field in dataclasses.fields(TransformerLanguageModelConfig):
+        if hasattr(args, field.name):
+            continue
+        if field.default is not dataclasses.MISSING:
+            default = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        else:
+            continue
+        if isinstance(default, str) and default.startswith("${"):
+            continue
+        setattr(args, field.name, default)
+
+
+SIZES = {
+    "": transformer_lm_architecture,
+    "_big": stock.transformer_lm_big,
+    "_wiki103": stock.transformer_lm_baevski_wiki103,
+    "_baevski_wiki103": stock.transformer_lm_baevski_wiki103,
+    "_gbw": stock.transformer_lm_baevski_gbw,
+    "_baevski_gbw": stock.transformer_lm_baevski_gbw,
+    "_gpt": stock.transformer_lm_gpt,
+    "_gpt2_tiny": stock.transformer_lm_gpt2_tiny,
+    "_gpt2_small": stock.transformer_lm_gpt2_small,
+    "_gpt2_medium": stock.transformer_lm_gpt2_medium,
+    "_gpt2_big": stock.transformer_lm_gpt2_big,
+    "_gpt2_big_wide": stock.transformer_lm_gpt2_big_wide,
+    "_gpt2_bigger": stock.transformer_lm_gpt2_bigger,
+    "_gpt3_small": stock.transformer_lm_gpt3_small,
+    "_gpt3_medium": stock.transformer_lm_gpt3_medium,
+    "_gpt3_large": stock.transformer_lm_gpt3_large,
+    "_gpt3_xl": stock.transformer_lm_gpt3_xl,
+    "_gpt3_2_7": stock.transformer_lm_gpt3_2_7,
+    "_gpt3_6_7": stock.transformer_lm_gpt3_6_7,
+    "_gpt3_13": stock.transformer_lm_gpt3_13,
+    "_gpt3_175": stock.transformer_lm_gpt3_175,
+}
+
+
+def attach_decoder_encoding(model, args, decoder):
+    """Build the model's one encoding for a decoder-only model and bind every layer to it."""
+    dims = ModelDims(embed_dim=args.decoder_embed_dim, heads=args.decoder_attention_heads,
+                     encoder_layers=0, decoder_layers=args.decoder_layers)
+    encoding = build_encoding(args.positional_encoding, args, dims)
+    model.positional_encoding = encoding
+    decoder.bind_encoding(encoding)
+    if hasattr(encoding, "bind_model"):
+        encoding.bind_model(model)
+    return encoding
+
+
+@register_model("posenc_lm")
+class PositionalLanguageModel(TransformerLanguageModel):
+    @classmethod
+    def add_args(cls, parser):
+        TransformerLanguageModel.add_args(parser)  # the options of fairseq's TransformerLanguageModelConfig
+        add_position_args(parser)
+
+    @classmethod
+    def build_model(cls, args, task):
+        # fairseq's own build (embeddings, adaptive input, ...) with our decoder class in place of
+        # TransformerDecoder: the same modules, parameters and random initialisation as stock
+        with mock.patch.object(stock, "TransformerDecoder", PositionalTransformerDecoder):
+            model = super().build_model(args, task)
+        attach_decoder_encoding(model, args, model.decoder)
+        return model
+
+
+register_architectures("posenc_lm", "transformer_lm", SIZES)

@@ -1,0 +1,315 @@
+"""Decoder-only language models `transformer_lm_NAME` (models/lm.py), parametrised over every
+registered encoding: registration of every fairseq LM size, step-by-step == full forward, padding,
+order sensitivity, long input, gradients, half precision, fairseq-eval-lm's --context-window
+batches, conversion from a stock transformer_lm checkpoint, the hub interface and 2-process DDP."""
+import argparse
+import shutil
+import sys
+
+import pytest
+import torch
+
+import posenc_fairseq  # noqa: F401
+from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
+from fairseq.models.transformer_lm import TransformerLanguageModelConfig
+from posenc_fairseq import convert
+from posenc_fairseq.encodings import ENCODINGS
+from posenc_fairseq.models.lm import SIZES, PositionalLanguageModel
+from util import QUICK_TRAIN, REPO, USER_DIR, build_model, run, run_distributed
+
+EVERY_ENCODING = sorted(ENCODINGS)
+TINY_LM = ["--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-input-dim", "32",
+           "--decoder-output-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4",
+           "--tokens-per-sample", "64"]
+LM_TASK = ["--task", "language_modeling", "--sample-break-mode", "none"]
+NO_IDENTITY = {"alibi", "rotary"}  # parameter-free: conversion must refuse them (see test_convert.py)
+# a representative of every way an encoding enters attention, for the CLI-level DDP test
+DDP_ENCODINGS = ["alibi", "floater", "lfhc", "at5", "gcdf"]
+
+
+def perturb_away_from_identity(model, scale=0.1):
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.positional_encoding.parameters():
+            parameter.add_(scale * torch.randn(parameter.shape, generator=generator))
+
+
+def lm_model(data, encoding, *extra, perturb=True, scale=0.1):
+    """Tiny transformer_lm_{encoding} in eval mode, its encoding moved away from identity."""
+    torch.manual_seed(0)
+    model, task, args = build_model(data, f"transformer_lm_{encoding}", [*TINY_LM, *extra], task="language_modeling")
+    model.eval()
+    if perturb:
+        perturb_away_from_identity(model, scale)
+    return model, task, args
+
+
+def random_tokens(dictionary, batch=3, length=9, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(dictionary.nspecial, len(dictionary), (batch, length), generator=generator)
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_every_lm_size_is_registered_with_stock_sizes(encoding):
+    for suffix in SIZES:
+        name = f"transformer_lm_{encoding}{suffix}"
+        assert ARCH_MODEL_REGISTRY[name] is PositionalLanguageModel
+        ours = argparse.Namespace()
+        ARCH_CONFIG_REGISTRY[name](ours)
+        if suffix:
+            stock = argparse.Namespace()
+            ARCH_CONFIG_REGISTRY[f"transformer_lm{suffix}"](stock)
+        else:  # fairseq's `transformer_lm` is its config dataclass's defaults (a no-op architecture)
+            stock = TransformerLanguageModelConfig()
+        for key in ("decoder_layers", "decoder_embed_dim", "decoder_ffn_embed_dim", "decoder_attention_heads",
+                    "decoder_input_dim", "decoder_output_dim", "decoder_normalize_before", "no_decoder_final_norm",
+                    "adaptive_input", "dropout", "activation_fn", "share_decoder_input_output_embed"):
+            assert getattr(ours, key) == getattr(stock, key), (name, key)
+        assert ours.positional_encoding == encoding
+    # fairseq's own transformer_lm names still build fairseq's model
+    assert ARCH_MODEL_REGISTRY["transformer_lm_gpt2_small"].__name__ == "TransformerLanguageModel"
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_lm_has_no_encoder_and_no_cross_attention(masked_lm_data, encoding):
+    model, _, _ = lm_model(masked_lm_data, encoding, perturb=False)
+    assert type(model.decoder).__name__ == "PositionalTransformerDecoder"
+    for layer in model.decoder.layers:
+        assert layer.encoder_attn is None
+        binding = layer.self_attn.position_binding
+        assert binding.role == "decoder" and binding.encoding is model.decoder.encoding
+    assert model.positional_encoding.dims.encoder_layers == 0
+    assert model.positional_encoding.dims.decoder_layers == 2
+
+
+def logits_full_and_stepwise(model, tokens):
+    full, _ = model(tokens)
+    state, steps = {}, []
+    for t in range(tokens.size(1)):
+        logits, _ = model(tokens[:, : t + 1], incremental_state=state)
+        steps.append(logits)
+    return full, torch.cat(steps, dim=1)
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_stepwise_decoding_equals_full_forward(masked_lm_data, encoding):
+    model, task, _ = lm_model(masked_lm_data, encoding)
+    tokens = random_tokens(task.source_dictionary, batch=3, length=9)
+    tokens[:, 0] = task.source_dictionary.eos()  # what generation starts from
+    with torch.no_grad():
+        full, stepwise = logits_full_and_stepwise(model, tokens)
+    assert (full - stepwise).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_right_padding_leaves_real_tokens_unchanged(masked_lm_data, encoding):
+    """The language_modeling task right-pads the last block (and eval-lm's context windows)."""
+    model, task, _ = lm_model(masked_lm_data, encoding)
+    dictionary = task.source_dictionary
+    tokens = random_tokens(dictionary, batch=1, length=10)
+    padded = torch.cat([tokens, torch.full((1, 5), dictionary.pad())], dim=1)
+    with torch.no_grad():
+        alone, _ = model(tokens)
+        batched, _ = model(padded)
+    assert (alone - batched[:, :10]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_order_of_the_context_matters_except_without_positions(masked_lm_data, encoding):
+    """Swapping two earlier tokens changes the prediction at a later token exactly when the
+    model carries position information. One layer: with more, the causal mask alone leaks order
+    (a token's state depends on its own prefix), the known NoPE effect. float64: AT5's terms are
+    small at these distances and must not drown in float32 rounding."""
+    model, task, _ = lm_model(masked_lm_data, encoding, "--decoder-layers", "1")
+    model.double()
+    tokens = random_tokens(task.source_dictionary, batch=1, length=8)
+    swapped = tokens.clone()
+    swapped[0, [1, 2]] = tokens[0, [2, 1]]
+    with torch.no_grad():
+        out, _ = model(tokens)
+        out_swapped, _ = model(swapped)
+    difference = (out[0, 5] - out_swapped[0, 5]).abs().max().item()
+    if encoding == "nope":
+        assert difference <= 1e-10
+    else:
+        assert difference > 1e-7
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_runs_on_inputs_longer_than_training(masked_lm_data, encoding):
+    model, task, args = lm_model(masked_lm_data, encoding, perturb=False)  # --tokens-per-sample 64
+    assert args.max_target_positions == 64
+    tokens = random_tokens(task.source_dictionary, batch=1, length=1000)
+    if args.input_positions == "learned":
+        with pytest.raises(ValueError, match="learned position table"):
+            model(tokens)
+        return
+    with torch.no_grad():
+        logits, _ = model(tokens)
+    assert logits.shape[:2] == (1, 1000) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_every_parameter_receives_a_gradient(masked_lm_data, encoding):
+    model, task, _ = lm_model(masked_lm_data, encoding)
+    model.train()
+    output, _ = model(random_tokens(task.source_dictionary, batch=2, length=8))
+    output.float().pow(2).mean().backward()
+    unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not unused
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_forward_is_finite_and_close(masked_lm_data, encoding, dtype):
+    model, task, _ = lm_model(masked_lm_data, encoding)
+    tokens = random_tokens(task.source_dictionary, batch=2, length=9)
+    tokens[1, 6:] = task.source_dictionary.pad()
+    with torch.no_grad():
+        reference, _ = model(tokens)
+        half, _ = model.to(dtype)(tokens)
+    assert torch.isfinite(half).all()
+    assert (half.float() - reference).abs().max() <= 0.1 * reference.abs().max()
+
+
+# ------------------------------------------------------------------ fairseq-eval-lm --context-window
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_context_window_batches_score_each_window_from_position_0(masked_lm_data, encoding):
+    """fairseq-eval-lm --context-window C feeds overlapping windows: up to C tokens of context, then
+    the scored block, right-padded into a batch. Each window must be scored as if it were fed alone
+    (its tokens at positions 0, 1, ...), and fairseq's eval_lm must report exactly those scores."""
+    from fairseq_cli.eval_lm import eval_lm
+
+    model, task, _ = lm_model(masked_lm_data, encoding, "--tokens-per-sample", "24")
+    context, block = 16, 8
+    task.args.tokens_per_sample = block  # what fairseq-eval-lm does: tokens_per_sample -= context_window
+    task.load_dataset("valid")
+    dataset = task.dataset("valid")
+    pad = task.source_dictionary.pad()
+
+    def batches():
+        return task.eval_lm_dataloader(dataset, batch_size=3, context_window=context, num_workers=0)
+
+    total, count, windows_with_context = 0.0, 0, 0
+    encoding_module = model.positional_encoding
+    with torch.no_grad():
+        for sample in batches():
+            tokens, target = sample["net_input"]["src_tokens"], sample["target"]
+            batched = torch.log_softmax(model(tokens)[0].float(), dim=-1)
+            seen = encoding_module.token_positions["decoder"]
+            for row in range(tokens.size(0)):
+                real = tokens[row].ne(pad)
+                length = int(real.sum())
+                assert real[:length].all()  # windows are right-padded: context, block, pads
+                assert torch.equal(seen[row, :length], torch.arange(length))  # each window starts at 0
+                windows_with_context += sample["start_indices"][row] > 0
+                alone = torch.log_softmax(model(tokens[row: row + 1, :length])[0].float(), dim=-1)[0]
+                scored = target[row, :length].ne(pad)
+                picked = alone[scored].gather(-1, target[row, :length][scored].unsqueeze(-1))
+                picked_batched = batched[row, :length][scored].gather(-1, target[row, :length][scored].unsqueeze(-1))
+                assert (picked - picked_batched).abs().max() <= 1e-4
+                total += picked.sum().item()
+                count += picked.numel()
+    assert windows_with_context > 0 and count > 0
+    expected = -total / count / torch.log(torch.tensor(2.0)).item()
+    result = eval_lm([model], task.source_dictionary, batches(), target_dictionary=task.target_dictionary,
+                     device=torch.device("cpu"))
+    assert abs(float(result["loss"]) - expected) <= 1e-4
+
+
+# ------------------------------------------------------------------ conversion, hub, DDP
+@pytest.fixture(scope="module")
+def stock_lm(masked_lm_data, tmp_path_factory):
+    """A tiny transformer_lm trained for 2 updates with STOCK fairseq, as a hub folder."""
+    save = tmp_path_factory.mktemp("stock_lm")
+    run(["fairseq-train", masked_lm_data, *LM_TASK, "--arch", "transformer_lm", *TINY_LM, *QUICK_TRAIN,
+         "--max-update", "2", "--save-dir", save])
+    shutil.copyfile(masked_lm_data / "dict.txt", save / "dict.txt")
+    return save / "checkpoint_last.pt"
+
+
+def load_lm(path, data):
+    from fairseq import checkpoint_utils
+
+    models, _cfg, task = checkpoint_utils.load_model_ensemble_and_task([str(path)], arg_overrides={"data": str(data)})
+    models[0].eval()
+    return models[0], task
+
+
+@pytest.fixture(scope="module")
+def stock_logits(stock_lm, masked_lm_data):
+    model, task = load_lm(stock_lm, masked_lm_data)
+    with torch.no_grad():
+        return model(random_tokens(task.source_dictionary, batch=3, length=12, seed=5))[0]
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_converted_lm_equals_stock_source(stock_lm, stock_logits, masked_lm_data, tmp_path, encoding):
+    state = torch.load(stock_lm, map_location="cpu")
+    if encoding in NO_IDENTITY:
+        with pytest.raises(convert.ConversionError, match="has no initialisation that adds nothing"):
+            convert.convert_checkpoint(state, "transformer_lm", encoding)
+        return
+    converted = convert.convert_checkpoint(state, "transformer_lm", encoding)
+    assert convert.model_namespace(converted).arch == f"transformer_lm_{encoding}"
+    torch.save(converted, tmp_path / "converted.pt")
+    model, task = load_lm(tmp_path / "converted.pt", masked_lm_data)
+    assert type(model) is PositionalLanguageModel
+    with torch.no_grad():
+        logits = model(random_tokens(task.source_dictionary, batch=3, length=12, seed=5))[0]
+    assert (logits - stock_logits).abs().max() <= 1e-5
+
+
+def test_conversion_script_and_eval_lm_context_window(stock_lm, masked_lm_data, tmp_path):
+    destination = tmp_path / "t5.pt"
+    out = run([sys.executable, REPO / "scripts" / "convert_transformer_lm_checkpoint.py", stock_lm, destination,
+               "--encoding", "t5"])
+    assert "transformer_lm_t5" in out
+    evaluate = ["fairseq-eval-lm", masked_lm_data, "--user-dir", USER_DIR, "--gen-subset", "valid", "--cpu",
+                "--batch-size", "4", "--num-workers", "0", "--tokens-per-sample", "24"]
+    plain = run([*evaluate, "--path", stock_lm])
+    converted = run([*evaluate, "--path", destination])
+    windowed = run([*evaluate, "--path", destination, "--context-window", "16"])
+
+    def perplexity(output):
+        return float(output.rsplit("Perplexity: ", 1)[1].split()[0])
+
+    assert perplexity(plain) == pytest.approx(perplexity(converted), rel=1e-4)
+    assert 1 < perplexity(windowed) < 1e4
+
+
+@pytest.mark.parametrize("encoding", sorted(set(EVERY_ENCODING) - NO_IDENTITY))
+def test_hub_sample_and_score_agree(stock_lm, masked_lm_data, tmp_path, encoding):
+    """TransformerLanguageModel.from_pretrained(...): greedy generation (step by step) and .score()
+    (one full pass) give the same per-token log-probabilities, with the encoding's terms active."""
+    from fairseq.models.transformer_lm import TransformerLanguageModel
+
+    state = convert.convert_checkpoint(torch.load(stock_lm, map_location="cpu"), "transformer_lm", encoding,
+                                       verify=False)
+    generator = torch.Generator().manual_seed(2)
+    for key, value in state["model"].items():
+        if key.startswith("positional_encoding.") and value.is_floating_point():
+            state["model"][key] = value + 0.1 * torch.randn(value.shape, generator=generator)
+    torch.save(state, tmp_path / "model.pt")
+    shutil.copyfile(masked_lm_data / "dict.txt", tmp_path / "dict.txt")
+    hub = TransformerLanguageModel.from_pretrained(str(tmp_path), "model.pt", user_dir=USER_DIR)
+    hub.eval()
+    words = [hub.task.source_dictionary[i] for i in range(4, 9)]
+    prompt = " ".join(words)
+    text = hub.sample(prompt, beam=1, max_len_b=6, min_len=6)
+    assert text.startswith(prompt) and len(text.split()) > len(words)
+    generated = hub.generate([hub.encode(prompt)], beam=1, max_len_b=6, min_len=6)[0][0]
+    scored = hub.score(hub.string(generated["tokens"][:-1]))  # without the final </s>
+    n = scored["positional_scores"].numel()
+    assert n == generated["tokens"].numel() - 1
+    assert (scored["positional_scores"] - generated["positional_scores"][:n]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("encoding", DDP_ENCODINGS)
+def test_lm_trains_in_two_gloo_processes_and_resumes(masked_lm_data, tmp_path, encoding):
+    command = ["fairseq-train", masked_lm_data, "--user-dir", USER_DIR, *LM_TASK, "--arch", f"transformer_lm_{encoding}",
+               *TINY_LM, *QUICK_TRAIN, "--save-dir", tmp_path, "--disable-validation"]
+    first = run_distributed(command + ["--max-update", "2"], world_size=2)
+    assert "num_updates 2" in first
+    resumed = run_distributed(command + ["--max-update", "3"], world_size=2)
+    assert "Loaded checkpoint" in resumed and "num_updates 3" in resumed
