@@ -1,10 +1,13 @@
 """ALiBi against a naive loop over (i, j) from its definition (Press et al., 2022)."""
 import math
 
+import pytest
 import torch
 
+from posenc_fairseq.encodings import build_encoding
 from posenc_fairseq.encodings.alibi import ALiBi, alibi_slopes
 from posenc_fairseq.encodings.base import ModelDims
+from posenc_fairseq.encodings.t5 import prior_distribution
 
 
 def test_slopes_are_the_papers_geometric_sequences():
@@ -29,3 +32,30 @@ def test_bias_equals_naive_loop_including_offset_queries():
                 for b, j in enumerate(key_positions.tolist()):
                     assert math.isclose(bias[h, a, b].item(), -slope * abs(i - j), abs_tol=1e-6)
     assert encoding.logit_bias("cross", 0, torch.arange(2), torch.arange(3)) is None
+
+
+@pytest.mark.parametrize("role", ["encoder", "decoder"])
+def test_prior_is_the_softmax_of_the_linear_penalty(role):
+    """Paper eq. 6 of the AT5 paper for ALiBi: beta_h(j) = exp(-m_h |j - i|) / sum over the
+    visible keys (the decoder sees j <= i only); it used to be flat."""
+    heads, query = 4, 6
+    encoding = ALiBi(None, ModelDims(16, heads, 2, 2))
+    for h in range(heads):
+        prior = prior_distribution(encoding, role, 1, query, range(15), head=h)
+        slope = 2 ** (-8 * (h + 1) / heads)
+        visible = [j for j in range(15) if role == "encoder" or j <= query]
+        total = sum(math.exp(-slope * abs(j - query)) for j in visible)
+        for j in range(15):
+            expected = math.exp(-slope * abs(j - query)) / total if j in visible else 0.0
+            assert math.isclose(prior[j].item(), expected, rel_tol=1e-5, abs_tol=1e-7)
+    cross = prior_distribution(encoding, "cross", 0, query, range(15), head=0)
+    assert torch.allclose(cross, torch.full((15,), 1 / 15))
+
+
+def test_prior_of_encodings_without_a_position_only_bias_is_uniform():
+    from util import encoding_options
+
+    for name in ("shaw", "xl", "rotary"):
+        encoding = build_encoding(name, encoding_options(), ModelDims(16, 4, 2, 2))
+        prior = prior_distribution(encoding, "encoder", 0, 3, range(8), head=0)
+        assert torch.allclose(prior, torch.full((8,), 1 / 8))

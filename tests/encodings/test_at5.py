@@ -97,6 +97,63 @@ def test_prior_sums_to_one(name, role):
     assert torch.allclose(prior[:visible], torch.softmax(bias[:visible], -1)) and (prior[visible:] == 0).all()
 
 
+def naive_nob_learned(encoding, role, i, j, head):
+    """The authors' AT5-NoB code: MLP_h(sigmoid(s_h[d])) with one learned scalar per head and
+    relative position d = j - i clipped to +-floor(L) (causal decoder: d <= 0), one MLP per head."""
+    limit = int(encoding.length_scale)
+    d = max(-limit, min(limit, j - i))
+    if role == "decoder":
+        d = min(d, 0)
+    s = encoding.inputs[role][head, d + limit].item()
+    params = dict(encoding.mlps[f"{role}_both"].named_parameters())
+    return naive_mlp(params, head, sigmoid(s))
+
+
+@pytest.mark.parametrize("role", ["encoder", "decoder"])
+def test_nob_learned_input_equals_the_authors_formula(role):
+    encoding = make("at5_nob", at5_nob_input="learned", at5_length_scale=8.0, at5_mlp_widths=[5, 3]).double()
+    assert encoding.inputs["encoder"].shape == (3, 17) and encoding.inputs["decoder"].shape == (3, 9)
+    assert ((encoding.inputs[role] >= 0) & (encoding.inputs[role] < 1)).all()  # U(0, 1), as the authors' code
+    assert sorted(encoding.mlps) == ["decoder_both", "encoder_both"] and len(encoding.gammas) == 0
+    with torch.no_grad():
+        encoding.inputs[role].add_(torch.randn_like(encoding.inputs[role]))
+    encoding.eval()
+    queries, keys = torch.arange(10, 30), torch.arange(0, 45)  # distances beyond +-8 are clipped
+    encoding.begin(role)
+    bias = encoding.logit_bias(role, 0, queries, keys)
+    for head in range(3):
+        for qi, i in enumerate(queries.tolist()):
+            for kj, j in enumerate(keys.tolist()):
+                assert abs(bias[head, qi, kj].item() - naive_nob_learned(encoding, role, i, j, head)) < 1e-10
+    # the default stays the paper's text: min(|d| / L, 1), no input table
+    assert len(make("at5_nob").inputs) == 0 and make("at5_nob").nob_input == "distance"
+
+
+def test_nob_learned_input_gets_gradients_and_resets_to_identity():
+    encoding = make("at5_nob", at5_nob_input="learned", at5_length_scale=8.0, scalar_bias_layers="all")
+    encoding.begin("encoder")
+    encoding.logit_bias("encoder", 1, torch.arange(12), torch.arange(12)).sum().backward()
+    assert encoding.inputs["encoder_1"].grad.abs().sum() > 0
+    encoding.reset_to_identity()
+    encoding.begin("decoder")
+    assert (encoding.logit_bias("decoder", 0, torch.arange(9), torch.arange(9)) == 0).all()
+
+
+def test_prior_has_dropout_off_and_leaves_the_encoding_as_it_was():
+    encoding = make("at5", at5_dropout=0.5)
+    encoding.train()
+    encoding.begin("encoder")
+    cached = encoding.logit_bias("encoder", 0, torch.arange(5), torch.arange(5))
+    memo = dict(encoding._memo)
+    priors = [prior_distribution(encoding, "encoder", 0, 3, torch.arange(30), head=0) for _ in range(3)]
+    assert encoding.training and encoding._memo == memo and encoding.logit_bias("encoder", 0, torch.arange(5), torch.arange(5)) is cached
+    assert all(torch.equal(priors[0], prior) for prior in priors)  # no dropout noise
+    encoding.eval()
+    with torch.no_grad():
+        expected = torch.softmax(encoding.bias("encoder", 0, torch.tensor([3]), torch.arange(30))[0, 0], -1)
+    assert torch.allclose(priors[0], expected)
+
+
 def test_reset_to_identity_adds_zero():
     for name in ("at5", "at5_nob"):
         encoding = make(name, scalar_bias_layers="all")

@@ -130,6 +130,25 @@ def test_prior_sums_to_one(name, role):
     assert torch.allclose(uniform[:visible], torch.full((visible,), 1 / visible))
 
 
+def test_odd_bucket_count_refused():
+    """Eq. 14 splits B_max between the two directions: an odd count would leave a row unused."""
+    from posenc_fairseq.encodings.option_types import OptionValueError
+
+    with pytest.raises(OptionValueError, match=r"^--t5-num-buckets 33: expected an even integer in \[4, "):
+        make("t5", t5_num_buckets=33)
+    assert make("t5", t5_num_buckets=34, t5_max_distance=40).tables["encoder"].shape == (34, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_prior_in_the_models_dtype(dtype):
+    encoding = make("t5").to(dtype)
+    prior = prior_distribution(encoding, "encoder", 0, 7, range(20), head=1)
+    table = encoding.tables["encoder"]
+    rows = relative_position_bucket(torch.arange(20) - 7, True, 32, 128)
+    expected = torch.softmax(table[rows, 1].float(), dim=-1)  # the bias the model adds, in its dtype
+    assert prior.dtype == torch.float32 and torch.allclose(prior, expected, atol=1e-6)
+
+
 def test_reset_to_identity_adds_zero():
     for name in ("t5", "t5_nob"):
         encoding = make(name)
