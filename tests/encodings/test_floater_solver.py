@@ -1,0 +1,96 @@
+"""FLOATER's fast fixed-grid integrator against torchdiffeq's own solve of the same grid (values and
+gradients), precision at every model dtype, and clear failure when the biases overflow."""
+import pytest
+import torch
+import torchdiffeq
+
+from posenc_fairseq.encodings.floater import (TABLEAUS, Dynamics, FixedGridSolve, dynamics_function, grid_times,
+                                              subdivided_grid)
+from test_floater import floater_model, perturb
+from util import random_batch
+
+
+def random_dynamics(dim, hidden, dtype, seed=0):
+    torch.manual_seed(seed)
+    dynamics = Dynamics(dim, hidden).to(dtype)
+    with torch.no_grad():
+        dynamics.fc2.weight.normal_(0.0, 0.3)
+        dynamics.fc2.bias.normal_(0.0, 0.1)
+    return dynamics.weights(dtype)
+
+
+@pytest.mark.parametrize("method", sorted(TABLEAUS))
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_fast_solve_equals_torchdiffeq_on_the_same_grid(method, dtype, tolerance):
+    weights = [w.detach().requires_grad_() for w in random_dynamics(8, 6, dtype)]
+    y0 = torch.randn(5, 8, dtype=dtype, requires_grad=True)
+    first, last, delta, substeps = 3, 11, 0.1, 4  # starting beyond 0: how tables are extended
+    ours = FixedGridSolve.apply(TABLEAUS[method], first, last, delta, substeps, y0, *weights)
+    reference = torchdiffeq.odeint(dynamics_function(*weights), y0, grid_times(first, last, delta), method=method,
+                                   options=dict(grid_constructor=subdivided_grid(substeps)))
+    scale = reference.abs().max()
+    assert ours.dtype == dtype and (ours - reference).abs().max() <= tolerance * scale
+    assert (reference[-1] - reference[0]).abs().max() > 0.1  # the states really move
+    upstream = torch.randn_like(ours)
+    ours_grads = torch.autograd.grad(ours, [y0, *weights], upstream)
+    reference_grads = torch.autograd.grad(reference, [y0, *weights], upstream)
+    for name, got, expected in zip(("y0", "W1", "c1", "W2", "c2"), ours_grads, reference_grads):
+        assert (got - expected).abs().max() <= tolerance * expected.abs().max(), name
+
+
+def test_fast_solve_gradients_match_finite_differences():
+    weights = [w.detach().requires_grad_() for w in random_dynamics(4, 3, torch.float64, seed=2)]
+    y0 = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda y, *w: FixedGridSolve.apply(TABLEAUS["rk4"], 0, 4, 0.3, 2, y, *w), (y0, *weights))
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float16, 0.02), (torch.bfloat16, 0.05)])
+def test_half_precision_model_at_2048_tokens_is_close_to_fp32(translation_data, dtype, tolerance):
+    model, task, encoding = floater_model(translation_data, ["--max-source-positions", "4096",
+                                                             "--max-target-positions", "4096"])
+    model.eval()
+    perturb(model)
+    with torch.no_grad():  # a trained-looking h: biases that move but stay bounded over 2048 positions
+        encoding.dynamics.fc2.weight.mul_(0.003)
+        encoding.dynamics.fc2.bias.mul_(0.003)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=2048, tgt_len=2048)
+    with torch.no_grad():
+        table = encoding.table(2048)
+        assert table.dtype == torch.float32
+        assert table[100].abs().max() > 0.1 and table[2047].abs().max() < 1e3
+        reference, _ = model(src, src_lengths, prev)
+        model.to(dtype)
+        half_table = encoding.table(2048)
+        assert half_table.dtype == torch.float32  # solved in fp32 whatever the model's dtype
+        # the same table up to the rounding of the parameters to the model's dtype
+        assert (half_table - table).abs().max() <= 0.05 * table.abs().max()
+        got, _ = model(src, src_lengths, prev)
+    assert torch.isfinite(got).all()
+    assert (got.float() - reference).abs().max() <= tolerance * reference.abs().max()
+
+
+def exploding(model, encoding):
+    """An h that grows b(t) exponentially (db/dt = 3 b): overflows fp32 by position ~300."""
+    with torch.no_grad():
+        perturb(model, scale=0.5)
+        dim = encoding.dims.embed_dim
+        encoding.dynamics.fc1.weight.zero_()
+        encoding.dynamics.fc1.weight[:dim, :dim] = torch.eye(dim)
+        encoding.dynamics.fc1.bias.fill_(10.0)
+        encoding.dynamics.fc2.weight.zero_()
+        encoding.dynamics.fc2.weight[:, :dim] = 3 * torch.eye(dim)
+
+
+@pytest.mark.parametrize("dtype,limit", [(torch.float32, 400), (torch.float16, 60)])
+def test_overflowing_biases_fail_with_a_message_naming_the_position(translation_data, dtype, limit):
+    model, task, encoding = floater_model(translation_data, ["--max-source-positions", "2048"])
+    model.eval()
+    exploding(model, encoding)
+    model.to(dtype)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=8, tgt_len=8)
+    with torch.no_grad():
+        short, _ = model(src, src_lengths, prev)  # short inputs stay fine
+        assert torch.isfinite(short).all()
+        src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=limit, tgt_len=8)
+        with pytest.raises(ValueError, match=r"FLOATER position biases overflow at position \d+ .*--floater-delta"):
+            model(src, src_lengths, prev)
