@@ -1,9 +1,10 @@
 """posenc-fairseq: positional encodings for fairseq transformers, loaded with
 `--user-dir posenc_fairseq` (or `import posenc_fairseq`).
 
-Importing registers the models `posenc_transformer` and `posenc_roberta`, an architecture per
+Importing registers the models `posenc_transformer`, `posenc_roberta` and `posenc_lm`, an architecture per
 encoding and size (see README), makes fairseq checkpoints loadable under torch >= 2.6, and stops
-fairseq-fixed from silently dropping the last evaluation batch (batching_fix.py).
+fairseq-fixed from silently dropping the last evaluation batch (batching_fix.py) and from failing
+on numpy 2 in language-model inference (numpy_compat.py).
 
 Logging: importing fairseq configures the root logger (one of its modules calls
 `logging.basicConfig(level=DEBUG)`). When fairseq is first imported through this package, the root
@@ -18,9 +19,11 @@ _root_before = None if "fairseq" in _sys.modules else (_root.level, list(_root.h
 
 from .batching_fix import keep_last_batch  # noqa: E402
 from .checkpoint_compat import allow_fairseq_checkpoints  # noqa: E402
+from .numpy_compat import restore_numpy_compat_long  # noqa: E402
 
 allow_fairseq_checkpoints()
 keep_last_batch()
+restore_numpy_compat_long()
 
 from . import encodings, models  # noqa: E402,F401
 
