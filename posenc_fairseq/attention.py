@@ -56,9 +56,9 @@ class PositionBinding:
 TORCHSCRIPT_MESSAGE = (
     "posenc_fairseq models cannot be compiled with TorchScript (torch.jit.script): the positional "
     "encoding is one Python module shared by every layer that keeps per-forward state (the token "
-    "positions each stack announces, position terms memoized across layers, FLOATER's ODE table solved "
-    "by torchdiffeq), which TorchScript cannot represent. Run the model in eager mode (fairseq-generate, "
-    "fairseq-interactive, hub interfaces) or trace a fixed-shape call with torch.jit.trace; see README, "
+    "positions each stack announces, position terms memoized across layers, FLOATER's ODE table with its "
+    "Python solver), which TorchScript cannot represent (torch.jit.trace neither). Run the model in eager "
+    "mode (fairseq-generate, fairseq-interactive, hub interfaces) or with torch.compile; see README, "
     "'Works with'.")
 
 

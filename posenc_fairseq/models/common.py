@@ -135,9 +135,14 @@ class PerStackEncoding(nn.Module):
             part.begin(role, positions, source_positions)
 
     def bind_model(self, model):
+        # a part may freeze everything outside itself (FLOATER's --floater-train-dynamics-only):
+        # each part's choice for its own parameters stands
+        own = [(parameter, parameter.requires_grad) for parameter in self.parameters()]
         for part in self.parts():
             if hasattr(part, "bind_model"):
                 part.bind_model(model)
+        for parameter, trainable in own:
+            parameter.requires_grad_(trainable)
 
     def reset_to_identity(self):
         for part in self.parts():

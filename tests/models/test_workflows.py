@@ -241,6 +241,13 @@ def test_unequal_encoder_and_decoder_sizes(translation_data, encoding):
     assert not [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
 
 
+def test_unequal_sizes_floater_train_dynamics_only_trains_both_parts(translation_data):
+    model, _, _ = translation_model(translation_data, "transformer_floater", [*UNEQUAL, "--floater-train-dynamics-only"])
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"positional_encoding.{part}.dynamics.{layer}.{kind}" for part in ("encoder", "decoder")
+                         for layer in ("fc1", "fc2") for kind in ("weight", "bias")}
+
+
 def test_unequal_sizes_sinusoidal_is_the_stock_transformer(translation_data):
     stock, task, _ = translation_model(translation_data, "transformer", UNEQUAL)
     ours, _, _ = translation_model(translation_data, "transformer_sinusoidal", UNEQUAL)
