@@ -218,6 +218,17 @@ def test_cross_self_attention(translation_data, encoding):
     assert len(hypotheses) == 3 and all(len(h) == 2 for h in hypotheses)
 
 
+def test_cross_self_attention_sinusoidal_is_the_stock_transformer(translation_data):
+    stock, task, _ = translation_model(translation_data, "transformer", ["--cross-self-attention"])
+    ours, _, _ = translation_model(translation_data, "transformer_sinusoidal", ["--cross-self-attention"])
+    ours.load_state_dict(stock.state_dict())
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
+    with torch.no_grad():
+        assert (stock(src, src_lengths, prev)[0] - ours(src, src_lengths, prev)[0]).abs().max() <= 1e-5
+    for a, b in zip(beam_search(stock, task, src, src_lengths), beam_search(ours, task, src, src_lengths)):
+        assert [h["tokens"].tolist() for h in a] == [h["tokens"].tolist() for h in b]
+
+
 # --- different encoder and decoder sizes -------------------------------------------------------------
 UNEQUAL = ["--decoder-embed-dim", "48", "--decoder-attention-heads", "2", "--decoder-ffn-embed-dim", "64"]
 
