@@ -1,0 +1,44 @@
+"""fairseq's --checkpoint-activations / --offload-activations (each layer runs under no_grad and is
+recomputed during backward) give the same gradients as the plain model, for every encoding: terms
+shared across layers (memoized biases, FLOATER's table) must reach their parameters."""
+import pytest
+import torch
+
+from posenc_fairseq.encodings import ENCODINGS
+from test_every_encoding import perturb_away_from_identity
+from util import TINY_TRANSFORMER, build_model, random_batch
+
+NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0"]
+CASES = [(name, []) for name in sorted(ENCODINGS)] + [("floater", ["--floater-recompute-every", "3"])]
+
+
+def gradients(data, encoding, extra, state=None):
+    torch.manual_seed(0)
+    model, task, _ = build_model(data, f"transformer_{encoding}", [*TINY_TRANSFORMER, *NO_DROPOUT, *extra])
+    if state is None:
+        perturb_away_from_identity(model)
+    else:
+        model.load_state_dict(state, strict=False)
+    model.train()
+    model.set_num_updates(0)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
+    logits, _ = model(src, src_lengths, prev)
+    logits.float().log_softmax(-1)[..., 5].sum().backward()
+    return model, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint-activations", "--offload-activations"])
+@pytest.mark.parametrize("encoding,extra", CASES, ids=[f"{n}{'-K3' if e else ''}" for n, e in CASES])
+def test_activation_checkpointing_gives_the_same_gradients(translation_data, encoding, extra, flag):
+    plain_model, plain = gradients(translation_data, encoding, extra)
+    # the same parameters (not FLOATER's K-window snapshot: the plain run's first pass already opened it)
+    state = {k: v for k, v in plain_model.state_dict().items() if "window_" not in k}
+    checkpointed_model, checkpointed = gradients(translation_data, encoding, [*extra, flag], state)
+    assert any(hasattr(layer, "precheckpoint_forward") for layer in checkpointed_model.encoder.layers)
+    assert sorted(checkpointed) == sorted(plain)
+    position_parameters = [name for name in plain if name.startswith("positional_encoding.")]
+    for name, expected in plain.items():
+        assert (checkpointed[name] - expected).abs().max() <= 1e-5 * (1 + expected.abs().max()), name
+    # the position parameters really get gradient (not zero in both)
+    if encoding not in ("sinusoidal", "learned", "nope", "alibi", "rotary") and not extra:
+        assert any(plain[name].abs().max() > 0 for name in position_parameters)
