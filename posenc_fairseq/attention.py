@@ -83,14 +83,14 @@ class PositionalAttention(MultiheadAttention):
         per-head position terms (ALiBi slopes, T5 columns, XL u/v, ...) stay with their head."""
         previous = self._kept_heads()
         self.__dict__.setdefault("full_heads", self.num_heads)  # what the encoding's per-head terms cover
-        full_biases = {which: self.full_projection_bias(which).detach().clone() for which in "qkv"}
+        full_biases = {which: self.full_projection_bias(which) for which in "qkv"}
+        full_biases = {which: b.detach().clone() for which, b in full_biases.items() if b is not None}
         super()._adaptive_prune_heads(reserve_head_index)
         chosen = torch.tensor([start // self.head_dim for start, _ in reserve_head_index], dtype=torch.long)
         kept = previous.cpu()[chosen] if previous is not None else chosen
         self.register_buffer("kept_heads", kept.to(self.q_proj.weight.device))
-        for which, bias in full_biases.items():
-            if bias is not None:  # the pruned heads' biases (kept heads' entries are zero), see full_projection_bias
-                self.register_buffer(f"pruned_{which}_bias", bias.index_fill(0, self._kept_channels(), 0.0))
+        for which, bias in full_biases.items():  # the pruned heads' biases (kept heads' entries zero)
+            self.register_buffer(f"pruned_{which}_bias", bias.index_fill(0, self._kept_channels(), 0.0))
 
     def _kept_channels(self) -> Tensor:
         kept = self._kept_heads()
