@@ -19,9 +19,9 @@ import torch
 
 import posenc_fairseq  # noqa: F401
 from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
-from posenc_fairseq.encodings.option_types import (MAX_PARAMETER_BYTES, OptionValueError, check_size, even_int_in_range,
-                                                   float_in_range, int_in_range, option, option_pair, positive_float,
-                                                   probability)
+from posenc_fairseq.encodings.option_types import (MAX_PARAMETER_BYTES, OptionValueError, check_encoding_options,
+                                                   check_size, even_int_in_range, float_in_range, int_in_range, option,
+                                                   option_pair, positive_float, probability)
 from util import USER_DIR, encoding_options
 
 DIMS = ModelDims(embed_dim=16, heads=4, encoder_layers=2, decoder_layers=2)
@@ -150,6 +150,14 @@ def test_bad_combination_or_size_refused_when_building(name, options, expected):
     message = str(error.value)
     if "would take" in expected:  # the computed figure and the limit
         assert "GiB" in message and "the limit is 1.0 GiB" in message, message
+    # the same check before anything is built, allocating nothing (meta device)
+    with pytest.raises(OptionValueError, match=expected.replace("+", r"\+")):
+        check_encoding_options(name, encoding_options(**options), dims)
+
+
+def test_check_encoding_options_accepts_good_ones_for_a_big_model():
+    for name in sorted(ENCODINGS):
+        check_encoding_options(name, encoding_options(), BIG)
 
 
 def test_shaw_size_figure_is_computed():
