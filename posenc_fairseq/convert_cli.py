@@ -12,7 +12,6 @@ import contextlib
 import errno
 import filecmp
 import os
-import shutil
 import stat
 import sys
 import tempfile

@@ -34,13 +34,12 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionalEncoding, layers_with_bias, register_encoding
-from .option_types import (Checker, OptionValueError, check_size, even_int_in_range, int_in_range, one_of,
-                           option)
+from .option_types import OptionValueError, check_size, even_int_in_range, int_in_range, one_of, option
 
 #: parse-time bounds; beyond them a table would be absurdly large (build time checks the exact size)
 MAX_BUCKETS = 2 ** 20
 MAX_T5_DISTANCE = 2 ** 20
-num_buckets_type = Checker(int, 4, MAX_BUCKETS, even=True, name="t5_num_buckets")
+num_buckets_type = even_int_in_range(4, MAX_BUCKETS)
 max_distance_type = int_in_range(0, MAX_T5_DISTANCE)
 bias_layers_type = one_of("first", "all")
 
