@@ -26,3 +26,23 @@ def masked_lm_data(tmp_path_factory):
     run(["fairseq-preprocess", "--only-source", "--trainpref", root / "train.txt",
          "--validpref", root / "valid.txt", "--destdir", root / "bin", "--workers", "1"])
     return root / "bin"
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(translation_data, tmp_path_factory):
+    """Factory: `tiny_checkpoint(arch, *options)` -> checkpoint_last.pt of a tiny model trained by
+    fairseq-train for 2 updates on translation_data (cached per arch and options)."""
+    from util import QUICK_TRAIN, TINY_TRANSFORMER, USER_DIR
+
+    made = {}
+
+    def make(arch, *options):
+        key = (arch, *map(str, options))
+        if key not in made:
+            save = tmp_path_factory.mktemp(arch)
+            run(["fairseq-train", translation_data, "--user-dir", USER_DIR, "--arch", arch, *TINY_TRANSFORMER,
+                 *QUICK_TRAIN, *options, "--max-update", "2", "--save-dir", save])
+            made[key] = save / "checkpoint_last.pt"
+        return made[key]
+
+    return make

@@ -26,7 +26,7 @@ def test_demo_pipeline_prints_a_bleu_score(tmp_path):
                "--max-update", "5", "--workdir", tmp_path])
     bleu = float(re.search(r"test BLEU \(sacrebleu\) = ([0-9.]+)", out).group(1))
     assert 0.0 <= bleu <= 100.0
-    assert (tmp_path / "checkpoints" / "checkpoint_last.pt").exists()
+    assert (tmp_path / "transformer_alibi" / "checkpoints" / "checkpoint_last.pt").exists()
 
 
 def test_generate_loads_the_checkpoint_and_scores(translation_data, trained_alibi):

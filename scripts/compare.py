@@ -1,0 +1,262 @@
+#!/usr/bin/env python
+"""Train several architectures on one binarised data set with the same settings and compare them
+in one markdown table and one plot.
+
+    python scripts/compare.py DATA-BIN --arch ARCH [ARCH ...] --out DIR [options] -- FAIRSEQ-TRAIN-OPTIONS
+
+Every architecture is trained in turn with `fairseq-train DATA-BIN --user-dir posenc_fairseq
+--arch ARCH FAIRSEQ-TRAIN-OPTIONS --save-dir DIR/ARCH/checkpoints` (the options after `--` are the
+same for all and must stop training: --max-update or --max-epoch), then its last checkpoint is
+evaluated on --subset according to the task stored in it:
+
+- translation: BLEU (sacrebleu) of `fairseq-generate --scoring sacrebleu` (--generate-args are
+  passed on, e.g. `--bpe sentencepiece --sentencepiece-model M`), and with --length-bins the BLEU
+  of each source-length bin;
+- sentence_prediction: accuracy (%) from `fairseq-validate`;
+- masked_lm / language_modeling (and anything else): perplexity from `fairseq-validate`.
+
+Writes DIR/results.md (the table, also printed), DIR/results.csv and DIR/compare.png; each
+architecture's logs are in DIR/ARCH/. An architecture that fails is reported in the table and the
+others still run. `--preset demo` adds the demo's model and training settings
+(examples/demo/run_demo.py) for the toy data `make demo` prepares in work/demo/data/.
+"""
+import argparse
+import csv
+import importlib.util
+import os
+import re
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+USER_DIR = REPO / "posenc_fairseq"
+
+
+def demo_module():
+    spec = importlib.util.spec_from_file_location("run_demo", REPO / "examples" / "demo" / "run_demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+DEMO = demo_module()  # its runner (live progress lines, full log) and the demo's settings
+
+
+def parse_args(argv):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_options = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, train_options = argv[:split], argv[split + 1:]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     usage="%(prog)s DATA-BIN --arch ARCH [ARCH ...] --out DIR [options] -- "
+                                           "FAIRSEQ-TRAIN-OPTIONS")
+    parser.add_argument("data", type=Path, help="binarised data (fairseq-preprocess output)")
+    parser.add_argument("--arch", nargs="+", required=True, help="architectures to train and compare")
+    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--subset", help="evaluation subset (default: test for translation, valid otherwise)")
+    parser.add_argument("--length-bins", type=lambda text: [int(x) for x in text.split(",")], metavar="B1,B2,...",
+                        help="translation: also BLEU per source length (words) bin: <=B1, B1+1..B2, ..., >Bn")
+    parser.add_argument("--generate-args", default="", help="extra fairseq-generate options (one string)")
+    parser.add_argument("--preset", choices=("demo",), help="add the demo's model/training settings")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    precision = parser.add_mutually_exclusive_group()
+    precision.add_argument("--fp16", action="store_true")
+    precision.add_argument("--bf16", action="store_true")
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each command (default 1)")
+    parser.add_argument("--quiet", action="store_true", help="no fairseq progress lines")
+    args = parser.parse_args(argv)
+    args.train_options = train_options
+    if args.preset == "demo":
+        args.train_options = DEMO.TRAIN_OPTIONS + ["--log-interval", "50"] + train_options
+        spm = args.data.parent / "spm" / "spm.model"
+        if not args.generate_args and spm.exists():
+            args.generate_args = f"--bpe sentencepiece --sentencepiece-model {spm}"
+    if not any(option in args.train_options for option in ("--max-update", "--max-epoch")):
+        parser.error("give the training length after `--`: --max-update N or --max-epoch N")
+    if (args.fp16 or args.bf16) and args.device != "cuda":
+        parser.error("--fp16/--bf16 need --device cuda")
+    if not args.data.is_dir():
+        parser.error(f"no data folder {args.data}")
+    for option in ("--save-dir", "--arch", "--user-dir", "--cpu"):
+        if option in args.train_options:
+            parser.error(f"{option} is set by compare.py (use --out / --arch / --device)")
+    return args
+
+
+def stored_task(checkpoint: Path) -> str:
+    import torch
+
+    import posenc_fairseq  # noqa: F401  (safe globals for fairseq checkpoints)
+
+    state = torch.load(checkpoint, map_location="cpu")
+    cfg = state.get("cfg")
+    if cfg is not None and cfg.get("task") is not None:
+        return cfg["task"]["_name"] if "_name" in cfg["task"] else cfg["task"].get("task")
+    return getattr(state.get("args"), "task", "translation")
+
+
+def bleu_by_length(generate_output: str, bins):
+    """[(label, BLEU, sentences)] per source-length bin from fairseq-generate's S/T/D lines."""
+    import sacrebleu
+
+    source, reference, hypothesis = {}, {}, {}
+    for line in generate_output.splitlines():
+        found = re.match(r"^([STD])-(\d+)\t(.*)$", line)
+        if not found:
+            continue
+        kind, index, text = found.groups()
+        if kind == "D":
+            text = text.split("\t", 1)[1] if "\t" in text else ""  # D-i <score> <detokenized>
+        {"S": source, "T": reference, "D": hypothesis}[kind][int(index)] = text
+    edges = [0] + sorted(bins) + [float("inf")]
+    result = []
+    for low, high in zip(edges[:-1], edges[1:]):
+        ids = [i for i in hypothesis if i in reference and low < len(source.get(i, "").split()) <= high]
+        label = f"{low + 1}-{high}" if high != float("inf") else f">{low}"
+        score = sacrebleu.corpus_bleu([hypothesis[i] for i in ids], [[reference[i] for i in ids]]).score if ids else None
+        result.append((label, score, len(ids)))
+    return result
+
+
+def evaluate(args, arch, work, checkpoint, env, device):
+    """{'metric': name, 'value': float, 'bins': [...]} for one trained architecture."""
+    task = stored_task(checkpoint)
+    if task == "translation":
+        subset = args.subset or "test"
+        output = work / "generate.txt"
+        output.write_text("")
+        DEMO.run(DEMO.command_line(
+            "fairseq-generate", args.data, "--user-dir", USER_DIR, "--path", checkpoint, "--gen-subset", subset,
+            "--beam", "4", "--batch-size", "64", "--scoring", "sacrebleu", *shlex.split(args.generate_args),
+            *device), output, show=None if args.quiet else DEMO.generate_progress, env=env)
+        text = output.read_text()
+        scores = re.findall(r"BLEU = ([0-9.]+)", text)
+        if not scores:
+            raise DEMO.CommandFailed(f"no BLEU in {output}")
+        bins = bleu_by_length(text, args.length_bins) if args.length_bins else []
+        return {"metric": f"BLEU ({subset})", "value": float(scores[-1]), "bins": bins}
+    subset = args.subset or "valid"
+    output = work / "validate.log"
+    output.write_text("")
+    DEMO.run(DEMO.command_line(
+        "fairseq-validate", args.data, "--user-dir", USER_DIR, "--path", checkpoint, "--task", task,
+        "--valid-subset", subset, "--max-tokens", "4096", *device), output, env=env)
+    text = output.read_text()
+    line = [line for line in text.splitlines() if f"valid on '{subset}' subset" in line]
+    if not line:
+        raise DEMO.CommandFailed(f"no validation result in {output}")
+    fields = dict(re.findall(r"\| (\w+) ([0-9.e+-]+)", line[-1]))
+    if task == "sentence_prediction" and "accuracy" in fields:
+        return {"metric": f"accuracy % ({subset})", "value": float(fields["accuracy"]), "bins": []}
+    return {"metric": f"perplexity ({subset})", "value": float(fields["ppl"]), "bins": []}
+
+
+def train_and_evaluate(args, arch, env, device):
+    work = args.out / arch
+    if (work / "checkpoints").exists():
+        shutil.rmtree(work / "checkpoints")  # a fresh run, the same for every architecture
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / "train.log"
+    log.write_text("")
+    started = time.time()
+    extra = DEMO.arch_options(arch) if args.preset == "demo" else []
+    DEMO.run(DEMO.command_line(
+        "fairseq-train", args.data, "--user-dir", USER_DIR, "--arch", arch, *extra, *args.train_options,
+        "--save-dir", work / "checkpoints", *device), log, show=None if args.quiet else DEMO.train_progress, env=env)
+    seconds = time.time() - started
+    text = log.read_text()
+    params = re.search(r"num\. (?:shared )?model params: ([0-9,]+)", text)
+    valid = re.findall(r"\| valid \|.*?\| loss ([0-9.]+)", text)
+    result = evaluate(args, arch, work, work / "checkpoints" / "checkpoint_last.pt", env, device)
+    result.update(arch=arch, params=int(params.group(1).replace(",", "")) if params else None,
+                  train_seconds=seconds, valid_loss=float(valid[-1]) if valid else None)
+    return result
+
+
+def markdown_table(results):
+    metric = next((r["metric"] for r in results if "metric" in r), "metric")
+    labels = next((r["bins"] for r in results if r.get("bins")), [])
+    header = ["arch", "params", "train s", "valid loss", metric] + [f"{label} words" for label, _, _ in labels]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for result in results:
+        if "error" in result:
+            lines.append(f"| {result['arch']} | failed: {result['error']} |" + " |" * (len(header) - 2))
+            continue
+        cells = [result["arch"], f"{result['params']:,}" if result["params"] else "?", f"{result['train_seconds']:.0f}",
+                 f"{result['valid_loss']:.3f}" if result["valid_loss"] is not None else "-", f"{result['value']:.2f}"]
+        cells += [f"{score:.2f} ({count})" if score is not None else "-" for _, score, count in result.get("bins", [])]
+        lines.append("| " + " | ".join(cells) + " |")
+    if labels:
+        lines.append("")
+        lines.append("Length bins: BLEU (sentences) by source length in words.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in results if "error" not in r]
+    with_bins = [r for r in done if r.get("bins")]
+    figure, axes = plt.subplots(1, 2 if with_bins else 1, figsize=(9 if with_bins else 5, 3.2), squeeze=False)
+    axis = axes[0][0]
+    axis.bar(range(len(done)), [r["value"] for r in done], color="tab:blue")
+    axis.set_xticks(range(len(done)))
+    axis.set_xticklabels([r["arch"] for r in done], rotation=30, ha="right", fontsize=7)
+    axis.set_ylabel(done[0]["metric"] if done else "")
+    for index, result in enumerate(done):
+        axis.text(index, result["value"], f"{result['value']:.1f}", ha="center", va="bottom", fontsize=7)
+    if with_bins:
+        axis = axes[0][1]
+        for result in with_bins:
+            labels = [label for label, _, _ in result["bins"]]
+            axis.plot(labels, [score if score is not None else float("nan") for _, score, _ in result["bins"]],
+                      marker="o", lw=1, label=result["arch"])
+        axis.set(xlabel="source length (words)", ylabel="BLEU")
+        axis.legend(fontsize=6)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
+               PYTHONWARNINGS=os.environ.get("PYTHONWARNINGS", "ignore"))
+    device = ["--cpu"] if args.device == "cpu" else []
+    device += ["--fp16"] if args.fp16 else ["--bf16"] if args.bf16 else []
+    results = []
+    for number, arch in enumerate(args.arch, 1):
+        print(f"[{number}/{len(args.arch)}] {arch}: training, logs in {args.out / arch}", flush=True)
+        try:
+            result = train_and_evaluate(args, arch, env, device)
+            print(f"[{number}/{len(args.arch)}] {arch}: {result['metric']} = {result['value']:.2f}", flush=True)
+        except DEMO.CommandFailed as error:
+            print(f"[{number}/{len(args.arch)}] {arch}: {error}", flush=True)
+            result = {"arch": arch, "error": str(error).split(";")[0]}
+        results.append(result)
+    table = markdown_table(results)
+    (args.out / "results.md").write_text(table)
+    with open(args.out / "results.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["arch", "params", "train_seconds", "valid_loss", "metric", "value", "bins"])
+        for r in results:
+            writer.writerow([r["arch"], r.get("params"), r.get("train_seconds"), r.get("valid_loss"), r.get("metric"),
+                             r.get("value", r.get("error")),
+                             ";".join(f"{label}:{score}:{count}" for label, score, count in r.get("bins", []))])
+    plot(results, args.out / "compare.png")
+    print()
+    print(table, end="")
+    print(f"\ntable: {args.out / 'results.md'}; plot: {args.out / 'compare.png'}")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,428 @@
+#!/usr/bin/env python
+"""Draw what the positional encoding of a checkpoint of this package learned.
+
+    python scripts/plot_positions.py CHECKPOINT [--out DIR] [--data DATA-BIN] [--length N]
+
+Loads CHECKPOINT through fairseq (any `transformer_*` / `roberta_*` architecture of this package;
+`--data` when the data folder the checkpoint was trained on has moved: fairseq needs its
+dictionaries) and writes, for each picture, a PNG and the numbers behind it as CSV into DIR
+(default: CHECKPOINT's folder/positions/). Distances are always `key_minus_query` = j - i.
+
+- logit-bias encodings (t5, t5_nob, at5, at5_nob, alibi), per stack (encoder, decoder) and layer
+  that has a bias:
+  `bias_ROLE_layerL.csv`  the bias e_h(j - i) added to the logits, per head, against j - i;
+  `prior_ROLE_layerL.csv` the prior beta of AT5 paper eq. 6 (softmax over the keys 0..N-1 of the
+  bias, causal in the decoder) per head for a few query positions (AT5 paper figure 4).
+- shaw, lfhc: `relative_ROLE_layerL_key.csv` (and `_value` with a value table): cosine similarity
+  of the learned relative embeddings of every pair of distances (LFHC's coarsening shows as
+  blocks that grow with the layer).
+- xl, gcdf: `prior_R.csv` the fixed prior R (rows: distances, columns: dimensions of d_model) and
+  `projected_norm_ROLE_layerL.csv` the norm of the learned W_r R per head against distance.
+- floater: `floater_ROLE_layerL_{q,k,v}.csv` the bias b(t_i) - b(0) (rows: positions 0..N-1,
+  columns: dimensions; FLOATER paper figure 3, as far as --length, also beyond the training
+  lengths) and `floater_norms.csv` its norm per slot and its largest entry against position
+  (printed: where it leaves float16's range, if it does).
+- every model with an absolute input embedding (sinusoidal or learned; FLOATER paper figure 3a/3b):
+  `input_positions_ROLE.csv` (rows: positions 0..N-1, columns: dimensions).
+
+Prints the files it wrote with one line on what each shows.
+"""
+import argparse
+import csv
+import math
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+QUERY_FRACTIONS = (0.0, 0.25, 0.5, 1.0)  # query positions of the prior plots, as fractions of N - 1
+
+
+# --- loading -------------------------------------------------------------------------------------
+def load_model(checkpoint: Path, data: Path = None):
+    """The model of `checkpoint` in eval mode on CPU, loaded the way fairseq loads it."""
+    import posenc_fairseq  # noqa: F401  (registers the models, allows the checkpoint's globals)
+    from fairseq import checkpoint_utils
+
+    overrides = {"data": str(data)} if data is not None else None
+    try:
+        models, cfg, _ = checkpoint_utils.load_model_ensemble_and_task([str(checkpoint)], arg_overrides=overrides)
+    except FileNotFoundError as error:
+        raise SystemExit(f"error: {error}\n(fairseq needs the dictionaries of the data the model was trained on: "
+                         "give their folder with --data)")
+    model = models[0].float().eval()
+    if getattr(model, "positional_encoding", None) is None:
+        raise SystemExit(f"error: {checkpoint} is not a model of this package (no positional_encoding); "
+                         "only transformer_*/roberta_* architectures of posenc_fairseq have one")
+    return model
+
+
+def stacks(model):
+    """{'encoder': stack, 'decoder': stack} of a translation or RoBERTa model."""
+    encoder = model.encoder
+    if hasattr(encoder, "sentence_encoder"):  # RoBERTa
+        return {"encoder": encoder.sentence_encoder}
+    found = {"encoder": encoder}
+    if getattr(model, "decoder", None) is not None:
+        found["decoder"] = model.decoder
+    return found
+
+
+# --- output ----------------------------------------------------------------------------------------
+class Writer:
+    def __init__(self, out: Path, dpi: int):
+        self.out, self.dpi, self.written = out, dpi, []
+        out.mkdir(parents=True, exist_ok=True)
+
+    def csv(self, name: str, header, rows, what: str):
+        path = self.out / name
+        with open(path, "w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(header)
+            for row in rows:
+                writer.writerow([_number(value) for value in row])
+        self.written.append((path, what))
+        return path
+
+    def figure(self, figure, name: str, what: str):
+        import matplotlib.pyplot as plt
+
+        path = self.out / name
+        figure.savefig(path, dpi=self.dpi, bbox_inches="tight")
+        plt.close(figure)
+        self.written.append((path, what))
+        return path
+
+
+def _number(value):
+    if isinstance(value, float):
+        return f"{value:.9g}"
+    return value
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def matrix_rows(first_column, matrix):
+    return [[int(label)] + [float(v) for v in row] for label, row in zip(first_column, matrix.tolist())]
+
+
+# --- logit bias: T5, T5-NoB, AT5, AT5-NoB, ALiBi ------------------------------------------------------
+def bias_row(encoding, role, layer, query: int, keys: torch.Tensor):
+    """(heads, len(keys)) logit bias of the query at position `query`, or None (no bias there)."""
+    memo = encoding._memo
+    encoding._memo = {}  # the hook memoizes per forward: compute afresh, leave the model's memo alone
+    try:
+        with torch.no_grad():
+            bias = encoding.logit_bias(role, layer, torch.tensor([query]), keys)
+    finally:
+        encoding._memo = memo
+    return None if bias is None else bias[:, 0].float()
+
+
+def plot_logit_bias(model, encoding, writer, length, max_distance):
+    from posenc_fairseq.encodings.t5 import prior_distribution
+
+    plt = _plt()
+    heads = encoding.dims.heads
+    made = False
+    for role in stacks(model):
+        for layer in range(encoding.dims.layers(role)):
+            # bias against distance: query at max_distance, keys 0..2*max_distance (decoder: up to the query)
+            last = 2 * max_distance if role == "encoder" else max_distance
+            keys = torch.arange(0, last + 1)
+            bias = bias_row(encoding, role, layer, max_distance, keys)
+            if bias is None:
+                continue
+            made = True
+            distances = keys - max_distance
+            tag = f"{role}_layer{layer}"
+            writer.csv(f"bias_{tag}.csv", ["key_minus_query"] + [f"head{h}" for h in range(heads)],
+                       matrix_rows(distances, bias.t()), f"{role} layer {layer}: logit bias per head against j - i")
+            figure, axis = plt.subplots(figsize=(5, 3))
+            for head in range(heads):
+                axis.plot(distances.tolist(), bias[head].tolist(), label=f"head {head}", lw=1)
+            axis.set(xlabel="key - query (j - i)", ylabel="logit bias",
+                     title=f"{encoding.name}: {role} layer {layer}")
+            axis.legend(fontsize=6, ncol=2)
+            writer.figure(figure, f"bias_{tag}.png", f"{role} layer {layer}: logit bias per head")
+
+            # prior beta (eq. 6) over keys 0..length-1 for a few query positions, per head
+            keys = torch.arange(length)
+            queries = sorted({round(f * (length - 1)) for f in QUERY_FRACTIONS})
+            rows = []
+            priors = {}
+            for query in queries:
+                prior = torch.stack([prior_distribution(encoding, role, layer, query, keys, head).cpu()
+                                     for head in range(heads)])  # (heads, keys)
+                priors[query] = prior
+                rows += [[query, key] + prior[:, key].tolist() for key in range(length)]
+            writer.csv(f"prior_{tag}.csv", ["query", "key"] + [f"head{h}" for h in range(heads)], rows,
+                       f"{role} layer {layer}: prior beta (softmax of the bias over keys) per head and query")
+            columns = min(heads, 4)
+            grid = math.ceil(heads / columns)
+            figure, axes = plt.subplots(grid, columns, figsize=(2.3 * columns, 1.9 * grid), squeeze=False,
+                                        sharex=True)
+            for head in range(heads):
+                axis = axes[head // columns][head % columns]
+                for query in queries:
+                    axis.plot(keys.tolist(), priors[query][head].tolist(), lw=1, label=f"i={query}")
+                axis.set_title(f"head {head}", fontsize=8)
+                axis.tick_params(labelsize=6)
+            for extra in range(heads, grid * columns):
+                axes[extra // columns][extra % columns].axis("off")
+            axes[0][0].legend(fontsize=5)
+            figure.suptitle(f"{encoding.name}: prior over keys j, {role} layer {layer}", fontsize=9)
+            figure.supxlabel("key position j", fontsize=8)
+            writer.figure(figure, f"prior_{tag}.png", f"{role} layer {layer}: prior beta per head")
+    return made
+
+
+# --- Shaw / LFHC ---------------------------------------------------------------------------------------
+def relative_embeddings(encoding, table, layer, max_distance):
+    """(distances j - i, (2D+1, d_head) embedding each distance uses at `layer`)."""
+    keys = torch.arange(0, 2 * max_distance + 1)
+    rows = encoding.bucket_of(torch.tensor([max_distance]), keys, layer)[0]
+    return keys - max_distance, table.detach().float()[rows]
+
+
+def cosine_matrix(vectors):
+    unit = vectors / vectors.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    return unit @ unit.t()
+
+
+def plot_relative_embeddings(model, encoding, writer, max_distance):
+    plt = _plt()
+    for role in stacks(model):
+        for layer in range(encoding.dims.layers(role)):
+            for kind, tables in (("key", encoding.key_tables), ("value", encoding.value_tables)):
+                name = f"{role}{layer}"
+                if name not in tables:
+                    continue
+                distances, vectors = relative_embeddings(encoding, tables[name], layer, max_distance)
+                similarity = cosine_matrix(vectors)
+                tag = f"{role}_layer{layer}_{kind}"
+                writer.csv(f"relative_{tag}.csv", ["key_minus_query"] + [str(int(d)) for d in distances],
+                           matrix_rows(distances, similarity),
+                           f"{role} layer {layer}: cosine similarity of the {kind} embeddings of distances j - i")
+                figure, axis = plt.subplots(figsize=(3.6, 3.2))
+                extent = [int(distances[0]) - 0.5, int(distances[-1]) + 0.5] * 2
+                image = axis.imshow(similarity.numpy(), cmap="RdBu_r", vmin=-1, vmax=1, extent=extent, origin="lower")
+                figure.colorbar(image, ax=axis, shrink=0.8)
+                axis.set(xlabel="j - i", ylabel="j - i", title=f"{encoding.name} {kind}: {role} layer {layer}")
+                axis.title.set_fontsize(9)
+                writer.figure(figure, f"relative_{tag}.png", f"{role} layer {layer}: {kind} embedding similarity")
+
+
+# --- XL / GCDF -----------------------------------------------------------------------------------------
+def plot_projected_prior(model, encoding, writer, max_distance):
+    plt = _plt()
+    distances = torch.arange(-max_distance, max_distance + 1)  # key - query
+    with torch.no_grad():
+        prior = encoding.prior(-distances).float()  # R_{i-j}, (N, d_model)
+    d_model = prior.size(1)
+    writer.csv("prior_R.csv", ["key_minus_query"] + [f"dim{k}" for k in range(d_model)], matrix_rows(distances, prior),
+               "the fixed prior R_{i-j} (rows: distances j - i, columns: dimensions)")
+    figure, axis = plt.subplots(figsize=(5, 3))
+    image = axis.imshow(prior.t().numpy(), aspect="auto", cmap="viridis", origin="lower",
+                        extent=[int(distances[0]) - 0.5, int(distances[-1]) + 0.5, -0.5, d_model - 0.5])
+    figure.colorbar(image, ax=axis)
+    axis.set(xlabel="key - query (j - i)", ylabel="dimension", title=f"{encoding.name}: prior R")
+    writer.figure(figure, "prior_R.png", "the fixed prior R against distance")
+    heads, head_dim = encoding.dims.heads, encoding.dims.head_dim
+    norms = {}
+    for role in stacks(model):
+        for layer in range(encoding.dims.layers(role)):
+            projection = encoding.projections[f"{role}{layer}"]
+            with torch.no_grad():
+                projected = projection(prior.to(projection.weight.dtype)).float().view(len(distances), heads, head_dim)
+            norm = projected.norm(dim=-1)  # (N, heads)
+            norms[(role, layer)] = norm
+            writer.csv(f"projected_norm_{role}_layer{layer}.csv",
+                       ["key_minus_query"] + [f"head{h}" for h in range(heads)], matrix_rows(distances, norm),
+                       f"{role} layer {layer}: |W_r R_(i-j)| per head against j - i")
+    figure, axis = plt.subplots(figsize=(5, 3))
+    for (role, layer), norm in norms.items():
+        axis.plot(distances.tolist(), norm.mean(dim=1).tolist(), lw=1, label=f"{role} layer {layer}")
+    axis.set(xlabel="key - query (j - i)", ylabel="mean over heads of |W_r R|", title=f"{encoding.name}: learned W_r R")
+    axis.legend(fontsize=6)
+    writer.figure(figure, "projected_norm.png", "norm of the learned W_r R against distance, per layer")
+
+
+# --- FLOATER -------------------------------------------------------------------------------------------
+def floater_slots(encoding):
+    """[(role, layer, which)] in table order: encoder, decoder, cross; layer; q, k, v."""
+    index = getattr(encoding, "_slot_index", None) or {}
+    return [slot for slot, _ in sorted(index.items(), key=lambda item: item[1])]
+
+
+def plot_floater(model, encoding, writer, length, layers, mark=None):
+    plt = _plt()
+    with torch.no_grad():
+        table = encoding.table(length)[:length].float().cpu()  # (positions, slots, d): b(t_i) - b(0)
+    slots = floater_slots(encoding)
+    positions = torch.arange(length)
+    norm = table.norm(dim=-1)  # (positions, slots)
+    peak = table.abs().flatten(1).amax(dim=1)  # largest |entry| per position, against fp16's range
+    names = [f"{role}{layer}{which}" for role, layer, which in slots]
+    writer.csv("floater_norms.csv", ["position"] + names + ["max_abs"],
+               [row + [float(p)] for row, p in zip(matrix_rows(positions, norm), peak)],
+               "|b(t_i) - b(0)| per slot and the largest entry against position")
+    fp16 = torch.finfo(torch.float16).max
+    beyond = (peak > fp16).nonzero()
+    print(f"FLOATER: largest |b(t_i) - b(0)| entry {float(peak.max()):.4g} (position {int(peak.argmax())}); "
+          + (f"beyond float16's range ({fp16:.0f}) from position {int(beyond[0, 0])}" if len(beyond)
+             else f"within float16's range ({fp16:.0f}) up to position {length - 1}"))
+    figure, axis = plt.subplots(figsize=(5, 3))
+    for column, name in enumerate(names):
+        axis.plot(positions.tolist(), norm[:, column].tolist(), lw=1, label=name)
+    if mark:
+        axis.axvline(mark, color="grey", ls="--", lw=0.8)
+    axis.set(xlabel="position i", ylabel="|b(t_i) - b(0)|", title="FLOATER: norm of the position bias")
+    axis.legend(fontsize=5, ncol=3)
+    writer.figure(figure, "floater_norms.png", "norm of b(t_i) - b(0) against position, per slot")
+    for role, layer, which in slots:
+        if layer not in layers:
+            continue
+        column = slots.index((role, layer, which))
+        values = table[:, column]  # (positions, d)
+        tag = f"{role}_layer{layer}_{which}"
+        writer.csv(f"floater_{tag}.csv", ["position"] + [f"dim{k}" for k in range(values.size(1))],
+                   matrix_rows(positions, values), f"{role} layer {layer} {which}: b(t_i) - b(0), positions x dimensions")
+    for role in dict.fromkeys(role for role, _, _ in slots):
+        chosen = [(layer, which) for r, layer, which in slots if r == role and layer in layers]
+        if not chosen:
+            continue
+        columns = 3
+        grid = math.ceil(len(chosen) / columns)
+        figure, axes = plt.subplots(grid, columns, figsize=(3 * columns, 2.2 * grid), squeeze=False)
+        scale = float(table[:, [slots.index((role, l, w)) for l, w in chosen]].abs().max()) or 1.0
+        for number, (layer, which) in enumerate(chosen):
+            axis = axes[number // columns][number % columns]
+            values = table[:, slots.index((role, layer, which))]
+            image = axis.imshow(values.t().numpy(), aspect="auto", cmap="RdBu_r", vmin=-scale, vmax=scale,
+                                origin="lower", extent=[-0.5, length - 0.5, -0.5, values.size(1) - 0.5])
+            if mark:
+                axis.axvline(mark, color="black", ls="--", lw=0.6)
+            axis.set_title(f"layer {layer} {which}", fontsize=8)
+            axis.tick_params(labelsize=6)
+        for extra in range(len(chosen), grid * columns):
+            axes[extra // columns][extra % columns].axis("off")
+        figure.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8)
+        figure.suptitle(f"FLOATER {role}: b(t_i) - b(0), position (x) by dimension (y)"
+                        + ("; dashed: --mark-length" if mark else ""), fontsize=8)
+        writer.figure(figure, f"floater_{role}.png", f"{role}: heat maps of b(t_i) - b(0), positions x dimensions")
+
+
+# --- absolute input embedding --------------------------------------------------------------------------------
+def input_positions(stack, length):
+    """(positions 0..n-1, (n, d) embedding added at each position) of a stack, or None."""
+    from fairseq.modules import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
+
+    module = getattr(stack, "embed_positions", None)
+    if module is None:
+        return None
+    offset = module.padding_idx + 1  # fairseq's positions start after the padding index
+    if isinstance(module, SinusoidalPositionalEmbedding):
+        table = SinusoidalPositionalEmbedding.get_embedding(length + offset, module.embedding_dim, module.padding_idx)
+        return "sinusoidal", table[offset:].float()
+    if isinstance(module, LearnedPositionalEmbedding):
+        rows = min(length, module.num_embeddings - offset)
+        return "learned", module.weight.detach()[offset: offset + rows].float()
+    return None
+
+
+def plot_input_positions(model, writer, length):
+    plt = _plt()
+    made = False
+    for role, stack in stacks(model).items():
+        found = input_positions(stack, length)
+        if found is None:
+            continue
+        kind, table = found
+        made = True
+        positions = torch.arange(table.size(0))
+        writer.csv(f"input_positions_{role}.csv", ["position"] + [f"dim{k}" for k in range(table.size(1))],
+                   matrix_rows(positions, table), f"{role}: {kind} absolute input embedding, positions x dimensions")
+        figure, axis = plt.subplots(figsize=(5, 3))
+        image = axis.imshow(table.t().numpy(), aspect="auto", cmap="RdBu_r", origin="lower",
+                            extent=[-0.5, table.size(0) - 0.5, -0.5, table.size(1) - 0.5])
+        figure.colorbar(image, ax=axis)
+        axis.set(xlabel="position", ylabel="dimension", title=f"{kind} input embedding ({role})")
+        writer.figure(figure, f"input_positions_{role}.png", f"{role}: {kind} input embedding heat map")
+    return made
+
+
+# --- main ----------------------------------------------------------------------------------------------------
+def plot_checkpoint(checkpoint, out, data=None, length=128, max_distance=None, layers=None, dpi=100, mark=None):
+    """Everything the command does; returns [(path, what)] of the files written."""
+    from posenc_fairseq.encodings.alibi import ALiBi
+    from posenc_fairseq.encodings.floater import Floater
+    from posenc_fairseq.encodings.shaw import Shaw
+    from posenc_fairseq.encodings.t5 import ScalarBias
+    from posenc_fairseq.encodings.xl import TransformerXL
+
+    model = load_model(Path(checkpoint), data)
+    encoding = model.positional_encoding
+    writer = Writer(Path(out), dpi)
+    all_layers = range(max(encoding.dims.encoder_layers, encoding.dims.decoder_layers))
+    layers = set(all_layers if layers is None else layers)
+    if isinstance(encoding, (ScalarBias, ALiBi)):
+        plot_logit_bias(model, encoding, writer, length, max_distance or 128)
+    elif isinstance(encoding, Shaw):
+        deepest = max(encoding.dims.encoder_layers, encoding.dims.decoder_layers)
+        plot_relative_embeddings(model, encoding, writer, max_distance or encoding.k * (deepest + 1))
+    elif isinstance(encoding, TransformerXL):
+        plot_projected_prior(model, encoding, writer, max_distance or length)
+    elif isinstance(encoding, Floater):
+        plot_floater(model, encoding, writer, length, layers, mark)
+    else:
+        # sinusoidal / learned / nope / rotary, or an encoding added later: try the generic logit bias
+        plot_logit_bias(model, encoding, writer, length, max_distance or 128)
+    plot_input_positions(model, writer, length)
+    return encoding.name, writer.written
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--out", type=Path, help="output folder (default: CHECKPOINT's folder/positions)")
+    parser.add_argument("--data", type=Path, help="data folder with the dictionaries (default: the checkpoint's)")
+    parser.add_argument("--length", type=int, default=128,
+                        help="positions N: keys of the prior plots, rows of the FLOATER and input-embedding "
+                             "tables (default %(default)s)")
+    parser.add_argument("--max-distance", type=int,
+                        help="largest |j - i| of the distance plots (default: 128 for logit biases, "
+                             "k * (layers + 1) for shaw/lfhc, N for xl/gcdf)")
+    parser.add_argument("--layers", type=lambda text: [int(x) for x in text.split(",")],
+                        help="FLOATER: comma-separated layers of the heat maps (default: all)")
+    parser.add_argument("--mark-length", type=int, metavar="L",
+                        help="FLOATER: draw a dashed line at position L (e.g. the longest training input)")
+    parser.add_argument("--dpi", type=int, default=100)
+    args = parser.parse_args(argv)
+    if not args.checkpoint.is_file():
+        parser.error(f"no checkpoint file {args.checkpoint}")
+    if args.length < 2:
+        parser.error("--length must be at least 2")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+    out = args.out or args.checkpoint.parent / "positions"
+    name, written = plot_checkpoint(args.checkpoint, out, args.data, args.length, args.max_distance,
+                                    args.layers, args.dpi, args.mark_length)
+    if not written:
+        print(f"{name}: nothing learned or position-dependent to draw (no bias, table or input embedding)")
+    for path, what in written:
+        print(f"{path}: {what}")
+
+
+if __name__ == "__main__":
+    main()

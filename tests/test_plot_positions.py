@@ -1,0 +1,186 @@
+"""scripts/plot_positions.py on tiny checkpoints trained by fairseq-train: the command writes a PNG
+and a CSV per picture, and every CSV holds what the formulas give from the checkpoint's own
+parameters (read from its state dict, independently of the script)."""
+import csv
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from util import REPO
+
+SCRIPT = REPO / "scripts" / "plot_positions.py"
+LENGTH = 40
+
+
+def plot(checkpoint, out, *options):
+    done = subprocess.run([sys.executable, str(SCRIPT), str(checkpoint), "--out", str(out), "--length", str(LENGTH),
+                           *map(str, options)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", MPLBACKEND="Agg"))
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    for line in done.stdout.splitlines():  # every announced file exists
+        if line.startswith(str(out)):
+            assert (out / line.split(":")[0].rsplit("/", 1)[-1]).exists(), line
+    return done.stdout
+
+
+def read(path):
+    """(header, first column, tensor of the other columns) of a CSV the command wrote."""
+    with open(path) as handle:
+        rows = list(csv.reader(handle))
+    values = torch.tensor([[float(v) for v in row] for row in rows[1:]], dtype=torch.float64)
+    return rows[0], values[:, 0].long(), values[:, 1:]
+
+
+def model_state(checkpoint):
+    import posenc_fairseq  # noqa: F401  (safe globals)
+
+    return torch.load(checkpoint, map_location="cpu")["model"]
+
+
+def check_priors(out, role, layer, heads):
+    """Each prior row sums to 1, is softmax over the keys of the bias CSV's values at j - i (with
+    keys after the query excluded in the decoder)."""
+    _, distances, bias = read(out / f"bias_{role}_layer{layer}.csv")
+    at = {int(d): row for d, row in zip(distances, bias)}
+    header, queries, values = read(out / f"prior_{role}_layer{layer}.csv")
+    keys, prior = values[:, 0].long(), values[:, 1:]
+    assert header[2:] == [f"head{h}" for h in range(heads)]
+    for query in sorted(set(queries.tolist())):
+        rows = queries == query
+        row_keys, row_prior = keys[rows], prior[rows]
+        assert row_keys.tolist() == list(range(LENGTH))
+        torch.testing.assert_close(row_prior.sum(0), torch.ones(heads, dtype=torch.float64), atol=1e-6, rtol=0)
+        zero = torch.zeros(heads, dtype=torch.float64)  # decoder: keys after the query (masked below)
+        scores = torch.stack([at.get(int(key) - query, zero) for key in row_keys])  # (keys, heads)
+        if role == "decoder":
+            scores[row_keys > query] = -math.inf
+        torch.testing.assert_close(row_prior, torch.softmax(scores, dim=0), atol=1e-6, rtol=1e-5)
+
+
+def test_t5_bias_and_prior_match_the_table(tiny_checkpoint, tmp_path):
+    from posenc_fairseq.encodings.t5 import relative_position_bucket
+
+    checkpoint = tiny_checkpoint("transformer_t5")
+    listing = plot(checkpoint, tmp_path)
+    assert "prior beta" in listing
+    state = model_state(checkpoint)
+    for role, bidirectional in (("encoder", True), ("decoder", False)):
+        table = state[f"positional_encoding.tables.{role}"].double()  # (32 buckets, 4 heads)
+        header, distances, bias = read(tmp_path / f"bias_{role}_layer0.csv")
+        assert header[0] == "key_minus_query"
+        assert distances.tolist() == list(range(-128, 129 if bidirectional else 1))
+        expected = table[relative_position_bucket(distances, bidirectional, 32, 128)]
+        torch.testing.assert_close(bias, expected, atol=1e-6, rtol=1e-6)
+        check_priors(tmp_path, role, 0, heads=4)
+        assert (tmp_path / f"bias_{role}_layer0.png").stat().st_size > 1000
+        assert (tmp_path / f"prior_{role}_layer0.png").exists()
+    assert not (tmp_path / "bias_encoder_layer1.csv").exists()  # --scalar-bias-layers first
+
+
+def test_alibi_bias_is_minus_slope_times_distance(tiny_checkpoint, tmp_path):
+    plot(tiny_checkpoint("transformer_alibi"), tmp_path, "--max-distance", 50)
+    slopes = torch.tensor([2 ** (-8 * h / 4) for h in range(1, 5)], dtype=torch.float64)
+    for role in ("encoder", "decoder"):
+        for layer in (0, 1):
+            _, distances, bias = read(tmp_path / f"bias_{role}_layer{layer}.csv")
+            assert distances.min() == -50
+            torch.testing.assert_close(bias, -distances.abs()[:, None].double() * slopes[None, :], atol=1e-6, rtol=1e-6)
+            check_priors(tmp_path, role, layer, heads=4)
+
+
+def test_lfhc_similarity_of_relative_embeddings_and_learned_input_embedding(tiny_checkpoint, tmp_path):
+    checkpoint = tiny_checkpoint("transformer_lfhc", "--lfhc-k", 3, "--input-positions", "learned")
+    plot(checkpoint, tmp_path)
+    state = model_state(checkpoint)
+    for role in ("encoder", "decoder"):
+        for layer in (0, 1):
+            table = state[f"positional_encoding.key_tables.{role}{layer}"].double()  # (2k+1, d_head)
+            header, distances, similarity = read(tmp_path / f"relative_{role}_layer{layer}_key.csv")
+            assert distances.tolist() == list(range(-9, 10))  # k * (layers + 1)
+            assert header[1:] == [str(d) for d in range(-9, 10)]
+            # eq. 9 of Qu et al. on x = i - j = -(j - i), floor rounding, layer l = layer + 1
+            rows = torch.div(-distances, layer + 1, rounding_mode="floor").clamp(-3, 3) + 3
+            vectors = table[rows]
+            expected = torch.nn.functional.cosine_similarity(vectors[:, None, :], vectors[None, :, :], dim=-1)
+            torch.testing.assert_close(similarity, expected, atol=1e-6, rtol=1e-5)
+        assert not (tmp_path / f"relative_{role}_layer0_value.csv").exists()  # key term only by default
+    # layer 2 groups distances in pairs: j - i = 0 and -1 (x = 0, 1) share an embedding
+    _, distances, similarity = read(tmp_path / "relative_encoder_layer1_key.csv")
+    zero, minus_one = int((distances == 0).nonzero()), int((distances == -1).nonzero())
+    assert similarity[zero, minus_one] == pytest.approx(1.0, abs=1e-6)
+    # the learned absolute input embedding: fairseq's table after the padding rows
+    for role in ("encoder", "decoder"):
+        _, positions, values = read(tmp_path / f"input_positions_{role}.csv")
+        weight = state[f"{role}.embed_positions.weight"].double()
+        torch.testing.assert_close(values, weight[2: 2 + len(positions)], atol=1e-6, rtol=1e-5)
+
+
+def test_gcdf_prior_and_projected_norm(tiny_checkpoint, tmp_path):
+    checkpoint = tiny_checkpoint("transformer_gcdf")
+    plot(checkpoint, tmp_path, "--max-distance", 20)
+    state = model_state(checkpoint)
+    _, distances, prior = read(tmp_path / "prior_R.csv")
+    d_model = 32
+    k = torch.arange(d_model, dtype=torch.float64)
+    x = (-distances.double())[:, None] / d_model ** (k / d_model)[None, :]  # R is of i - j
+    expected = 4.0 * 0.5 * (1 + torch.erf(x / math.sqrt(2)))  # eqs. 14-15, lambda = 4
+    torch.testing.assert_close(prior, expected, atol=1e-6, rtol=1e-5)
+    for role in ("encoder", "decoder"):
+        for layer in (0, 1):
+            weight = state[f"positional_encoding.projections.{role}{layer}.weight"].double()
+            _, _, norm = read(tmp_path / f"projected_norm_{role}_layer{layer}.csv")
+            projected = (expected @ weight.t()).view(len(distances), 4, 8)
+            torch.testing.assert_close(norm, projected.norm(dim=-1), atol=1e-5, rtol=1e-4)
+
+
+def floater_reference(state, b0, times):
+    """b(t) - b(0) by torchdiffeq's rk4 in float64 with step delta / 5 (the defaults) from the
+    checkpoint's dynamics weights: h(tau, b) = W2 [relu(W1 [b; tau] + c1); tau] + c2."""
+    import torchdiffeq
+
+    w1, c1, w2, c2 = (state[f"positional_encoding.dynamics.{name}"].double()
+                      for name in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"))
+
+    def h(t, b):
+        tau = t.expand(b.size(0), 1)
+        hidden = torch.relu(torch.cat([b, tau], dim=-1) @ w1.t() + c1)
+        return torch.cat([hidden, tau], dim=-1) @ w2.t() + c2
+
+    return torchdiffeq.odeint(h, b0, times, method="rk4", options=dict(step_size=0.02)) - b0
+
+
+def test_floater_matrix_solves_the_ode_of_the_checkpoint(tiny_checkpoint, tmp_path):
+    checkpoint = tiny_checkpoint("transformer_floater", "--floater-init", "small")
+    listing = plot(checkpoint, tmp_path, "--layers", "0", "--mark-length", 20)
+    assert "within float16's range" in listing
+    state = model_state(checkpoint)
+    times = torch.arange(LENGTH, dtype=torch.float64) * 0.1  # t_i = i * delta
+    for role, attention in (("encoder", "encoder.layers.0.self_attn"), ("decoder", "decoder.layers.0.self_attn"),
+                            ("cross", "decoder.layers.0.encoder_attn")):
+        b0 = torch.stack([state[f"{attention}.{which}_proj.bias"].double() for which in "qkv"])  # b(0): the biases
+        expected = floater_reference(state, b0, times)  # (positions, 3, d)
+        assert expected[1:].abs().max() > 1e-6  # the small init moved h away from zero
+        for index, which in enumerate("qkv"):
+            header, positions, values = read(tmp_path / f"floater_{role}_layer0_{which}.csv")
+            assert positions.tolist() == list(range(LENGTH)) and header[1:] == [f"dim{k}" for k in range(32)]
+            torch.testing.assert_close(values, expected[:, index], atol=1e-6, rtol=1e-4)
+        assert (tmp_path / f"floater_{role}.png").exists()
+    assert not (tmp_path / "floater_encoder_layer1_q.csv").exists()  # --layers 0
+    header, _, norms = read(tmp_path / "floater_norms.csv")
+    # 2 + 2 layers of self-attention and 2 of cross-attention, q/k/v each, in the table's order
+    assert header[1:4] == ["encoder0q", "encoder0k", "encoder0v"] and header[7:10] == ["decoder0q", "decoder0k", "decoder0v"]
+    assert header[13] == "cross0q" and header[-1] == "max_abs" and norms.shape == (LENGTH, 19)
+    _, _, q = read(tmp_path / "floater_encoder_layer0_q.csv")
+    torch.testing.assert_close(norms[:, 0], q.norm(dim=-1), atol=1e-5, rtol=1e-4)
+    assert norms[0].abs().max() == 0  # b(t_0) - b(0) = 0
+    # FLOATER keeps the base architecture's sinusoidal input embedding: fairseq's formula
+    _, positions, values = read(tmp_path / "input_positions_encoder.csv")
+    half = 16
+    frequencies = torch.exp(torch.arange(half, dtype=torch.float64) * -(math.log(10000) / (half - 1)))
+    angles = (positions.double() + 2)[:, None] * frequencies[None, :]  # fairseq counts from padding_idx + 1 = 2
+    torch.testing.assert_close(values, torch.cat([angles.sin(), angles.cos()], dim=1), atol=1e-5, rtol=1e-4)
+    assert "input embedding" in listing
