@@ -389,4 +389,11 @@ def convert_checkpoint(state: dict, kind: str, encoding: str = "floater", overri
         if not difference <= tolerance:
             raise ConversionError(f"converted {new_arch} differs from the source by {difference:.3g} "
                                   f"(> {tolerance:g}) on random input; refusing to convert")
+    # then an initialisation the user asked for on top of the verified identity (FLOATER's
+    # --floater-init small: the paper's warm start, close to but not exactly the source)
+    if hasattr(model.positional_encoding, "apply_init_option"):
+        model.positional_encoding.apply_init_option()
+        for key, value in model.state_dict().items():
+            if key.startswith("positional_encoding."):
+                weights[key] = value.detach().clone()
     return converted
