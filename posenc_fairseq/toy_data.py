@@ -46,3 +46,24 @@ def monolingual_corpus(count: int, seed: int = 2, vocab: int = 80) -> List[str]:
     words = vocabulary(vocab, seed=200)
     rng = random.Random(seed)
     return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 30))) for _ in range(count)]
+
+
+def wikitext_corpus(articles: int, seed: int = 3, vocab: int = 60, paragraphs: int = 3) -> str:
+    """WikiText-style tokenised text (` = Title = ` headings, blank lines, paragraphs) for the
+    language-model recipe. Learnable only with positions: a paragraph is a run of 3-word groups,
+    each followed by its partner words at a distance of exactly 3 (`a b c A' B' C'`), so half of the
+    tokens are predictable from the token 3 positions back and the rest are uniform."""
+    words = vocabulary(vocab, seed=300)
+    partner = dict(zip(words, [w.upper() for w in reversed(words)]))
+    rng = random.Random(seed)
+    lines = []
+    for article in range(articles):
+        lines += ["", f" = {rng.choice(words).capitalize()} {article} = ", ""]
+        for _ in range(paragraphs):
+            tokens = []
+            for _ in range(rng.randint(3, 8)):
+                group = [rng.choice(words) for _ in range(3)]
+                tokens += group + [partner[w] for w in group]
+            lines.append(" " + " ".join(tokens) + " . ")
+        lines.append("")
+    return "\n".join(lines) + "\n"

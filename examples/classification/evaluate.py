@@ -1,0 +1,78 @@
+#!/usr/bin/env python
+"""Score a classifier trained by train.sh with the metric of the LFHC/GCDF paper's table 1.
+
+  python examples/classification/evaluate.py TASK DATA_BIN CHECKPOINT [--subset S] [--cpu] [--json out.json]
+
+Metrics (percentages): accuracy for IMDB, SST-2, SNLI, QNLI; QQP the mean of accuracy and F1; MNLI the
+mean of matched and mismatched accuracy. Subsets: IMDB `valid` (= its test reviews, see preprocess.py),
+SNLI `test`, GLUE tasks their dev sets (`valid`; MNLI `valid` + `valid1`). Prints
+`TASK <metric> = <value>` (and the parts it averages).
+"""
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+import posenc_fairseq  # noqa: E402,F401
+from fairseq import checkpoint_utils  # noqa: E402
+
+# prediction and metrics of examples/glue/evaluate.py (same file name as this one: load it by path)
+_spec = importlib.util.spec_from_file_location("glue_evaluate", HERE.parent / "glue" / "evaluate.py")
+glue_evaluate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(glue_evaluate)
+predict, scores = glue_evaluate.predict, glue_evaluate.scores
+
+TASKS = ["IMDB", "SST-2", "SNLI", "QNLI", "QQP", "MNLI"]
+DEFAULT_SUBSETS = {"IMDB": ["valid"], "SNLI": ["test"], "MNLI": ["valid", "valid1"]}
+METRIC = {"QQP": "avg(acc/f1)", "MNLI": "avg(m/mm)"}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("task", choices=TASKS)
+    p.add_argument("data_bin")
+    p.add_argument("checkpoint")
+    p.add_argument("--subset", nargs="+", help="default: the paper's (see above)")
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    cpu = args.cpu or not torch.cuda.is_available()
+    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([args.checkpoint],
+                                                                      arg_overrides={"data": args.data_bin})
+    model = models[0].eval()
+    if not cpu:
+        model.cuda()
+    head = getattr(cfg.criterion, "classification_head_name", None) or "sentence_classification_head"
+    label_dictionary = task.label_dictionary
+
+    def label_string(index):
+        return label_dictionary.string([index + label_dictionary.nspecial])
+
+    parts = {}
+    for subset in args.subset or DEFAULT_SUBSETS.get(args.task, ["valid"]):
+        predictions, targets = predict(model, task, subset, head, False, cpu, args.batch_size)
+        parts[subset] = scores(args.task, predictions, targets, label_string)  # acc (+ f1 for QQP)
+        parts[subset]["examples"] = len(targets)
+        for name, value in parts[subset].items():
+            if name != "examples":
+                print(f"{args.task} {subset} {name} = {value:.2f}")
+    if args.task == "QQP":
+        value = sum((s["acc"] + s["f1"]) / 2 for s in parts.values()) / len(parts)
+    else:  # accuracy; MNLI: mean over matched (valid) and mismatched (valid1)
+        value = sum(s["acc"] for s in parts.values()) / len(parts)
+    metric = METRIC.get(args.task, "acc")
+    print(f"{args.task} {metric} = {value:.2f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"task": args.task, "metric": metric, "value": value, "parts": parts}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+#!/usr/bin/env python
+"""Collect evaluate.py --json results (WORK_DIR/<encoding>/<TASK>.json) into table 1 of the LFHC/GCDF
+paper, the paper's mean±std over 10 runs beside ours.
+
+  python examples/classification/report.py WORK_DIR --out WORK_DIR/table1.md
+"""
+import argparse
+import json
+from pathlib import Path
+
+TASKS = ["IMDB", "SST-2", "SNLI", "QNLI", "QQP", "MNLI"]
+# Qu et al. 2021, table 1 (acc; QQP avg(acc/f1); MNLI avg(m/mm))
+PAPER = {
+    "t5": ["88.37±0.08", "82.91±0.32", "86.09±0.16", "80.09±0.53", "72.28±0.51", "73.54±0.14"],
+    "shaw": ["88.39±0.08", "83.03±0.24", "86.13±0.11", "80.07±0.64", "71.68±0.52", "73.79±0.19"],
+    "lfhc": ["88.78±0.06", "83.26±0.29", "86.48±0.14", "80.62±0.39", "72.00±0.43", "74.18±0.18"],
+    "xl": ["88.45±0.09", "84.25±0.35", "86.27±0.15", "80.16±0.45", "71.13±0.48", "75.24±0.21"],
+    "gcdf": ["88.98±0.04", "84.63±0.22", "86.52±0.08", "81.04±0.36", "71.64±0.46", "75.83±0.18"],
+}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("work_dir", type=Path)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    results = {}
+    for path in sorted(args.work_dir.glob("*/*.json")):
+        if path.stem in TASKS:
+            results.setdefault(path.parent.name, {})[path.stem] = json.loads(path.read_text())["value"]
+    tasks = [t for t in TASKS if any(t in r for r in results.values())]
+    header = ["encoding"] + [f"{t} paper | {t} ours" for t in tasks]
+    lines = ["| " + " | ".join(header) + " |", "|---" * (1 + 2 * len(tasks)) + "|"]
+    for encoding, row in results.items():
+        paper = dict(zip(TASKS, PAPER.get(encoding, ["–"] * len(TASKS))))
+        cells = [encoding] + [f"{paper[t]} | " + (f"{row[t]:.2f}" if t in row else "–") for t in tasks]
+        lines.append("| " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

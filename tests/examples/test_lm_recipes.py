@@ -1,0 +1,80 @@
+"""The LFHC/GCDF paper's recipes at toy scale: examples/lm/ (WikiText-103 language modelling, table 3)
+and examples/classification/ (classifiers trained from scratch, table 1). The same scripts a user
+runs, on tiny generated data in the real formats, through the real fairseq commands, with tiny
+models and few updates, for two of the paper's encodings; each test checks the table the recipe writes."""
+import json
+import re
+
+import pytest
+
+from classification_data import write_imdb, write_snli
+from posenc_fairseq.toy_data import wikitext_corpus
+from recipe_data import write_glue
+from test_recipes import ENV, PY, number
+from util import REPO, run
+
+EXAMPLES = REPO / "examples"
+TINY_RUN = ["--num-workers", "0"]
+
+
+def table_rows(path):
+    """{first cell: [numbers in the 'ours' columns]} of a markdown table written by a recipe."""
+    lines = path.read_text().splitlines()
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[2:]:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        rows[cells[0]] = [float(value) for name, value in zip(header, cells) if "ours" in name and value != "–"]
+    return rows
+
+
+def test_lm_recipe_table3(tmp_path):
+    raw = tmp_path / "wikitext-103"
+    raw.mkdir()
+    for split, articles, seed in (("train", 40, 1), ("valid", 3, 2), ("test", 3, 3)):
+        (raw / f"wiki.{split}.tokens").write_text(wikitext_corpus(articles, seed=seed))
+    run([EXAMPLES / "lm" / "preprocess.sh", raw, tmp_path / "bin"], env=dict(ENV, WORKERS="1"))
+    out = run([EXAMPLES / "lm" / "run_table3.sh", tmp_path / "bin", tmp_path / "work", *TINY_RUN],
+              env=dict(ENV, ENCODINGS="lfhc gcdf", MEMORY="16 48", BLOCK="16", LAYERS="2", EMBED_DIM="32",
+                       HEADS="4", FFN_DIM="64", TOKENS_PER_SAMPLE="32", BATCH_SIZE="8", MAX_UPDATE="40", LR="5e-3",
+                       WARMUP="0", ADAPTIVE_SOFTMAX_CUTOFF="", VALIDATE_INTERVAL_UPDATES="40", LOG_INTERVAL="10"))
+    assert "--context-window 48" in out and "transformer_lm_gcdf" in out
+    rows = table_rows(tmp_path / "work" / "table3.md")
+    vocabulary = len((tmp_path / "bin" / "dict.txt").read_text().splitlines())
+    for encoding in ("lfhc", "gcdf"):
+        m16, m48, best = rows[encoding]
+        assert 1 < best == min(m16, m48) < vocabulary  # learned something: better than uniform
+        result = json.loads((tmp_path / "work" / f"ppl_{encoding}.json").read_text())
+        assert result["best"] == pytest.approx(best, abs=0.01)
+    assert "23.34±0.22" in (tmp_path / "work" / "table3.md").read_text()  # the paper's GCDF row beside ours
+
+
+@pytest.fixture(scope="module")
+def classification_data(tmp_path_factory, masked_lm_data):
+    """IMDB, SNLI and QQP (GLUE) at toy scale, binarised by the recipes' preprocessing (--bpe none)."""
+    root = tmp_path_factory.mktemp("classification")
+    dictionary = masked_lm_data / "dict.txt"
+    run([PY, EXAMPLES / "classification" / "preprocess.py", "IMDB", write_imdb(root / "raw"), root / "data" / "IMDB-bin",
+         "--bpe", "none", "--dict", dictionary, "--workers", "1"], env=ENV)
+    run([PY, EXAMPLES / "classification" / "preprocess.py", "SNLI", write_snli(root / "raw"), root / "data" / "SNLI-bin",
+         "--bpe", "none", "--dict", dictionary, "--workers", "1"], env=ENV)
+    write_glue(root / "glue", "QQP")
+    run([PY, EXAMPLES / "glue" / "preprocess_glue.py", root / "glue", "QQP", root / "data" / "QQP-bin",
+         "--bpe", "none", "--dict", dictionary, "--workers", "1"], env=ENV)
+    return root / "data"
+
+
+def test_classification_recipe_table1(classification_data, tmp_path):
+    assert (classification_data / "SNLI-bin" / "label" / "test.bin").exists()
+    out = run([EXAMPLES / "classification" / "run_table1.sh", classification_data, tmp_path / "work", *TINY_RUN],
+              env=dict(ENV, ENCODINGS="gcdf", TASKS="IMDB SNLI QQP", LAYERS="2", EMBED_DIM="32", HEADS="4",
+                       FFN_DIM="64", BATCH_SIZE="16", MAX_UPDATE="4", WARMUP_UPDATES="1", LR="1e-3",
+                       VALIDATE_INTERVAL_UPDATES="4", LOG_INTERVAL="1", MAX_POSITIONS="64"))
+    assert "--arch roberta_gcdf" in out
+    number(r"IMDB acc", out)
+    number(r"SNLI acc", out)
+    number(r"QQP avg\(acc/f1\)", out)
+    assert re.search(r"SNLI test acc = ", out)  # SNLI is scored on its (labelled) test split
+    rows = table_rows(tmp_path / "work" / "table1.md")
+    assert len(rows["gcdf"]) == 3 and all(0 <= value <= 100 for value in rows["gcdf"])
+    assert "88.98±0.04" in (tmp_path / "work" / "table1.md").read_text()  # the paper's GCDF IMDB accuracy
