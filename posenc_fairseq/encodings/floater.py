@@ -348,8 +348,9 @@ class Floater(PositionalEncoding):
                     parameter.requires_grad_(False)
 
     def initial_parameters(self) -> List[Tensor]:
-        """The b(0) Parameters, one per slot (the attention projections' own biases)."""
-        return [getattr(module, f"{which}_proj").bias for _, _, which, module in self._slots]
+        """The b(0) of every slot: the attention projections' own biases (over all the original
+        heads, also after fairseq's head pruning)."""
+        return [module.full_projection_bias(which) for _, _, which, module in self._slots]
 
     def initial_values(self) -> Tensor:
         return torch.stack(self.initial_parameters())

@@ -281,13 +281,7 @@ def prune_heads(model, keep):
     return kept
 
 
-FLOATER_PRUNING = pytest.mark.xfail(
-    reason="FLOATER's ODE runs on full-size b(0); needs floater.py's initial_parameters() to read "
-           "PositionalAttention.full_projection_bias(which) instead of {which}_proj.bias", strict=False)
-
-
-@pytest.mark.parametrize("encoding", [pytest.param(name, marks=FLOATER_PRUNING) if name == "floater" else name
-                                      for name in EVERY_ENCODING])
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
 def test_head_pruning_then_forward(masked_lm_data, encoding):
     """After fairseq's _adaptive_prune_heads the model equals the unpruned one whose pruned heads
     are silenced (their out_proj columns zeroed): every kept head keeps its own per-head position
