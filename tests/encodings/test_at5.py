@@ -200,11 +200,15 @@ def test_gradients_reach_gamma_and_mlp(translation_data, name):
         assert parameter.grad is not None and parameter.grad.abs().sum() > 0, parameter_name
 
 
-@pytest.mark.parametrize("arch", ["transformer_at5", "transformer_at5_nob"])
-def test_fairseq_train_translation(translation_data, tmp_path, arch):
+@pytest.mark.parametrize("arch,extra", [
+    ("transformer_at5", []),
+    ("transformer_at5_nob", []),
+    ("transformer_at5_nob", ["--at5-nob-input", "learned", "--at5-length-scale", "16"]),  # the authors' variant
+])
+def test_fairseq_train_translation(translation_data, tmp_path, arch, extra):
     out = run(["fairseq-train", translation_data, "--user-dir", USER_DIR, "--arch", arch, *TINY_TRANSFORMER,
                *QUICK_TRAIN, "--save-dir", tmp_path, "--max-update", "3",
-               "--at5-mlp-widths", "8", "2", "--at5-gamma-range", "0.1", "10", "--at5-activation", "relu"])
+               "--at5-mlp-widths", "8", "2", "--at5-gamma-range", "0.1", "10", "--at5-activation", "relu", *extra])
     assert "num_updates 3" in out
 
 
