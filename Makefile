@@ -26,8 +26,9 @@ $(STAMP): setup.py
 	$(PIP) install --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
+DEMO_ARGS ?=
 demo: $(STAMP)
-	$(VENV)/bin/python examples/demo/run_demo.py
+	$(VENV)/bin/python examples/demo/run_demo.py $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
