@@ -19,7 +19,7 @@ from fairseq.models import transformer_lm as stock
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
 
 from ..encodings import ModelDims, build_encoding
-from .common import PositionalTransformerDecoder, add_position_args, register_architectures
+from .common import PositionalTransformerDecoder, PrunableEncodingMixin, add_position_args, register_architectures
 
 
 def transformer_lm_architecture(args):
@@ -80,7 +80,7 @@ def attach_decoder_encoding(model, args, decoder):
 
 
 @register_model("posenc_lm")
-class PositionalLanguageModel(TransformerLanguageModel):
+class PositionalLanguageModel(PrunableEncodingMixin, TransformerLanguageModel):
     @classmethod
     def add_args(cls, parser):
         TransformerLanguageModel.add_args(parser)  # the options of fairseq's TransformerLanguageModelConfig

@@ -23,8 +23,9 @@ TINY_LM = ["--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-inpu
            "--tokens-per-sample", "64"]
 LM_TASK = ["--task", "language_modeling", "--sample-break-mode", "none"]
 NO_IDENTITY = {"alibi", "rotary"}  # parameter-free: conversion must refuse them (see test_convert.py)
-# a representative of every way an encoding enters attention, for the CLI-level DDP test
-DDP_ENCODINGS = ["alibi", "floater", "lfhc", "at5", "gcdf"]
+# for the CLI-level DDP test (4 process launches each): FLOATER (model-bound dynamics) and LFHC
+# (per-layer key/value tables); every encoding's parameters all get a gradient (tested per encoding)
+DDP_ENCODINGS = ["floater", "lfhc"]
 
 
 def perturb_away_from_identity(model, scale=0.1):
@@ -170,6 +171,19 @@ def test_half_precision_forward_is_finite_and_close(masked_lm_data, encoding, dt
         half, _ = model.to(dtype)(tokens)
     assert torch.isfinite(half).all()
     assert (half.float() - reference).abs().max() <= 0.1 * reference.abs().max()
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_decoder_layers_to_keep_prunes_the_encoding_with_its_layers(masked_lm_data, encoding):
+    """--decoder-layers-to-keep 1 (LayerDrop pruning at load, models/common.py's
+    PrunableEncodingMixin): a 2-layer language model's state dict loads strictly into the pruned one."""
+    full, task, _ = lm_model(masked_lm_data, encoding)
+    pruned, _, pruned_args = lm_model(masked_lm_data, encoding, "--decoder-layers-to-keep", "1", perturb=False)
+    pruned_args._name = pruned_args.arch
+    pruned.load_state_dict(full.state_dict(), strict=True, model_cfg=pruned_args)
+    assert len(pruned.decoder.layers) == 1
+    with torch.no_grad():
+        assert torch.isfinite(pruned(random_tokens(task.source_dictionary, batch=2, length=7))[0]).all()
 
 
 # ------------------------------------------------------------------ fairseq-eval-lm --context-window
