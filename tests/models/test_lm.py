@@ -1,7 +1,8 @@
 """Decoder-only language models `transformer_lm_NAME` (models/lm.py), parametrised over every
 registered encoding: registration of every fairseq LM size, step-by-step == full forward, padding,
-order sensitivity, long input, gradients, half precision, fairseq-eval-lm's --context-window
-batches, conversion from a stock transformer_lm checkpoint, the hub interface and 2-process DDP."""
+order sensitivity, long input, gradients, half precision, LayerDrop pruning, fairseq-eval-lm's
+--context-window batches, conversion from a stock transformer_lm checkpoint, the hub interface and
+2-process DDP."""
 import argparse
 import shutil
 import sys
@@ -35,13 +36,13 @@ def perturb_away_from_identity(model, scale=0.1):
             parameter.add_(scale * torch.randn(parameter.shape, generator=generator))
 
 
-def lm_model(data, encoding, *extra, perturb=True, scale=0.1):
+def lm_model(data, encoding, *extra, perturb=True):
     """Tiny transformer_lm_{encoding} in eval mode, its encoding moved away from identity."""
     torch.manual_seed(0)
     model, task, args = build_model(data, f"transformer_lm_{encoding}", [*TINY_LM, *extra], task="language_modeling")
     model.eval()
     if perturb:
-        perturb_away_from_identity(model, scale)
+        perturb_away_from_identity(model)
     return model, task, args
 
 
