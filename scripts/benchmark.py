@@ -6,12 +6,17 @@ For each architecture a fresh subprocess builds the model (same size for all), t
   - peak memory of one training step above the process's resting memory (CUDA: peak allocated;
     CPU: peak RSS growth, read from /proc),
   - generation tokens/s: step-by-step (incremental) greedy decoding of `--gen-length` tokens.
-Usage: benchmark.py [--archs transformer_sinusoidal transformer_t5 ...] [--length 1024]
+Timings on a shared machine vary from call to call, so every architecture is measured `--repeats`
+times, the architectures alternating (round robin), each in a process with `--threads` torch
+threads; the table gives the median ratio to the reference measured in the same round, and the
+range of the ratios over the rounds.
+Usage: benchmark.py [--archs transformer_sinusoidal transformer_t5 ...] [--length 1024] [--repeats 5]
 """
 import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,6 +32,7 @@ def measure(arch, args):
     import posenc_fairseq  # noqa: F401
     from fairseq import options, tasks
 
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as data:
@@ -117,6 +123,9 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--gen-length", type=int, default=64)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each measuring process")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over all architectures (median reported)")
+    parser.add_argument("--reference", default="transformer_sinusoidal")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                         help="further model options for every arch, e.g. --extra --floater-recompute-every 400")
     parser.add_argument("--one", help=argparse.SUPPRESS)
@@ -124,21 +133,33 @@ def main():
     if args.one:
         print(json.dumps(measure(args.one, args)))
         return
-    rows = []
-    for arch in args.archs:  # one process per arch: peak memory and warm caches stay separate
-        done = subprocess.run([sys.executable, __file__, "--one", arch, *sys.argv[1:]], capture_output=True, text=True)
-        if done.returncode != 0:
-            print(f"{arch}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
-            continue
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    reference = next((r for r in rows if r["arch"] == "transformer_sinusoidal"), rows[0])
-    print(f"length {args.length}, batch {args.batch}, dim {args.dim}, {args.layers}+{args.layers} layers, {args.device}")
-    print(f"{'arch':32s} {'train tok/s':>12s} {'ratio':>6s} {'peak MB':>9s} {'ratio':>6s} {'gen tok/s':>10s} {'ratio':>6s}")
-    for r in rows:
-        print(f"{r['arch']:32s} {r['train_tokens_per_s']:12.0f} {r['train_tokens_per_s'] / reference['train_tokens_per_s']:6.2f} "
-              f"{r['peak_memory_mb']:9.1f} {r['peak_memory_mb'] / max(reference['peak_memory_mb'], 1e-9):6.2f} "
-              f"{r['generate_tokens_per_s']:10.1f} {r['generate_tokens_per_s'] / reference['generate_tokens_per_s']:6.2f}")
-
+    archs = list(dict.fromkeys([args.reference, *args.archs]))
+    rounds = []
+    for _ in range(args.repeats):  # round robin: a slow period of the machine hits every arch alike
+        measured = {}
+        for arch in archs:  # one process per measurement: peak memory and warm caches stay separate
+            done = subprocess.run([sys.executable, __file__, "--one", arch, *sys.argv[1:]], capture_output=True,
+                                  text=True, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+            if done.returncode != 0:
+                print(f"{arch}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
+                continue
+            measured[arch] = json.loads(done.stdout.strip().splitlines()[-1])
+        if args.reference in measured:
+            rounds.append(measured)
+    print(f"length {args.length}, batch {args.batch}, dim {args.dim}, {args.layers}+{args.layers} layers, "
+          f"{args.device}, {args.threads} threads, {len(rounds)} rounds; ratios to {args.reference}: median [min-max]")
+    columns = (("train_tokens_per_s", "train tok/s"), ("peak_memory_mb", "peak MB"), ("generate_tokens_per_s", "gen tok/s"))
+    print(f"{'arch':40s}" + "".join(f" {title:>12s} {'ratio':>18s}" for _, title in columns))
+    for arch in archs:
+        line = f"{arch:40s}"
+        for key, _ in columns:
+            values = [r[arch][key] for r in rounds if arch in r]
+            ratios = sorted(r[arch][key] / max(r[args.reference][key], 1e-9) for r in rounds if arch in r)
+            if not ratios:
+                line += f" {'-':>12s} {'-':>18s}"
+                continue
+            line += f" {statistics.median(values):12.1f} {statistics.median(ratios):6.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]"
+        print(line)
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,4 @@
-"""Every bad option value of the T5/AT5/Shaw/LFHC/XL/GCDF/ALiBi/rotary encodings ends in one clear
+"""Every bad option value of the T5/AT5/Shaw/LFHC/XL/GCDF/ALiBi/rotary/FLOATER encodings ends in one clear
 line naming the option (issue 12), wherever the value comes from:
 
 - the command line (argparse `type=` / `choices=` / actions, as fairseq parses `add_args`):
@@ -7,7 +7,6 @@ line naming the option (issue 12), wherever the value comes from:
   `OptionValueError` (a ValueError) naming `--OPTION` and the value, before any parameter exists.
 
 Edge values that mean something (0 where meaningful) are honoured, not replaced by the default.
-FLOATER's options are tested with FLOATER.
 """
 import argparse
 import os
@@ -79,6 +78,30 @@ BAD = [
     ("gcdf", ["--gcdf-lambda", "-1"]),
     ("gcdf", ["--gcdf-lambda", "0"]),
     ("gcdf", ["--gcdf-lambda", "1e9"]),
+    # FLOATER: Delta and step in (0, 1000] (0 divided by zero, 1e9 overflowed to NaN), tolerance in (0, 1)
+    ("floater", ["--floater-delta", "0"]),
+    ("floater", ["--floater-delta", "-0.1"]),
+    ("floater", ["--floater-delta", "nan"]),
+    ("floater", ["--floater-delta", "inf"]),
+    ("floater", ["--floater-delta", "1e9"]),
+    ("floater", ["--floater-step-size", "0"]),
+    ("floater", ["--floater-step-size", "-1"]),
+    ("floater", ["--floater-step-size", "nan"]),
+    ("floater", ["--floater-tolerance", "0"]),
+    ("floater", ["--floater-tolerance", "-1"]),
+    ("floater", ["--floater-tolerance", "1"]),
+    ("floater", ["--floater-tolerance", "nan"]),
+    ("floater", ["--floater-hidden", "0"]),
+    ("floater", ["--floater-hidden", "-3"]),
+    ("floater", ["--floater-hidden", "100000"]),
+    ("floater", ["--floater-recompute-every", "0"]),
+    ("floater", ["--floater-recompute-every", "-1"]),
+    ("floater", ["--floater-method", "rk45"]),
+    ("floater", ["--floater-init", "big"]),
+    ("floater", ["--floater-dynamics-lr-scale", "0"]),
+    ("floater", ["--floater-dynamics-lr-scale", "-1"]),
+    ("floater", ["--floater-dynamics-lr-scale", "nan"]),
+    ("floater", ["--floater-dynamics-lr-scale", "1e9"]),
 ]
 
 # values that only the combination with other options or the model's size makes bad: refused
@@ -88,6 +111,10 @@ BAD_AT_BUILD = [
     ("t5", {"t5_num_buckets": 64, "t5_max_distance": 0}, "--t5-max-distance 0"),
     ("shaw", {"shaw_k": 65536}, "would take"),  # with a big model (below): figure in bytes
     ("at5_nob", {"at5_nob_input": "learned", "at5_length_scale": 1e9}, "would take"),
+    # a step that would take 10^6 solver steps per position (it hung for minutes using 6 GB)
+    ("floater", {"floater_step_size": 1e-7}, "--floater-step-size 1e-07: 1000000 solver steps per position"),
+    ("floater", {"floater_freeze_dynamics": True, "floater_train_dynamics_only": True}, "exclude each other"),
+    ("floater", {"floater_dynamics_lr_scale": 10.0, "optimizer": "adam"}, "composite optimizer"),
 ]
 BIG = ModelDims(embed_dim=1024, heads=16, encoder_layers=24, decoder_layers=24)
 

@@ -38,11 +38,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import ROLES, PositionalEncoding, in_backward, register_encoding
+from .option_types import OptionValueError, float_in_range, int_in_range, one_of, option, positive_int
 
 METHODS = ("rk4", "midpoint", "euler", "dopri5")
 FIXED_GRID = ("rk4", "midpoint", "euler")
+INITS = ("zero", "small")
+DELTA = float_in_range(0.0, 1000.0, low_open=True)
+STEP_SIZE = float_in_range(0.0, 1000.0, low_open=True)
+TOLERANCE = float_in_range(0.0, 1.0, low_open=True, high_open=True)
+HIDDEN = int_in_range(1, 65536)
+LR_SCALE = float_in_range(0.0, 1e4, low_open=True)
 EVAL_CHUNK = 64  # evaluation extends the table in chunks of this many positions
 MAX_SUBSTEPS = 1000  # steps per position above this are a typo (e.g. --floater-step-size 1e-7)
+KEEP_STAGES_BYTES = 256 * 2**20  # a solve keeps its stages for backward up to this size, else recomputes
 
 
 class Tableau(NamedTuple):
@@ -121,10 +129,11 @@ class FixedGridSolve(torch.autograd.Function):
     `substeps` equal steps per interval [t_i, t_i+1], and their exact discrete gradient.
 
     h's time input is folded into biases: W1 [b; tau] + c1 = W1_b b + (c1 + tau w1_tau), and the
-    biases of every stage of every step are computed at once. Forward keeps only the states at the
-    grid points; backward recomputes one interval at a time and runs the chain rule through the
-    Runge-Kutta stages by hand (reverse accumulation over the same steps), batching the weight
-    gradients of an interval into two matrix products.
+    biases of every stage of every step are computed at once. Backward runs the chain rule through
+    the Runge-Kutta stages by hand (reverse accumulation over the same steps), batching the weight
+    gradients of an interval into two matrix products. The stage values it needs are kept by
+    forward when they fit in KEEP_STAGES_BYTES; longer solves keep only the states at the grid
+    points and recompute one interval at a time.
     """
 
     @staticmethod
@@ -133,28 +142,35 @@ class FixedGridSolve(torch.autograd.Function):
         run = _Run(tableau, first, last, delta, substeps, y0, w1, c1, w2, c2)
         states = y0.new_empty(last - first + 1, *y0.shape)
         states[0] = y0
+        # what backward needs of every stage: kept when it is small, else recomputed per interval
+        stages, hidden = len(tableau.b), w1.size(0)
+        keep = any(ctx.needs_input_grad) and (
+            run.steps * stages * y0.size(0) * (y0.size(1) + hidden) * y0.element_size() <= KEEP_STAGES_BYTES)
+        inputs = y0.new_empty(run.steps, stages, *y0.shape) if keep else None
+        relus = y0.new_empty(run.steps, stages, y0.size(0), hidden) if keep else None
         y = y0.reshape(1, -1)
         for interval in range(last - first):
             for j in range(substeps):
-                y = run.step(interval * substeps + j, y)
+                step = interval * substeps + j
+                y = run.step(step, y, inputs[step] if keep else None, relus[step] if keep else None)
             states[interval + 1] = y.view_as(y0)
-        ctx.save_for_backward(states, w1, c1, w2, c2)
+        ctx.save_for_backward(states, w1, c1, w2, c2, *((inputs, relus) if keep else ()))
         ctx.settings = (tableau, first, last, delta, substeps)
         return states
 
     @staticmethod
     def backward(ctx, grad_states: Tensor):
-        states, w1, c1, w2, c2 = ctx.saved_tensors
+        states, w1, c1, w2, c2, *kept = ctx.saved_tensors
         tableau, first, last, delta, substeps = ctx.settings
         run = _Run(tableau, first, last, delta, substeps, states[0], w1, c1, w2, c2)
         rows, (count, dim), hidden = states.size(0), states.shape[1:], w1.size(0)
         stages, dt = len(tableau.b), run.dt
         # per interval: each stage's input (Y) and relu output (R), and their gradients (G, GP)
-        Y = states.new_empty(substeps, stages, count, dim)
-        R = states.new_empty(substeps, stages, count, hidden)
+        if not kept:
+            Y = states.new_empty(substeps, stages, count, dim)
+            R = states.new_empty(substeps, stages, count, hidden)
         G = states.new_empty(substeps, stages, count, dim)
         GP = states.new_empty(substeps, stages, count, hidden)
-        starts = states.new_empty(substeps, 1, count * dim)
         V = states.new_empty(stages, count * dim)  # gradient reaching each stage's input
         grad_w1b, grad_w2h = states.new_zeros(hidden, dim), states.new_zeros(dim, hidden)
         grad_bias1 = states.new_empty(run.steps, stages, hidden)
@@ -163,10 +179,13 @@ class FixedGridSolve(torch.autograd.Function):
         later = [torch.tensor([[tableau.a[l][i] for l in range(i + 1, stages)]], dtype=states.dtype,
                               device=states.device) for i in range(stages)]
         for interval in reversed(range(rows - 1)):
-            y = states[interval].reshape(1, -1)
-            for j in range(substeps):  # recompute the interval, keeping what the chain rule needs
-                starts[j] = y
-                y = run.step(interval * substeps + j, y, inputs=Y[j], relus=R[j])
+            steps = slice(interval * substeps, (interval + 1) * substeps)
+            if kept:
+                Y, R = kept[0][steps], kept[1][steps]
+            else:  # recompute the interval, keeping what the chain rule needs
+                y = states[interval].reshape(1, -1)
+                for j in range(substeps):
+                    y = run.step(interval * substeps + j, y, inputs=Y[j], relus=R[j])
             for j in reversed(range(substeps)):
                 for i in reversed(range(stages)):
                     g = G[j, i].view(1, -1)  # d loss / d k_i
@@ -177,9 +196,8 @@ class FixedGridSolve(torch.autograd.Function):
                     torch.ops.aten.threshold_backward.grad_input(G[j, i] @ run.w2h_t.T, R[j, i], 0, grad_input=GP[j, i])
                     torch.mm(GP[j, i], run.w1b_t.T, out=V[i].view(count, dim))
                 a.add_(V.sum(0, keepdim=True))
-            grad_w2h.addmm_(G.view(-1, dim).T, R.view(-1, hidden))
-            grad_w1b.addmm_(GP.view(-1, hidden).T, Y.view(-1, dim))
-            steps = slice(interval * substeps, (interval + 1) * substeps)
+            grad_w2h.addmm_(G.view(-1, dim).T, R.reshape(-1, hidden))
+            grad_w1b.addmm_(GP.view(-1, hidden).T, Y.reshape(-1, dim))
             torch.sum(G, dim=2, out=grad_bias2[steps])
             torch.sum(GP, dim=2, out=grad_bias1[steps])
             a.add_(grad_states[interval].reshape(1, -1))
@@ -240,47 +258,32 @@ class Floater(PositionalEncoding):
     def __init__(self, args, dims):
         super().__init__(args, dims)
 
-        def option(name, default):
-            value = getattr(args, f"floater_{name}", None)
-            return default if value is None else value
+        def floater(name, checker, default):
+            return option(args, f"floater_{name}", checker, default)
 
         dim = dims.embed_dim
-        self.delta = float(option("delta", 0.1))
-        if not (math.isfinite(self.delta) and 0 < self.delta <= 1e3):
-            raise ValueError(f"--floater-delta must be a finite number in (0, 1000], got {self.delta}")
-        self.method = option("method", "rk4")
-        if self.method not in METHODS:
-            raise ValueError(f"unknown --floater-method {self.method!r}; choose one of {METHODS}")
-        self.step_size = float(option("step_size", self.delta / 5))
-        if not (math.isfinite(self.step_size) and 0 < self.step_size):
-            raise ValueError(f"--floater-step-size must be a finite number > 0, got {self.step_size}")
+        self.delta = floater("delta", DELTA, 0.1)
+        self.method = floater("method", one_of(*METHODS), "rk4")
+        self.step_size = floater("step_size", STEP_SIZE, self.delta / 5)
         self.substeps = max(1, math.ceil(self.delta / self.step_size - 1e-9))
         if self.substeps > MAX_SUBSTEPS:
-            raise ValueError(f"--floater-step-size {self.step_size:g} gives {self.substeps} solver steps per position "
-                             f"(--floater-delta {self.delta:g}); at most {MAX_SUBSTEPS} are allowed")
-        self.tolerance = float(option("tolerance", 1e-6))
-        if not (math.isfinite(self.tolerance) and 0 < self.tolerance < 1):
-            raise ValueError(f"--floater-tolerance must be in (0, 1), got {self.tolerance}")
-        self.adjoint = bool(option("adjoint", False))
-        self.first_block_only = bool(option("first_block_only", False))
-        self.recompute_every = int(option("recompute_every", 1))
-        if self.recompute_every < 1:
-            raise ValueError(f"--floater-recompute-every must be >= 1, got {self.recompute_every}")
-        hidden = int(option("hidden", dim))
-        if not 1 <= hidden <= 65536:
-            raise ValueError(f"--floater-hidden must be in [1, 65536], got {hidden}")
-        self.init = option("init", "zero")
-        self.freeze_dynamics = bool(option("freeze_dynamics", False))
-        self.train_dynamics_only = bool(option("train_dynamics_only", False))
+            raise OptionValueError(f"--floater-step-size {self.step_size:g}: {self.substeps} solver steps per position "
+                                   f"(--floater-delta {self.delta:g}); at most {MAX_SUBSTEPS} are allowed")
+        self.tolerance = floater("tolerance", TOLERANCE, 1e-6)
+        self.adjoint = bool(floater("adjoint", bool, False))
+        self.first_block_only = bool(floater("first_block_only", bool, False))
+        self.recompute_every = floater("recompute_every", positive_int, 1)
+        hidden = floater("hidden", HIDDEN, dim)
+        self.init = floater("init", one_of(*INITS), "zero")
+        self.freeze_dynamics = bool(floater("freeze_dynamics", bool, False))
+        self.train_dynamics_only = bool(floater("train_dynamics_only", bool, False))
         if self.freeze_dynamics and self.train_dynamics_only:
-            raise ValueError("--floater-freeze-dynamics and --floater-train-dynamics-only exclude each other")
-        self.dynamics_lr_scale = float(option("dynamics_lr_scale", 1.0))
-        if not (math.isfinite(self.dynamics_lr_scale) and 0 < self.dynamics_lr_scale <= 1e4):
-            raise ValueError(f"--floater-dynamics-lr-scale must be in (0, 10000], got {self.dynamics_lr_scale}")
+            raise OptionValueError("--floater-freeze-dynamics and --floater-train-dynamics-only exclude each other")
+        self.dynamics_lr_scale = floater("dynamics_lr_scale", LR_SCALE, 1.0)
         optimizer = getattr(args, "optimizer", None)
         if self.dynamics_lr_scale != 1.0 and isinstance(optimizer, str) and optimizer != "composite":
-            raise ValueError(f"--floater-dynamics-lr-scale needs fairseq's composite optimizer (got --optimizer "
-                             f"{optimizer}); see docs/floater.md")
+            raise OptionValueError(f"--floater-dynamics-lr-scale needs fairseq's composite optimizer (got --optimizer "
+                                   f"{optimizer}); see docs/floater.md")
         self.dynamics = Dynamics(dim, hidden, self.init)
         if self.freeze_dynamics:
             self.dynamics.requires_grad_(False)
@@ -301,25 +304,26 @@ class Floater(PositionalEncoding):
     @staticmethod
     def add_args(parser):
         group = parser
-        group.add_argument("--floater-delta", type=float, metavar="D", help="time between tokens, t_i = i*D (default 0.1)")
+        group.add_argument("--floater-delta", type=DELTA, metavar="D", help="time between tokens, t_i = i*D (default 0.1)")
         group.add_argument("--floater-method", choices=METHODS, help="ODE solver (default rk4)")
-        group.add_argument("--floater-step-size", type=float, metavar="S",
-                           help="fixed-grid solver step (default delta/5; rounded so it divides delta)")
-        group.add_argument("--floater-tolerance", type=float, metavar="TOL", help="rtol = atol of dopri5 (default 1e-6)")
+        group.add_argument("--floater-step-size", type=STEP_SIZE, metavar="S",
+                           help=f"fixed-grid solver step (default delta/5; rounded so it divides delta; "
+                                f"at most {MAX_SUBSTEPS} steps per position)")
+        group.add_argument("--floater-tolerance", type=TOLERANCE, metavar="TOL", help="rtol = atol of dopri5 (default 1e-6)")
         group.add_argument("--floater-adjoint", action="store_true", default=None,
                            help="gradients by torchdiffeq's continuous adjoint (odeint_adjoint)")
-        group.add_argument("--floater-hidden", type=int, metavar="H", help="hidden width of h (default: embed dim)")
-        group.add_argument("--floater-init", choices=("zero", "small"),
+        group.add_argument("--floater-hidden", type=HIDDEN, metavar="H", help="hidden width of h (default: embed dim)")
+        group.add_argument("--floater-init", choices=INITS,
                            help="last layer of h: zero (exactly the stock model, default) or small random")
         group.add_argument("--floater-first-block-only", action="store_true", default=None,
                            help="FLOATER biases only in layer 0 of each stack (paper's 'input block only')")
-        group.add_argument("--floater-recompute-every", type=int, metavar="K",
+        group.add_argument("--floater-recompute-every", type=positive_int, metavar="K",
                            help="solve the ODE with gradient every K updates, reuse the table in between (default 1)")
         group.add_argument("--floater-freeze-dynamics", action="store_true", default=None,
                            help="do not train the dynamics network h")
         group.add_argument("--floater-train-dynamics-only", action="store_true", default=None,
                            help="train only h: every other parameter (including the b(0) projection biases) is frozen")
-        group.add_argument("--floater-dynamics-lr-scale", type=float, metavar="X",
+        group.add_argument("--floater-dynamics-lr-scale", type=LR_SCALE, metavar="X",
                            help="learning rate of h = X * the others' (needs fairseq's composite optimizer; default 1)")
 
     # --- binding ------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torchdiffeq
 
+from posenc_fairseq.encodings import floater
 from posenc_fairseq.encodings.floater import (TABLEAUS, Dynamics, FixedGridSolve, dynamics_function, grid_times,
                                               subdivided_grid)
 from test_floater import floater_model, perturb
@@ -19,9 +20,12 @@ def random_dynamics(dim, hidden, dtype, seed=0):
     return dynamics.weights(dtype)
 
 
+@pytest.mark.parametrize("keep_stages", [True, False], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("method", sorted(TABLEAUS))
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
-def test_fast_solve_equals_torchdiffeq_on_the_same_grid(method, dtype, tolerance):
+def test_fast_solve_equals_torchdiffeq_on_the_same_grid(method, dtype, tolerance, keep_stages, monkeypatch):
+    if not keep_stages:  # backward recomputes each interval instead of reading kept stages
+        monkeypatch.setattr(floater, "KEEP_STAGES_BYTES", 0)
     weights = [w.detach().requires_grad_() for w in random_dynamics(8, 6, dtype)]
     y0 = torch.randn(5, 8, dtype=dtype, requires_grad=True)
     first, last, delta, substeps = 3, 11, 0.1, 4  # starting beyond 0: how tables are extended
