@@ -31,7 +31,8 @@ def main(argv=None):
     tasks = [t for t in TASKS if any(t in r for r in results.values())]
     header = ["encoding"] + [f"{t} paper | {t} ours" for t in tasks]
     lines = ["| " + " | ".join(header) + " |", "|---" * (1 + 2 * len(tasks)) + "|"]
-    for encoding, row in results.items():
+    order = list(PAPER) + sorted(set(results) - set(PAPER))  # the paper's row order, then the others
+    for encoding, row in sorted(results.items(), key=lambda item: order.index(item[0])):
         paper = dict(zip(TASKS, PAPER.get(encoding, ["–"] * len(TASKS))))
         cells = [encoding] + [f"{paper[t]} | " + (f"{row[t]:.2f}" if t in row else "–") for t in tasks]
         lines.append("| " + " | ".join(cells) + " |")
