@@ -189,7 +189,8 @@ def demo():
     hypotheses.write_text("")
     run(command_line(
         "fairseq-generate", data_bin, "--user-dir", REPO / "posenc_fairseq",
-        "--path", work / "checkpoints" / "checkpoint_last.pt", "--beam", "4", "--bpe", "sentencepiece",
+        "--path", work / "checkpoints" / "checkpoint_last.pt", "--beam", "4", "--max-len-a", "1", "--max-len-b", "20",
+        "--bpe", "sentencepiece",
         "--sentencepiece-model", data_spm, "--scoring", "sacrebleu", "--batch-size", "100", *device),
         hypotheses, show=generate_progress, env=env)
     score = re.findall(r"BLEU = ([0-9.]+)", hypotheses.read_text())[-1]
