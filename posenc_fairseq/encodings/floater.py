@@ -193,8 +193,8 @@ class FixedGridSolve(torch.autograd.Function):
                         torch.addmm(a, later[i], V[i + 1:], beta=dt * tableau.b[i], alpha=dt, out=g)
                     else:
                         torch.mul(a, dt * tableau.b[i], out=g)
-                    torch.ops.aten.threshold_backward.grad_input(G[j, i] @ run.w2h_t.T, R[j, i], 0, grad_input=GP[j, i])
-                    torch.mm(GP[j, i], run.w1b_t.T, out=V[i].view(count, dim))
+                    torch.ops.aten.threshold_backward.grad_input(G[j, i] @ run.w2h, R[j, i], 0, grad_input=GP[j, i])
+                    torch.mm(GP[j, i], run.w1b, out=V[i].view(count, dim))
                 a.add_(V.sum(0, keepdim=True))
             grad_w2h.addmm_(G.view(-1, dim).T, R.reshape(-1, hidden))
             grad_w1b.addmm_(GP.view(-1, hidden).T, Y.reshape(-1, dim))
@@ -220,7 +220,9 @@ class _Run:
         start = torch.div(step, substeps, rounding_mode="floor") * delta + torch.remainder(step, substeps) * self.dt
         nodes = torch.tensor(tableau.c, dtype=torch.float64)
         self.tau = (start[:, None] + nodes[None, :] * self.dt).to(device=y0.device, dtype=y0.dtype)  # (steps, stages)
-        self.w1b_t, self.w2h_t = w1[:, :dim].T, w2[:, :-1].T
+        # the state and time parts of the weights, contiguous (BLAS on strided slices copies them per call)
+        self.w1b, self.w2h = w1[:, :dim].contiguous(), w2[:, :-1].contiguous()
+        self.w1b_t, self.w2h_t = self.w1b.T.contiguous(), self.w2h.T.contiguous()
         self.bias1 = c1 + self.tau[..., None] * w1[:, dim]  # (steps, stages, hidden)
         self.bias2 = c2 + self.tau[..., None] * w2[:, -1]  # (steps, stages, dim)
         as_tensor = lambda row: torch.tensor([row], dtype=y0.dtype, device=y0.device)
@@ -235,10 +237,11 @@ class _Run:
         for i in range(len(self.a)):
             if i == 0:
                 stage_input = y.view(count, -1)
+                if inputs is not None:
+                    inputs[i].copy_(stage_input)
             else:
-                stage_input = torch.addmm(y, self.a[i], k[:i], alpha=self.dt).view(count, -1)
-            if inputs is not None:
-                inputs[i].copy_(stage_input)
+                stage_input = torch.addmm(y, self.a[i], k[:i], alpha=self.dt,
+                                          out=inputs[i].view(1, -1) if inputs is not None else None).view(count, -1)
             hidden = torch.addmm(self.bias1[index, i], stage_input, self.w1b_t,
                                  out=relus[i] if relus is not None else None).relu_()
             torch.addmm(self.bias2[index, i], hidden, self.w2h_t, out=k[i].view(count, -1))
