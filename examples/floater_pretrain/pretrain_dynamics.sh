@@ -37,7 +37,7 @@ FAIRSEQ_TRAIN=${FAIRSEQ_TRAIN:-fairseq-train}
 if [[ -n "${CPU:-}" ]]; then DEVICE=(--cpu); else DEVICE=(--fp16); fi
 mkdir -p "$WORK/dynamics"
 
-"$PYTHON" "$REPO/scripts/convert_roberta_checkpoint.py" "$ROBERTA" "$WORK/roberta_floater.pt" \
+"$PYTHON" "$REPO/scripts/convert_roberta_checkpoint.py" "$ROBERTA" "$WORK/roberta_floater.pt" --force \
     --encoding floater ${CONVERT_ARGS:-}
 
 set -x

@@ -38,13 +38,14 @@ if [[ -z "${SKIP_STOCK:-}" ]]; then
 fi
 STOCK_CHECKPOINT=${STOCK_CHECKPOINT:-$WORK/stock/checkpoint_best.pt}
 
-# 2.-3. convert (weights copied, dynamics initialised so that the model is unchanged)
-"$PYTHON" "$REPO/scripts/convert_transformer_checkpoint.py" "$STOCK_CHECKPOINT" "$WORK/floater_init.pt" \
+# 2.-3. convert (weights copied, dynamics initialised so that the model is unchanged; --force: $WORK is
+# this recipe's own folder, a re-run replaces its earlier conversion)
+"$PYTHON" "$REPO/scripts/convert_transformer_checkpoint.py" "$STOCK_CHECKPOINT" "$WORK/floater_init.pt" --force \
     --encoding "$ENCODING" ${CONVERT_ARGS:-}
 
 # 4.-5. retrain with half the peak learning rate, keeping every epoch checkpoint
 HALF_LR=$("$PYTHON" -c "print(float('$LR') / 2)")
-ARCH=$FLOATER_ARCH LR=$HALF_LR MAX_EPOCH=$RETRAIN_EPOCHS RESTORE="$WORK/floater_init.pt" \
+ARCH=$FLOATER_ARCH LR=$HALF_LR MAX_EPOCH=$RETRAIN_EPOCHS RESTORE="$WORK/floater_init.pt" --force \
     "$HERE/train.sh" "$DATA_BIN" "$WORK/floater" ${FLOATER_ARGS:-} "$@"
 
 # 6. average the last 5 epoch checkpoints, score BLEU
