@@ -73,8 +73,9 @@ def parse_args(argv):
     if args.preset == "demo":
         args.train_options = DEMO.TRAIN_OPTIONS + ["--log-interval", "50"] + train_options
         spm = args.data.parent / "spm" / "spm.model"
-        if not args.generate_args and spm.exists():
-            args.generate_args = f"--bpe sentencepiece --sentencepiece-model {spm}"
+        if not args.generate_args:  # the demo's: sentencepiece removed, translations at most 20 pieces longer
+            args.generate_args = "--max-len-a 1 --max-len-b 20" + (
+                f" --bpe sentencepiece --sentencepiece-model {spm}" if spm.exists() else "")
     if not any(option in args.train_options for option in ("--max-update", "--max-epoch")):
         parser.error("give the training length after `--`: --max-update N or --max-epoch N")
     if (args.fp16 or args.bf16) and args.device != "cuda":

@@ -113,6 +113,12 @@ def _plt():
     return plt
 
 
+def matplotlib_colors():
+    import matplotlib.colors
+
+    return matplotlib.colors
+
+
 def matrix_rows(first_column, matrix):
     return [[int(label)] + [float(v) for v in row] for label, row in zip(first_column, matrix.tolist())]
 
@@ -171,8 +177,8 @@ def plot_logit_bias(model, encoding, writer, length, max_distance):
                        f"{role} layer {layer}: prior beta (softmax of the bias over keys) per head and query")
             columns = min(heads, 4)
             grid = math.ceil(heads / columns)
-            figure, axes = plt.subplots(grid, columns, figsize=(2.3 * columns, 1.9 * grid), squeeze=False,
-                                        sharex=True)
+            figure, axes = plt.subplots(grid, columns, figsize=(2.3 * columns, 2.1 * grid), squeeze=False,
+                                        sharex=True, layout="constrained")
             for head in range(heads):
                 axis = axes[head // columns][head % columns]
                 for query in queries:
@@ -305,12 +311,18 @@ def plot_floater(model, encoding, writer, length, layers, mark=None):
             continue
         columns = 3
         grid = math.ceil(len(chosen) / columns)
-        figure, axes = plt.subplots(grid, columns, figsize=(3 * columns, 2.2 * grid), squeeze=False)
-        scale = float(table[:, [slots.index((role, l, w)) for l, w in chosen]].abs().max()) or 1.0
+        figure, axes = plt.subplots(grid, columns, figsize=(3 * columns, 2.4 * grid), squeeze=False,
+                                    layout="constrained")
+        shown = table[:, [slots.index((role, l, w)) for l, w in chosen]].abs()
+        scale = float(shown.max()) or 1.0
+        # symmetric log colours: the biases grow fast with the position, so a linear scale would
+        # show only the longest positions; linear within 1/4 of the first quarter's peak
+        early = float(shown[: max(2, length // 4)].max())
+        colours = matplotlib_colors().SymLogNorm(linthresh=max(early / 4, scale * 1e-4, 1e-12), vmin=-scale, vmax=scale)
         for number, (layer, which) in enumerate(chosen):
             axis = axes[number // columns][number % columns]
             values = table[:, slots.index((role, layer, which))]
-            image = axis.imshow(values.t().numpy(), aspect="auto", cmap="RdBu_r", vmin=-scale, vmax=scale,
+            image = axis.imshow(values.t().numpy(), aspect="auto", cmap="RdBu_r", norm=colours,
                                 origin="lower", extent=[-0.5, length - 0.5, -0.5, values.size(1) - 0.5])
             if mark:
                 axis.axvline(mark, color="black", ls="--", lw=0.6)
@@ -319,7 +331,7 @@ def plot_floater(model, encoding, writer, length, layers, mark=None):
         for extra in range(len(chosen), grid * columns):
             axes[extra // columns][extra % columns].axis("off")
         figure.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8)
-        figure.suptitle(f"FLOATER {role}: b(t_i) - b(0), position (x) by dimension (y)"
+        figure.suptitle(f"FLOATER {role}: b(t_i) - b(0), position (x) by dimension (y), symmetric log colours"
                         + ("; dashed: --mark-length" if mark else ""), fontsize=8)
         writer.figure(figure, f"floater_{role}.png", f"{role}: heat maps of b(t_i) - b(0), positions x dimensions")
 

@@ -6,6 +6,8 @@ the data iterator position (epoch) comes from the source unless --reset-dataload
 import re
 import sys
 
+import torch
+
 from util import QUICK_TRAIN, REPO, TINY_TRANSFORMER, USER_DIR, run
 
 SCHEDULE = ["--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4", "--warmup-init-lr", "1e-7"]
@@ -34,18 +36,18 @@ def test_converted_checkpoint_restarts_at_update_zero_with_a_fresh_warmup(transl
     destination = tmp_path / "converted" / "checkpoint.pt"
     run([sys.executable, REPO / "scripts" / "convert_transformer_checkpoint.py", source / "checkpoint_last.pt",
          destination, "--encoding", "t5"])
-    out = run([*train, "--arch", "transformer", "--max-update", "7", "--save-dir", tmp_path / "a",
-               "--restore-file", source / "checkpoint_last.pt"])
-    stock_epoch = first_epoch(out)
-    assert loaded(out)[1] == 6 and stock_epoch > 1  # the stock source resumes: update 6, not in its first epoch
+    import posenc_fairseq  # noqa: F401  (safe globals)
 
-    # --restore-file DST: weights only; update 0, the warm-up's first lr again; the source's epoch
-    for reset in ([], ["--reset-optimizer"]):
-        out = run([*train, "--arch", "transformer_t5", "--input-positions", "stock", "--max-update", "2",
-                   "--save-dir", tmp_path / f"b{len(reset)}", "--restore-file", destination, *reset])
-        assert loaded(out)[1] == 0 and first_epoch(out) == stock_epoch
-        assert "num_updates=1," in out and "num_updates 2" in out
-        assert first_lr(out) < 5e-4  # warm-up from --warmup-init-lr (1/4 of --lr at update 1), not the source lr
+    iterator = torch.load(destination, map_location="cpu")["extra_state"]["train_iterator"]
+    assert iterator["epoch"] > 1  # the source's data iterator is past its first epoch
+
+    # --restore-file DST (no --reset-optimizer: the surprising case): weights only; update 0, the
+    # warm-up's first lr again; the data iterator continues the source's epoch
+    out = run([*train, "--arch", "transformer_t5", "--input-positions", "stock", "--max-update", "2",
+               "--save-dir", tmp_path / "b", "--restore-file", destination])
+    assert loaded(out)[1] == 0 and first_epoch(out) == iterator["epoch"]
+    assert "num_updates=1," in out and "num_updates 2" in out
+    assert first_lr(out) < 5e-4  # warm-up from --warmup-init-lr (1/4 of --lr at update 1), not the source lr
 
     # --finetune-from-model DST: also the data iterator, meters and best score start afresh
     out = run([*train, "--arch", "transformer_t5", "--input-positions", "stock", "--max-update", "2",
