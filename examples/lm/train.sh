@@ -48,8 +48,9 @@ LOG_INTERVAL=${LOG_INTERVAL:-100}
 OPTS=(--user-dir "$USER_DIR")
 if [[ -n "$ADAPTIVE_SOFTMAX_CUTOFF" ]]; then
   # Transformer-XL's WikiText-103 softmax: cut-offs 20k/40k/200k, div_val 1 (no projection shrink)
+  # (fairseq's adaptive_loss refuses PyTorch's DDP wrapper, even on one GPU: legacy_ddp)
   OPTS+=(--criterion adaptive_loss --adaptive-softmax-cutoff "$ADAPTIVE_SOFTMAX_CUTOFF"
-         --adaptive-softmax-factor 1 --adaptive-softmax-dropout 0.0)
+         --adaptive-softmax-factor 1 --adaptive-softmax-dropout 0.0 --ddp-backend legacy_ddp)
 else
   OPTS+=(--criterion cross_entropy)
 fi

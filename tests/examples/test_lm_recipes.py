@@ -37,13 +37,14 @@ def test_lm_recipe_table3(tmp_path):
     out = run([EXAMPLES / "lm" / "run_table3.sh", tmp_path / "bin", tmp_path / "work", *TINY_RUN],
               env=dict(ENV, ENCODINGS="lfhc gcdf", MEMORY="16 48", BLOCK="16", LAYERS="2", EMBED_DIM="32",
                        HEADS="4", FFN_DIM="64", TOKENS_PER_SAMPLE="32", BATCH_SIZE="8", MAX_UPDATE="150", LR="5e-3",
-                       WARMUP="0", ADAPTIVE_SOFTMAX_CUTOFF="", VALIDATE_INTERVAL_UPDATES="150", LOG_INTERVAL="50"))
-    assert "--context-window 48" in out and "transformer_lm_gcdf" in out
+                       WARMUP="0", ADAPTIVE_SOFTMAX_CUTOFF="50,100", VALIDATE_INTERVAL_UPDATES="150", LOG_INTERVAL="50"))
+    # the recipe's default path: adaptive softmax (toy cut-offs 50/100 of 200 types) under legacy_ddp
+    assert "--context-window 48" in out and "transformer_lm_gcdf" in out and "adaptive_loss" in out
     rows = table_rows(tmp_path / "work" / "table3.md")
     vocabulary = len((tmp_path / "bin" / "dict.txt").read_text().splitlines())
     for encoding in ("lfhc", "gcdf"):
         m16, m48, best = rows[encoding]
-        # learned the distance-3 structure in part: far better than uniform (toy run here: gcdf ~54, lfhc ~73)
+        # learned the distance-3 structure in part: far better than uniform (toy run here: lfhc ~81)
         assert 1 < best == min(m16, m48) < vocabulary / 2
         result = json.loads((tmp_path / "work" / f"ppl_{encoding}.json").read_text())
         assert result["best"] == pytest.approx(best, abs=0.01)
