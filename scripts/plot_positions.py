@@ -14,8 +14,8 @@ dictionaries) and writes, for each picture, a PNG and the numbers behind it as C
   `prior_ROLE_layerL.csv` the prior beta of AT5 paper eq. 6 (softmax over the keys 0..N-1 of the
   bias, causal in the decoder) per head for a few query positions (AT5 paper figure 4).
 - shaw, lfhc: `relative_ROLE_layerL_key.csv` (and `_value` with a value table): cosine similarity
-  of the learned relative embeddings of every pair of distances (LFHC's coarsening shows as
-  blocks that grow with the layer).
+  of the learned relative embeddings of every pair of distances; `relative_ROLE_key.png` shows
+  the layers side by side (LFHC's coarsening shows as blocks that grow with the layer).
 - xl, gcdf: `prior_R.csv` the fixed prior R (rows: distances, columns: dimensions of d_model) and
   `projected_norm_ROLE_layerL.csv` the norm of the learned W_r R per head against distance.
 - floater: `floater_ROLE_layerL_{q,k,v}.csv` the bias b(t_i) - b(0) (rows: positions 0..N-1,
@@ -210,24 +210,32 @@ def cosine_matrix(vectors):
 def plot_relative_embeddings(model, encoding, writer, max_distance):
     plt = _plt()
     for role in stacks(model):
-        for layer in range(encoding.dims.layers(role)):
-            for kind, tables in (("key", encoding.key_tables), ("value", encoding.value_tables)):
-                name = f"{role}{layer}"
-                if name not in tables:
-                    continue
-                distances, vectors = relative_embeddings(encoding, tables[name], layer, max_distance)
+        for kind, tables in (("key", encoding.key_tables), ("value", encoding.value_tables)):
+            layers = [layer for layer in range(encoding.dims.layers(role)) if f"{role}{layer}" in tables]
+            if not layers:
+                continue
+            # one figure per role and kind, a panel per layer (LFHC's coarsening side by side)
+            figure, axes = plt.subplots(1, len(layers), figsize=(3.1 * len(layers) + 0.6, 3), squeeze=False,
+                                        layout="constrained")
+            for panel, layer in enumerate(layers):
+                distances, vectors = relative_embeddings(encoding, tables[f"{role}{layer}"], layer, max_distance)
                 similarity = cosine_matrix(vectors)
                 tag = f"{role}_layer{layer}_{kind}"
                 writer.csv(f"relative_{tag}.csv", ["key_minus_query"] + [str(int(d)) for d in distances],
                            matrix_rows(distances, similarity),
                            f"{role} layer {layer}: cosine similarity of the {kind} embeddings of distances j - i")
-                figure, axis = plt.subplots(figsize=(3.6, 3.2))
+                axis = axes[0][panel]
                 extent = [int(distances[0]) - 0.5, int(distances[-1]) + 0.5] * 2
                 image = axis.imshow(similarity.numpy(), cmap="RdBu_r", vmin=-1, vmax=1, extent=extent, origin="lower")
-                figure.colorbar(image, ax=axis, shrink=0.8)
-                axis.set(xlabel="j - i", ylabel="j - i", title=f"{encoding.name} {kind}: {role} layer {layer}")
-                axis.title.set_fontsize(9)
-                writer.figure(figure, f"relative_{tag}.png", f"{role} layer {layer}: {kind} embedding similarity")
+                axis.set_title(f"layer {layer}", fontsize=8)
+                axis.set_xlabel("j - i", fontsize=7)
+                axis.tick_params(labelsize=6)
+            axes[0][0].set_ylabel("j - i", fontsize=7)
+            figure.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8)
+            figure.suptitle(f"{encoding.name}: cosine similarity of the {kind} embeddings of distances, {role}",
+                            fontsize=8)
+            writer.figure(figure, f"relative_{role}_{kind}.png",
+                          f"{role}: {kind} embedding similarity of every pair of distances, a panel per layer")
 
 
 # --- XL / GCDF -----------------------------------------------------------------------------------------
