@@ -73,6 +73,23 @@ def test_every_lm_size_is_registered_with_stock_sizes(encoding):
 
 
 @pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_a_named_size_builds_with_its_stock_shape(masked_lm_data, encoding):
+    """transformer_lm_NAME_gpt2_tiny (fairseq's smallest named size: pre-norm, GELU, 2 x 64 dims,
+    1 head) builds with fairseq's shape and decodes step by step as in one pass."""
+    torch.manual_seed(0)
+    model, task, args = build_model(masked_lm_data, f"transformer_lm_{encoding}_gpt2_tiny",
+                                    ["--tokens-per-sample", "64"], task="language_modeling")
+    model.eval()
+    perturb_away_from_identity(model)
+    assert (args.decoder_layers, args.decoder_embed_dim, args.decoder_attention_heads) == (2, 64, 1)
+    assert args.decoder_normalize_before and args.activation_fn == "gelu"
+    tokens = random_tokens(task.source_dictionary, batch=2, length=6)
+    with torch.no_grad():
+        full, stepwise = logits_full_and_stepwise(model, tokens)
+    assert (full - stepwise).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
 def test_lm_has_no_encoder_and_no_cross_attention(masked_lm_data, encoding):
     model, _, _ = lm_model(masked_lm_data, encoding, perturb=False)
     assert type(model.decoder).__name__ == "PositionalTransformerDecoder"
