@@ -72,6 +72,24 @@ def test_every_lm_size_is_registered_with_stock_sizes(encoding):
     assert ARCH_MODEL_REGISTRY["transformer_lm_gpt2_small"].__name__ == "TransformerLanguageModel"
 
 
+@pytest.mark.parametrize("size", ["", "_gpt2_tiny"])
+def test_sinusoidal_lm_equals_stock_transformer_lm_at_init(masked_lm_data, size):
+    """transformer_lm_sinusoidal{size} is fairseq's transformer_lm{size}: same parameters from the same
+    seed (fairseq's own build, only the decoder class swapped) and the same outputs."""
+    torch.manual_seed(0)
+    ours, task, _ = build_model(masked_lm_data, f"transformer_lm_sinusoidal{size}", TINY_LM, task="language_modeling")
+    torch.manual_seed(0)
+    stock, _, _ = build_model(masked_lm_data, f"transformer_lm{size}", TINY_LM, task="language_modeling")
+    assert type(stock).__name__ == "TransformerLanguageModel"
+    ours_state, stock_state = ours.state_dict(), stock.state_dict()
+    assert ours_state.keys() == stock_state.keys()
+    assert all(torch.equal(ours_state[key], stock_state[key]) for key in stock_state)
+    tokens = random_tokens(task.source_dictionary, batch=2, length=9)
+    tokens[1, 6:] = task.source_dictionary.pad()
+    with torch.no_grad():
+        assert (ours.eval()(tokens)[0] - stock.eval()(tokens)[0]).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize("encoding", EVERY_ENCODING)
 def test_a_named_size_builds_with_its_stock_shape(masked_lm_data, encoding):
     """transformer_lm_NAME_gpt2_tiny (fairseq's smallest named size: pre-norm, GELU, 2 x 64 dims,
