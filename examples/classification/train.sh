@@ -10,7 +10,8 @@
 # Environment (defaults = the paper): ENCODING=gcdf (architecture roberta_<ENCODING>), LAYERS=8
 #   EMBED_DIM=512 HEADS=8 FFN_DIM=2048 LR=2e-5 BATCH_SIZE=64 DROPOUT=0.15 CLIP_NORM=0.25
 #   WEIGHT_DECAY=0.01 WARMUP_UPDATES MAX_UPDATE VALIDATE_INTERVAL_UPDATES (table 4, per TASK)
-#   NUM_CLASSES MAX_POSITIONS=512 (longer inputs are truncated) SEED=1 CPU=1 (CPU, no fp16)
+#   NUM_CLASSES MAX_POSITIONS=512 (longer inputs are truncated) K (shaw/lfhc clipping distance;
+#   default the paper's per task) SEED=1 CPU=1 (CPU, no fp16)
 #   USER_DIR (default: this repository's posenc_fairseq).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -51,6 +52,18 @@ LOG_INTERVAL=${LOG_INTERVAL:-100}
 USER_DIR=${USER_DIR:-$REPO/posenc_fairseq}
 FAIRSEQ_TRAIN=${FAIRSEQ_TRAIN:-fairseq-train}
 
+# Shaw/LFHC: the clipping distance k of the paper's table 1 rows (its table 5); K=... overrides
+case "$ENCODING:$TASK" in
+  shaw:SNLI|shaw:MNLI) PAPER_K=16 ;;
+  shaw:*) PAPER_K=4 ;;
+  lfhc:SNLI) PAPER_K=2 ;;
+  lfhc:MNLI) PAPER_K=8 ;;
+  lfhc:*) PAPER_K=4 ;;
+  *) PAPER_K= ;;
+esac
+K_OPTS=()
+[[ -n "$PAPER_K" ]] && K_OPTS=("--$ENCODING-k" "${K:-$PAPER_K}")
+
 if [[ -n "${CPU:-}" ]]; then
   DEVICE=(--cpu)
 else
@@ -62,7 +75,7 @@ set -x
     --task sentence_prediction --criterion sentence_prediction --num-classes "$NUM_CLASSES" \
     --init-token 0 --separator-token 2 --max-positions "$MAX_POSITIONS" --shorten-method truncate \
     --arch "$ARCH" --encoder-layers "$LAYERS" --encoder-embed-dim "$EMBED_DIM" \
-    --encoder-attention-heads "$HEADS" --encoder-ffn-embed-dim "$FFN_DIM" \
+    --encoder-attention-heads "$HEADS" --encoder-ffn-embed-dim "$FFN_DIM" "${K_OPTS[@]}" \
     --dropout "$DROPOUT" --attention-dropout "$DROPOUT" \
     --batch-size "$BATCH_SIZE" --required-batch-size-multiple 1 \
     --optimizer adam --adam-betas '(0.9, 0.999)' --adam-eps 1e-08 --weight-decay "$WEIGHT_DECAY" \

@@ -11,7 +11,8 @@
 #   MAX_UPDATE=200000  DROPOUT=0.0 (table 4; Transformer-XL's own base config uses 0.1)
 #   ATTENTION_DROPOUT=0.0  WEIGHT_DECAY=0.01  CLIP_NORM=0.25  MAX_POSITIONS=1024 (a learned table must
 #   cover eval-time windows: context + block)  ADAPTIVE_SOFTMAX_CUTOFF=20000,40000,200000 (empty:
-#   full softmax, needed for small vocabularies)  VALIDATE_INTERVAL_UPDATES=4000  SEED=1  CPU=1 (CPU,
+#   full softmax, needed for small vocabularies)  VALIDATE_INTERVAL_UPDATES=4000  SEED=1
+#   K (shaw/lfhc clipping distance; default the paper's: 8 / 16)  CPU=1 (CPU,
 #   no fp16)  USER_DIR (default: this repository's posenc_fairseq).
 # transformer_lm_<encoding> is fairseq's `transformer_lm` (post-norm, as Transformer-XL); input and
 # output dims are set to EMBED_DIM (fairseq's config would leave them at 512 and add projections).
@@ -46,6 +47,11 @@ SEED=${SEED:-1}
 LOG_INTERVAL=${LOG_INTERVAL:-100}
 
 OPTS=(--user-dir "$USER_DIR")
+# Shaw/LFHC: the clipping distance k of the paper's table 3 rows (its table 7); K=... overrides
+case "$ARCH" in
+  transformer_lm_shaw*) OPTS+=(--shaw-k "${K:-8}") ;;
+  transformer_lm_lfhc*) OPTS+=(--lfhc-k "${K:-16}") ;;
+esac
 if [[ -n "$ADAPTIVE_SOFTMAX_CUTOFF" ]]; then
   # Transformer-XL's WikiText-103 softmax: cut-offs 20k/40k/200k, div_val 1 (no projection shrink)
   # (fairseq's adaptive_loss refuses PyTorch's DDP wrapper, even on one GPU: legacy_ddp)
