@@ -84,3 +84,14 @@ def test_importing_the_plugin_leaves_logging_alone():
             "import posenc_fairseq, fairseq.models.transformer; "
             "print(before == (logging.getLogger().level, len(logging.getLogger().handlers)))")
     assert run([sys.executable, "-c", code]).strip().endswith("True")
+
+
+def test_demo_refuses_half_precision_on_cpu_and_cuda_without_a_gpu():
+    import torch
+
+    demo = [sys.executable, str(REPO / "examples" / "demo" / "run_demo.py")]
+    done = subprocess.run(demo + ["--fp16"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--fp16/--bf16 need --device cuda" in done.stderr
+    if not torch.cuda.is_available():
+        done = subprocess.run(demo + ["--device", "cuda"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and "sees no CUDA GPU" in done.stderr

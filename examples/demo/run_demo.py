@@ -162,6 +162,11 @@ def demo():
     args = parser.parse_args()
     if (args.fp16 or args.bf16) and args.device != "cuda":
         parser.error("--fp16/--bf16 need --device cuda (fairseq trains in fp32 on CPU)")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA GPU (a CPU build of torch, or no GPU)")
     if not args.arch.startswith("transformer_"):
         parser.error("the demo translates: choose a transformer_* architecture")
     started = time.time()
