@@ -286,3 +286,21 @@ def test_fairseq_train_refuses_with_one_line(tmp_path, arch, argv):
     errors = [line for line in done.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and f"argument {argv[0]}" in errors[0], done.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["--arch", "transformer_floater", "--floater-step-size", "1e-7"], "--floater-step-size"),
+    (["--arch", "transformer_floater", "--floater-freeze-dynamics", "--floater-train-dynamics-only"],
+     "--floater-freeze-dynamics"),
+])
+def test_bad_combination_ends_fairseq_train_with_one_line(translation_data, tmp_path, argv, option):
+    """A value refused only when the model is built (combinations, computed sizes) ends the command
+    like an argparse error: one `error:` line naming the option, no traceback, nothing written."""
+    from util import BIN, QUICK_TRAIN, TINY_TRANSFORMER
+    done = subprocess.run([str(BIN / "fairseq-train"), str(translation_data), "--user-dir", USER_DIR, *argv,
+                           *TINY_TRANSFORMER, *QUICK_TRAIN, "--max-update", "1", "--save-dir", str(tmp_path / "save")],
+                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1].startswith(f"fairseq-train: error: {option}"), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "save").exists() or not any((tmp_path / "save").iterdir())
