@@ -5,7 +5,7 @@ What a test may change, and nothing else: placeholders (DATA-BIN, DATA, `...` = 
 training options, R and PORT of the per-rank command), training lengths (`--max-update`, and
 `--workdir` for the demo so it writes into a temporary folder; `make -o .venv/.installed` so that a
 test never rebuilds the environment), `python` = this interpreter, and
-`work/demo/` = that folder. Commands run in a temporary folder with `posenc_fairseq` linked into it,
+`work/demo/` = that folder (`work/demo/data/bin` = the small translation corpus of the tests). Commands run in a temporary folder with `posenc_fairseq` linked into it,
 so `--user-dir posenc_fairseq` and `checkpoints/...` resolve as they would in a user's checkout;
 they run in README's order, and a command that reads `checkpoints/` reads what the training command
 before it wrote (each training command starts with an empty `checkpoints/`).
@@ -109,6 +109,8 @@ def tiny_options(command):
 def prepare(command, translation_data, lm_data, demo_dir, workspace):
     """The argv a test runs for README's `command`."""
     data = str(data_for(command, translation_data, lm_data))
+    # the demo's binarised data: the (much smaller) test corpus of the same layout
+    command = command.replace("work/demo/data/bin", str(translation_data))
     argv = shlex.split(command.replace("work/demo/", f"{demo_dir}/"))
     argv = [data if part in ("DATA-BIN", "DATA") else part for part in argv]
     if argv[0] == "python":
