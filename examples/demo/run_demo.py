@@ -117,6 +117,7 @@ def prepare_data(data: Path, env) -> Path:
 
     from posenc_fairseq.toy_data import parallel_corpus, write_parallel
 
+    print(f"data: toy corpus, sentencepiece and fairseq-preprocess into {data} (once)", flush=True)
     if data.exists():
         shutil.rmtree(data)  # partial or older data: fairseq-preprocess refuses existing dictionaries
     (data / "spm").mkdir(parents=True)
