@@ -297,6 +297,7 @@ class Floater(PositionalEncoding):
         # plain attributes, not submodules: the model owns the attention modules and their biases
         self.__dict__["_slots"] = []  # [(role, layer, which, attention module)]
         self._slot_index = {}
+        self._role_start, self._role_end = {}, {}
         self._num_updates = 0
         self._window: Optional[dict] = None  # K > 1: {'index', 'parameters' (flat snapshot), 'table'}
         self._eval_cache: Optional[tuple] = None  # (what it was computed from, Solved)
@@ -347,6 +348,9 @@ class Floater(PositionalEncoding):
         slots.sort(key=lambda slot: (ROLES.index(slot[0]), slot[1], "qkv".index(slot[2])))
         self.__dict__["_slots"] = slots
         self._slot_index = {slot[:3]: index for index, slot in enumerate(slots)}
+        # slots are sorted by role: each role's slots are one contiguous range
+        self._role_start = {role: min((i for i, slot in enumerate(slots) if slot[0] == role), default=0) for role in ROLES}
+        self._role_end = {role: 1 + max((i for i, slot in enumerate(slots) if slot[0] == role), default=-1) for role in ROLES}
         self._forget_tables()
         if self.train_dynamics_only:
             dynamics = {id(p) for p in self.dynamics.parameters()}
@@ -379,13 +383,14 @@ class Floater(PositionalEncoding):
 
     def _reset_pass(self):
         self._pass_tables = {}  # (grad, layer key inside backward) -> Solved, this forward pass only
+        self._pass_gathered = {}  # (role, id(positions), dtype) -> (table, positions, biases there)
         self._needed = 0
         self._window_pass = False
         self._eval_checked = False
 
     def __getstate__(self):  # copies (fairseq's EMA deep-copies the model) drop per-pass graphs
         state = super().__getstate__()
-        state.update(_pass_tables={}, _eval_cache=None, _window=None)
+        state.update(_pass_tables={}, _pass_gathered={}, _eval_cache=None, _window=None)
         return state
 
     # --- solving ------------------------------------------------------------------------------
@@ -500,21 +505,26 @@ class Floater(PositionalEncoding):
         return solved
 
     def _eval_table(self, rows: int) -> Solved:
-        dtype = self.solve_dtype()
-        if self._eval_cache is not None and not self._eval_checked:
-            source, _ = self._eval_cache
-            flat = self._flat_parameters(dtype)
-            if source[0] != self._options() or source[1].device != flat.device or not torch.equal(source[1], flat):
+        if not self._eval_checked:  # once per forward pass that starts at position 0
+            self._eval_checked = True
+            if self._eval_cache is not None and not self._computed_from(self._eval_cache[0]):
                 self._eval_cache = None
-        self._eval_checked = True
         solved = self._eval_cache[1] if self._eval_cache is not None else None
         if solved is None or solved.values.size(0) < rows:
             target = EVAL_CHUNK * math.ceil(rows / EVAL_CHUNK)
             with torch.no_grad():
                 values = self.solve(target) if solved is None else self.extend(solved.values, target)
             solved = self._checked(values)
-            self._eval_cache = ((self._options(), self._flat_parameters(dtype)), solved)
+            self._eval_cache = (self._source(), solved)
         return solved
+
+    def _source(self) -> tuple:
+        """What a table is computed from: solver options and slot layout, and the exact parameter values."""
+        return self._options(), self._flat_parameters(self.solve_dtype())
+
+    def _computed_from(self, source: tuple) -> bool:
+        options, flat = self._source()
+        return source[0] == options and source[1].device == flat.device and torch.equal(source[1], flat)
 
     # --- called by the trainer, the stacks and the attention ---------------------------------------
     def set_num_updates(self, num_updates: int):
@@ -556,8 +566,20 @@ class Floater(PositionalEncoding):
                 f"more than {self.dynamics.fc1.weight.dtype} holds) for an input of {rows} positions: the learned "
                 "dynamics grow without bound beyond the lengths seen in training. Train on longer inputs, use a "
                 "smaller --floater-delta, or shorten the input (docs/floater.md)")
-        bias = solved.values[:, slot][positions]  # (B, T, d)
-        return x + bias.transpose(0, 1).to(x.dtype)
+        start = self._role_start[role]
+        return x + self._gathered(solved.values, role, positions, x.dtype)[:, :, slot - start]
+
+    def _gathered(self, table: Tensor, role: str, positions: Tensor, dtype: torch.dtype) -> Tensor:
+        """The biases of `role`'s slots at `positions`, (T, B, slots of the role, d) in `dtype`:
+        gathered once per forward pass and shared by q/k/v and the layers."""
+        start, end = self._role_start[role], self._role_end[role]
+        if in_backward():  # a recomputed layer (activation checkpointing) keeps its own graph
+            return table[:, start:end][positions].transpose(0, 1).to(dtype)
+        key = (role, id(positions), dtype)  # cross-attention: target positions (q), source positions (k, v)
+        hit = self._pass_gathered.get(key)
+        if hit is None or hit[0] is not table or hit[1] is not positions:
+            hit = self._pass_gathered[key] = (table, positions, table[:, start:end][positions].transpose(0, 1).to(dtype))
+        return hit[2]
 
     # --- checkpoints: the window snapshot (K > 1), never a table -----------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
