@@ -68,6 +68,19 @@ def blocked_fill_value(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
 
 
+#: queries per block when relative terms are computed a block at a time (see `query_block_size`)
+QUERY_BLOCK = 128
+#: ... and the size of one block's logits, in elements, below which the call is not split
+QUERY_BLOCK_ELEMENTS = 2 ** 20
+
+
+def query_block_size(batch_heads: int, keys: int) -> int:
+    """Queries per block for encodings with relative terms (Shaw, LFHC, XL, GCDF): QUERY_BLOCK, or
+    more where a block of logits would stay under QUERY_BLOCK_ELEMENTS (short keys, small batch),
+    so that short inputs run in one piece as before."""
+    return max(QUERY_BLOCK, QUERY_BLOCK_ELEMENTS // max(1, batch_heads * keys))
+
+
 class PositionalAttention(MultiheadAttention):
     position_binding: Optional[PositionBinding] = None
 
@@ -213,9 +226,51 @@ class PositionalAttention(MultiheadAttention):
         k_pos = torch.arange(target_len, device=q.device)
         k_target = k[:, :, source_keys:] if source_keys else k
         q = q * self.scaling
-        kept = self._kept_heads()
+        terms = dict(encoding=encoding, binding=binding, relative=relative, k_target=k_target, k_pos=k_pos,
+                     attn_mask=attn_mask, key_padding_mask=key_padding_mask, source_keys=source_keys)
+        value_term = relative and encoding.has_relative_values(binding.role, binding.layer)
 
-        additive = None  # everything added to the scaled logits, (B or 1, H or 1, T, S)
+        block = query_block_size(bsz * heads, src_len)
+        if relative and getattr(encoding, "query_blocks", False) and not (need_weights or before_softmax) \
+                and tgt_len > block:
+            # Long input, relative terms: one block of queries at a time, so that the relative terms
+            # (and their distances) of one block only exist at once; exactly the same result.
+            probs = None
+            parts = []
+            for start in range(0, tgt_len, block):
+                rows = slice(start, min(start + block, tgt_len))
+                additive = self._additive(q[:, :, rows], q_pos[rows], rows, **terms)
+                parts.append(self._attend(q[:, :, rows], k, v, additive, value_term, q_pos[rows], **terms)[0])
+            out = torch.cat(parts, dim=2)
+        else:
+            additive = self._additive(q, q_pos, slice(None), **terms)
+            if need_weights or before_softmax or value_term:
+                if before_softmax:
+                    logits = q @ k.transpose(-1, -2)
+                    if additive is not None:
+                        logits = logits + additive
+                    return logits.reshape(bsz * heads, tgt_len, src_len), v.reshape(bsz * heads, src_len, head_dim)
+                out, probs = self._attend(q, k, v, additive, value_term, q_pos, explicit=True, **terms)
+            else:
+                out, probs = self._attend(q, k, v, additive, False, q_pos, **terms)
+        out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, heads * head_dim)
+        out = self.out_proj(out)
+
+        weights = None
+        if need_weights:
+            weights = probs.transpose(0, 1)  # (H, B, T, S)
+            if not need_head_weights:
+                weights = weights.mean(dim=0)
+        return out, weights
+
+    def _additive(self, q: Tensor, q_pos: Tensor, rows: slice, encoding, binding, relative: bool, k_target: Tensor,
+                  k_pos: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
+                  source_keys: int) -> Optional[Tensor]:
+        """Everything added to the scaled logits of the queries `q` (B, H, Tq, D) at positions
+        `q_pos` (rows `rows` of the call): the position terms, the attention mask's finite part and
+        the blocked entries (mask and padding) as a large negative number; (B or 1, H or 1, Tq, S)."""
+        kept = self._kept_heads()
+        additive = None
         if relative:
             bias = encoding.logit_bias(binding.role, binding.layer, q_pos, k_pos)
             if bias is not None and kept is not None:
@@ -234,6 +289,7 @@ class PositionalAttention(MultiheadAttention):
                     additive = term if additive is None else additive + term
         blocked = None
         if attn_mask is not None:
+            attn_mask = attn_mask[..., rows, :]
             if attn_mask.dtype == torch.bool:
                 blocked = attn_mask
             else:
@@ -241,50 +297,44 @@ class PositionalAttention(MultiheadAttention):
                 finite = attn_mask.masked_fill(blocked, 0).to(q.dtype)
                 additive = finite if additive is None else additive + finite
         if key_padding_mask is not None:
-            padding = key_padding_mask.to(torch.bool).view(bsz, 1, 1, src_len)
+            padding = key_padding_mask.to(torch.bool).view(key_padding_mask.size(0), 1, 1, -1)
             blocked = padding if blocked is None else (blocked | padding)
         if blocked is not None:
             if additive is None:
                 additive = torch.zeros((), dtype=q.dtype, device=q.device)
             additive = additive.masked_fill(blocked, blocked_fill_value(q.dtype))
+        return additive
 
-        value_term = relative and encoding.has_relative_values(binding.role, binding.layer)
-        if need_weights or before_softmax or value_term:
-            logits = q @ k.transpose(-1, -2)
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, additive: Optional[Tensor], value_term: bool, q_pos: Tensor,
+                encoding, binding, k_pos: Tensor, source_keys: int, explicit: bool = False, **_) -> Tuple[Tensor, Optional[Tensor]]:
+        """Attention output (B, H, Tq, D) of the queries `q` and the probabilities where they are
+        computed explicitly (weights asked for, or a relative value term); otherwise fused SDPA."""
+        if not (explicit or value_term):
             if additive is not None:
-                logits = logits + additive
-            if before_softmax:
-                return logits.reshape(bsz * heads, tgt_len, src_len), v.reshape(bsz * heads, src_len, head_dim)
-            probs = torch.softmax(logits.float(), dim=-1).type_as(logits)
-            dropped = self.dropout_module(probs)
-            out = dropped @ v
-            if value_term:
-                target_probs = dropped[..., source_keys:] if source_keys else dropped
-                if kept is None:
-                    term = encoding.relative_values(binding.role, binding.layer, target_probs, q_pos, k_pos)
-                else:
-                    term = encoding.relative_values(binding.role, binding.layer, self._all_heads(target_probs, 1),
-                                                    q_pos, k_pos)
-                    term = term[:, kept] if term is not None else None
-                if term is not None:
-                    out = out + term.to(out.dtype)
-        else:
-            probs = None
-            if additive is not None:
-                additive = additive.expand(bsz, heads, tgt_len, src_len)
+                additive = additive.expand(q.size(0), q.size(1), q.size(2), k.size(2))
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=additive, scale=1.0,  # q is already scaled
                 dropout_p=self._dropout_probability(),
             )
-        out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, heads * head_dim)
-        out = self.out_proj(out)
-
-        weights = None
-        if need_weights:
-            weights = probs.transpose(0, 1)  # (H, B, T, S)
-            if not need_head_weights:
-                weights = weights.mean(dim=0)
-        return out, weights
+            return out, None
+        logits = q @ k.transpose(-1, -2)
+        if additive is not None:
+            logits = logits + additive
+        probs = torch.softmax(logits.float(), dim=-1).type_as(logits)
+        dropped = self.dropout_module(probs)
+        out = dropped @ v
+        if value_term:
+            kept = self._kept_heads()
+            target_probs = dropped[..., source_keys:] if source_keys else dropped
+            if kept is None:
+                term = encoding.relative_values(binding.role, binding.layer, target_probs, q_pos, k_pos)
+            else:
+                term = encoding.relative_values(binding.role, binding.layer, self._all_heads(target_probs, 1),
+                                                q_pos, k_pos)
+                term = term[:, kept] if term is not None else None
+            if term is not None:
+                out = out + term.to(out.dtype)
+        return out, probs
 
     def _dropout_probability(self) -> float:
         """What the dropout module itself would apply now: in training, and at inference when

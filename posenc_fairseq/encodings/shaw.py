@@ -19,8 +19,10 @@ toward zero). Same number of parameters as Shaw.
 Memory: never an (n, n, d_head) tensor. The query meets the embeddings of the buckets the call
 uses (at most Tq + Tk - 1 of the 2k+1) once, (B, H, Tq, #buckets), and that is gathered to
 (B, H, Tq, Tk) with a (Tq, Tk) bucket-index matrix; the value term sums the attention
-probabilities per bucket (scatter-add, (B, H, Tq, #buckets)) and multiplies by w^V. Nothing on
-cross-attention; nothing sized to a maximum length, so a large k costs parameters only.
+probabilities per bucket (scatter-add, (B, H, Tq, #buckets)) and multiplies by w^V. On long
+inputs PositionalAttention calls the hooks one block of queries at a time (`query_blocks`), so
+these exist for one block at once. Nothing on cross-attention; nothing sized to a maximum length,
+so a large k costs parameters only.
 """
 import argparse
 
@@ -63,6 +65,8 @@ class Shaw(PositionalEncoding):
     default_input_positions = "none"  # Shaw et al.: no sinusoidal input encoding in addition
     option_prefix = "shaw"
     default_values = True  # Shaw et al.'s full model has the value term
+    #: PositionalAttention may call the hooks one block of queries at a time (long inputs)
+    query_blocks = True
 
     def __init__(self, args, dims):
         super().__init__(args, dims)

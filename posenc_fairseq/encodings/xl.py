@@ -9,10 +9,12 @@ interleaved: R^(2k) = sin(d / 10000^(2k/d_model)), R^(2k+1) = cos(same)); GCDF's
 R_d^k = lambda * Phi(d / sigma_k), sigma_k = d_model^(k/d_model), k = 0..d_model-1, the same
 formula for negative d.
 
-Memory: R and W_r R are computed for the distinct distances of the call only (Tq + Tk - 1 of
-them), the query (plus v) meets them once,
-(B, H, Tq, #distances), and the result is gathered to (B, H, Tq, Tk). No table sized to a
-maximum length, no (n, n, d) tensor. Nothing on cross-attention.
+Memory: R and W_r R are computed once per forward and layer for the distinct distances of the
+call only (Tq + Tk - 1 of them); the query (plus v) meets the distances of its own call,
+(B, H, Tq, #distances), and the result is gathered to (B, H, Tq, Tk). On long inputs
+PositionalAttention calls this one block of queries at a time (`query_blocks`), so only a block's
+Bq + Tk - 1 distances meet it at once, never (B, H, n, 2n - 1). No table sized to a maximum
+length, no (n, n, d) tensor. Nothing on cross-attention.
 """
 import math
 
@@ -69,26 +71,59 @@ class TransformerXL(PositionalEncoding):
     def prior(self, distances: Tensor) -> Tensor:
         return sinusoidal_prior(distances, self.dims.embed_dim)
 
+    #: PositionalAttention may call the hooks one block of queries at a time (long inputs)
+    query_blocks = True
+
+    def spans(self, query_positions, key_positions):
+        """(need, span): the distances d = i - j the call's pairs have, and the wider range whose
+        projection W_r R is computed once per layer and shared by the calls of a forward pass.
+        A call with several queries may be one block of a longer call (PositionalAttention splits
+        long inputs): its span is every distance between the keys, the same for every block. A
+        single query (a decoding step) needs only its own distances. (The causal decoder could skip
+        d < 0, but then a decoder call without the future mask, e.g. fairseq's full-context
+        alignment, would be silently wrong.)"""
+        q_first, q_last = int(query_positions[0]), int(query_positions[-1])
+        k_first, k_last = int(key_positions[0]), int(key_positions[-1])
+        need = (q_first - k_last, q_last - k_first)
+        if len(query_positions) == 1:
+            return need, need
+        return need, (min(need[0], k_first - k_last), max(need[1], k_last - k_first))
+
     def distances(self, role, query_positions, key_positions):
-        """Distinct distances d = i - j present, their prior R (N, d_model) and the (Tq, Tk) index
-        of each pair into them. (The causal decoder could skip d < 0, but then a decoder call
-        without the future mask, e.g. fairseq's full-context alignment, would be silently wrong.)"""
+        """The prior R (N, d_model) of the distances `need[0]..need[1]` the call has, and the
+        (Tq, Tk) index of each pair into them."""
+        (low, high), _ = self.spans(query_positions, key_positions)
+        return self._prior(role, low, high), self._index(role, query_positions, key_positions, low)
+
+    def _prior(self, role, low, high):
         def compute():
-            relative = query_positions[:, None] - key_positions[None, :]  # i - j
-            low = int(query_positions[0] - key_positions[-1])
-            high = int(query_positions[-1] - key_positions[0])
-            distances = torch.arange(low, high + 1, device=query_positions.device)
-            return self.prior(distances), relative - low
-        return self.memoize((role, self.name, int(query_positions[0]), len(query_positions), len(key_positions)), compute)
+            return self.prior(torch.arange(low, high + 1, device=self._device()))
+        return self.memoize((role, self.name, "prior", low, high), compute)
+
+    def _index(self, role, query_positions, key_positions, low):
+        def compute():
+            return query_positions[:, None] - key_positions[None, :] - low  # (i - j) - low
+        return self.memoize((role, self.name, "index", int(query_positions[0]), len(query_positions),
+                             int(key_positions[0]), len(key_positions)), compute)
+
+    def _device(self):
+        return next(iter(self.projections.values())).weight.device
+
+    def projected(self, role, layer, low, high):
+        """W_r R_d of layer `layer` for d = low..high, (high - low + 1, H * D), once per forward."""
+        def compute():
+            projection = self.projections[f"{role}{layer}"]
+            return projection(self._prior(role, low, high).to(projection.weight.dtype))
+        return self.memoize((role, self.name, "projected", layer, low, high), compute)
 
     def relative_logits(self, role, layer, query, key, query_positions, key_positions):
         if role not in SELF_ROLES:
             return None
         batch, heads, tq, head_dim = query.shape
-        prior, index = self.distances(role, query_positions, key_positions)
-        projection = self.projections[f"{role}{layer}"]
-        rel = projection(prior.to(projection.weight.dtype)).to(query.dtype)  # (N, H*D) = W_r R_d
-        rel = rel.view(-1, heads, head_dim).transpose(0, 1)  # (H, N, D)
+        (low, high), (span_low, span_high) = self.spans(query_positions, key_positions)
+        rel = self.projected(role, layer, span_low, span_high)[low - span_low: high - span_low + 1]
+        rel = rel.to(query.dtype).view(-1, heads, head_dim).transpose(0, 1)  # (H, N, D) = W_r R_d, d = low..high
+        index = self._index(role, query_positions, key_positions, low)  # (Tq, Tk)
         scale = head_dim ** -0.5  # query arrives already scaled; u and v are scaled here
         u = self.content_bias[role].to(query.dtype) * scale
         v = self.position_bias[role].to(query.dtype) * scale

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import posenc_fairseq  # noqa: F401
+from posenc_fairseq import attention as attention_module
 from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
 from posenc_fairseq.encodings.xl import gcdf_prior, sinusoidal_prior
 from util import assert_attention_runs_on, bound_attention, encoding_options, perturbed_encoding, QUICK_TRAIN, TINY_TRANSFORMER, USER_DIR, run
@@ -84,7 +85,12 @@ def naive(module, enc, role, layer, x, padding, causal, prior):
 @pytest.mark.parametrize("name", ["xl", "gcdf"])
 @pytest.mark.parametrize("role", ["encoder", "decoder"])
 @pytest.mark.parametrize("layer", [0, 2])
-def test_attention_output_equals_naive_loops(name, role, layer):
+@pytest.mark.parametrize("block", [None, 3], ids=["whole", "query-blocks"])
+def test_attention_output_equals_naive_loops(name, role, layer, block, monkeypatch):
+    """block 3: the attention computes the relative terms 3 queries at a time (long-input path)."""
+    if block is not None:
+        monkeypatch.setattr(attention_module, "QUERY_BLOCK", block)
+        monkeypatch.setattr(attention_module, "QUERY_BLOCK_ELEMENTS", 1)
     argv = ["--gcdf-lambda", "3"] if name == "gcdf" else []
     enc = encoding(name, *argv)
     prior = (lambda d: xl_r(d, EMBED)) if name == "xl" else (lambda d: gcdf_r(d, EMBED, lam=3.0))

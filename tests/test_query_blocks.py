@@ -1,0 +1,111 @@
+"""Long inputs: PositionalAttention computes the relative terms of Shaw, LFHC, XL and GCDF one block
+of queries at a time (`QUERY_BLOCK`). Blocked and whole calls must agree in the output and in every
+gradient, with padding, the causal mask, --cross-self-attention's source keys and head pruning."""
+import pytest
+import torch
+
+import posenc_fairseq  # noqa: F401
+from posenc_fairseq import attention as attention_module
+from posenc_fairseq.encodings import ModelDims
+from util import bound_attention, perturbed_encoding
+
+EMBED, HEADS = 16, 4
+CASES = [("shaw", ["--shaw-k", "3"]), ("lfhc", ["--lfhc-k", "2", "--lfhc-values", "on"]), ("lfhc", ["--lfhc-k", "2"]),
+         ("xl", []), ("gcdf", [])]
+
+
+def blocks(monkeypatch, size):
+    monkeypatch.setattr(attention_module, "QUERY_BLOCK", size)
+    monkeypatch.setattr(attention_module, "QUERY_BLOCK_ELEMENTS", 1)
+
+
+def run_both(monkeypatch, enc, call, queries, size=4):
+    """call() -> (output, tensors whose .grad to compare); whole first, then in blocks of `size`
+    (checked: the relative terms are asked for once per block)."""
+    results = []
+    calls = []
+    original = enc.relative_logits
+
+    def counted(role, layer, query, *rest):
+        calls.append(query.size(2))
+        return original(role, layer, query, *rest)
+
+    for block in (None, size):
+        monkeypatch.undo()
+        monkeypatch.setattr(enc, "relative_logits", counted)
+        if block is not None:
+            blocks(monkeypatch, block)
+        calls.clear()
+        out, tensors = call()
+        out.pow(2).sum().backward()
+        assert calls == ([queries] if block is None else
+                         [min(size, queries - start) for start in range(0, queries, size)])
+        results.append((out.detach(), [t.grad.clone() if t.grad is not None else None for t in tensors]))
+        for t in tensors:
+            t.grad = None
+    monkeypatch.undo()
+    (whole, whole_grads), (blocked, blocked_grads) = results
+    assert (whole - blocked).abs().max() <= 1e-10
+    assert sum(a is not None for a in whole_grads) > 3
+    for a, b in zip(whole_grads, blocked_grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert (a - b).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize("name,argv", CASES)
+@pytest.mark.parametrize("role", ["encoder", "decoder"])
+def test_blocked_equals_whole_with_gradients(monkeypatch, name, argv, role):
+    enc = perturbed_encoding(name, *argv, dims=ModelDims(EMBED, HEADS, 3, 3))
+    module = bound_attention(enc, role, 2, EMBED, HEADS)
+    length, batch = 11, 2
+    torch.manual_seed(4)
+    x = torch.randn(length, batch, EMBED, dtype=torch.float64, requires_grad=True)
+    padding = torch.zeros(batch, length, dtype=torch.bool)
+    padding[1, -3:] = True
+    mask = torch.triu(torch.full((length, length), float("-inf"), dtype=torch.float64), 1) if role == "decoder" else None
+
+    def call():
+        enc.begin(role)
+        out, _ = module(x, x, x, key_padding_mask=padding, attn_mask=mask, need_weights=False)
+        return out, [x, *enc.parameters(), *module.parameters()]
+
+    run_both(monkeypatch, enc, call, length)
+
+
+@pytest.mark.parametrize("name,argv", CASES)
+def test_blocked_equals_whole_with_source_keys_and_pruned_heads(monkeypatch, name, argv):
+    """--cross-self-attention (keys cat(source, target), no term towards the source keys) after
+    head pruning (each kept head keeps its own terms)."""
+    from fairseq.modules import MultiheadAttention
+
+    from posenc_fairseq.attention import use_positional_attention
+
+    enc = perturbed_encoding(name, *argv, dims=ModelDims(EMBED, HEADS, 1, 1))
+    torch.manual_seed(0)
+    module = MultiheadAttention(EMBED, HEADS, encoder_decoder_attention=False, self_attention=False)
+    use_positional_attention(module)
+    module.bind_position(enc, "decoder", 0)
+    module = module.double().eval()
+    module._adaptive_prune_heads([(2 * module.head_dim, 3 * module.head_dim), (0, module.head_dim)])
+    source_len, target_len, batch = 4, 9, 2
+    torch.manual_seed(5)
+    memory = torch.randn(source_len, batch, EMBED, dtype=torch.float64)
+    x = torch.randn(target_len, batch, EMBED, dtype=torch.float64, requires_grad=True)
+    causal = torch.triu(torch.full((target_len, target_len), float("-inf"), dtype=torch.float64), 1)
+    attn_mask = torch.cat([torch.zeros(target_len, source_len, dtype=torch.float64), causal], dim=1)
+
+    def call():
+        enc.begin("decoder", torch.arange(target_len).expand(batch, target_len),
+                  torch.arange(source_len).expand(batch, source_len))
+        keys = torch.cat([memory, x])
+        out, _ = module(x, keys, keys, attn_mask=attn_mask, need_weights=False)
+        return out, [x, *enc.parameters(), *module.parameters()]
+
+    run_both(monkeypatch, enc, call, target_len, size=2)
+
+
+def test_block_size():
+    assert attention_module.query_block_size(4, 1024) == 256  # 2^20 elements a block
+    assert attention_module.query_block_size(64, 4096) == attention_module.QUERY_BLOCK
+    assert attention_module.query_block_size(8, 64) == 2 ** 20 // 512  # short keys: one piece
