@@ -3,7 +3,7 @@
 
     python scripts/plot_positions.py CHECKPOINT [--out DIR] [--data DATA-BIN] [--length N]
 
-Loads CHECKPOINT through fairseq (any `transformer_*` / `roberta_*` architecture of this package;
+Loads CHECKPOINT through fairseq (any `transformer_*`, `roberta_*`, `transformer_lm_*` architecture of this package;
 `--data` when the data folder the checkpoint was trained on has moved: fairseq needs its
 dictionaries) and writes, for each picture, a PNG and the numbers behind it as CSV into DIR
 (default: CHECKPOINT's folder/positions/). Distances are always `key_minus_query` = j - i.
@@ -62,11 +62,12 @@ def load_model(checkpoint: Path, data: Path = None):
 
 
 def stacks(model):
-    """{'encoder': stack, 'decoder': stack} of a translation or RoBERTa model."""
-    encoder = model.encoder
-    if hasattr(encoder, "sentence_encoder"):  # RoBERTa
-        return {"encoder": encoder.sentence_encoder}
-    found = {"encoder": encoder}
+    """{'encoder': stack, 'decoder': stack} of a translation model, RoBERTa ('encoder') or a
+    language model ('decoder')."""
+    found = {}
+    encoder = getattr(model, "encoder", None)
+    if encoder is not None:
+        found["encoder"] = getattr(encoder, "sentence_encoder", encoder)  # RoBERTa: its sentence encoder
     if getattr(model, "decoder", None) is not None:
         found["decoder"] = model.decoder
     return found
@@ -76,10 +77,11 @@ def stacks(model):
 class Writer:
     def __init__(self, out: Path, dpi: int):
         self.out, self.dpi, self.written = out, dpi, []
+        self.prefix = ""  # 'encoder_part_' / 'decoder_part_' for models with one encoding part per stack
         out.mkdir(parents=True, exist_ok=True)
 
     def csv(self, name: str, header, rows, what: str):
-        path = self.out / name
+        path = self.out / (self.prefix + name)
         with open(path, "w", newline="") as handle:
             writer = csv.writer(handle)
             writer.writerow(header)
@@ -91,7 +93,7 @@ class Writer:
     def figure(self, figure, name: str, what: str):
         import matplotlib.pyplot as plt
 
-        path = self.out / name
+        path = self.out / (self.prefix + name)
         figure.savefig(path, dpi=self.dpi, bbox_inches="tight")
         plt.close(figure)
         self.written.append((path, what))
@@ -294,7 +296,7 @@ def plot_floater(model, encoding, writer, length, layers, mark=None):
                "|b(t_i) - b(0)| per slot and the largest entry against position")
     fp16 = torch.finfo(torch.float16).max
     beyond = (peak > fp16).nonzero()
-    print(f"FLOATER: largest |b(t_i) - b(0)| entry {float(peak.max()):.4g} (position {int(peak.argmax())}); "
+    print(f"FLOATER{' ' + writer.prefix.replace('_', ' ').strip() if writer.prefix else ''}: largest |b(t_i) - b(0)| entry {float(peak.max()):.4g} (position {int(peak.argmax())}); "
           + (f"beyond float16's range ({fp16:.0f}) from position {int(beyond[0, 0])}" if len(beyond)
              else f"within float16's range ({fp16:.0f}) up to position {length - 1}"))
     figure, axis = plt.subplots(figsize=(5, 3))
@@ -393,24 +395,30 @@ def plot_checkpoint(checkpoint, out, data=None, length=128, max_distance=None, l
     from posenc_fairseq.encodings.xl import TransformerXL
 
     model = load_model(Path(checkpoint), data)
-    encoding = model.positional_encoding
     writer = Writer(Path(out), dpi)
-    all_layers = range(max(encoding.dims.encoder_layers, encoding.dims.decoder_layers))
-    layers = set(all_layers if layers is None else layers)
-    if isinstance(encoding, (ScalarBias, ALiBi)):
-        plot_logit_bias(model, encoding, writer, length, max_distance or 128)
-    elif isinstance(encoding, Shaw):
-        deepest = max(encoding.dims.encoder_layers, encoding.dims.decoder_layers)
-        plot_relative_embeddings(model, encoding, writer, max_distance or encoding.k * (deepest + 1))
-    elif isinstance(encoding, TransformerXL):
-        plot_projected_prior(model, encoding, writer, max_distance or length)
-    elif isinstance(encoding, Floater):
-        plot_floater(model, encoding, writer, length, layers, mark)
-    else:
-        # sinusoidal / learned / nope / rotary, or an encoding added later: try the generic logit bias
-        plot_logit_bias(model, encoding, writer, length, max_distance or 128)
+    # unequal encoder/decoder sizes: one encoding part per stack (PerStackEncoding), each drawn alone
+    whole = model.positional_encoding
+    parts = [("", whole)] if not hasattr(whole, "parts") else [
+        (f"{role}_part_", part) for role, part in zip(("encoder", "decoder"), whole.parts())]
+    for prefix, encoding in parts:
+        writer.prefix = prefix
+        all_layers = range(max(encoding.dims.encoder_layers, encoding.dims.decoder_layers))
+        chosen = set(all_layers if layers is None else layers)
+        if isinstance(encoding, (ScalarBias, ALiBi)):
+            plot_logit_bias(model, encoding, writer, length, max_distance or 128)
+        elif isinstance(encoding, Shaw):
+            deepest = max(encoding.dims.encoder_layers, encoding.dims.decoder_layers)
+            plot_relative_embeddings(model, encoding, writer, max_distance or encoding.k * (deepest + 1))
+        elif isinstance(encoding, TransformerXL):
+            plot_projected_prior(model, encoding, writer, max_distance or length)
+        elif isinstance(encoding, Floater):
+            plot_floater(model, encoding, writer, length, chosen, mark)
+        else:
+            # sinusoidal / learned / nope / rotary, or an encoding added later: try the generic logit bias
+            plot_logit_bias(model, encoding, writer, length, max_distance or 128)
+    writer.prefix = ""
     plot_input_positions(model, writer, length)
-    return encoding.name, writer.written
+    return whole.name, writer.written
 
 
 def main(argv=None):

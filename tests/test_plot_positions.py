@@ -45,6 +45,7 @@ def check_priors(out, role, layer, heads):
     """Each prior row sums to 1, is softmax over the keys of the bias CSV's values at j - i (with
     keys after the query excluded in the decoder)."""
     _, distances, bias = read(out / f"bias_{role}_layer{layer}.csv")
+    assert distances.min() <= -(LENGTH - 1)  # the bias CSV covers every distance of the prior
     at = {int(d): row for d, row in zip(distances, bias)}
     header, queries, values = read(out / f"prior_{role}_layer{layer}.csv")
     keys, prior = values[:, 0].long(), values[:, 1:]
@@ -90,6 +91,23 @@ def test_alibi_bias_is_minus_slope_times_distance(tiny_checkpoint, tmp_path):
             assert distances.min() == -50
             torch.testing.assert_close(bias, -distances.abs()[:, None].double() * slopes[None, :], atol=1e-6, rtol=1e-6)
             check_priors(tmp_path, role, layer, heads=4)
+
+
+def test_language_model_alibi_decoder_bias(masked_lm_data, tmp_path):
+    from util import QUICK_TRAIN, USER_DIR, run
+
+    save = tmp_path / "lm"
+    run(["fairseq-train", masked_lm_data, "--user-dir", USER_DIR, "--task", "language_modeling", "--arch",
+         "transformer_lm_alibi", "--decoder-layers", "1", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
+         "--decoder-attention-heads", "4", "--tokens-per-sample", "32", *QUICK_TRAIN, "--max-update", "1",
+         "--save-dir", save])
+    plot(save / "checkpoint_last.pt", tmp_path / "out", "--max-distance", LENGTH)
+    _, distances, bias = read(tmp_path / "out" / "bias_decoder_layer0.csv")  # decoder only: no encoder
+    assert distances.tolist() == list(range(-LENGTH, 1))
+    slopes = torch.tensor([2 ** (-8 * h / 4) for h in range(1, 5)], dtype=torch.float64)
+    torch.testing.assert_close(bias, -distances.abs()[:, None].double() * slopes[None, :], atol=1e-6, rtol=1e-6)
+    check_priors(tmp_path / "out", "decoder", 0, heads=4)
+    assert not list((tmp_path / "out").glob("*encoder*"))
 
 
 def test_lfhc_similarity_of_relative_embeddings_and_learned_input_embedding(tiny_checkpoint, tmp_path):
