@@ -88,7 +88,8 @@ def parse_args(argv):
     return args
 
 
-def stored_task(checkpoint: Path) -> str:
+def stored_task(checkpoint: Path):
+    """(task, criterion) names the checkpoint was trained with."""
     import torch
 
     import posenc_fairseq  # noqa: F401  (safe globals for fairseq checkpoints)
@@ -96,8 +97,10 @@ def stored_task(checkpoint: Path) -> str:
     state = torch.load(checkpoint, map_location="cpu")
     cfg = state.get("cfg")
     if cfg is not None and cfg.get("task") is not None:
-        return cfg["task"]["_name"] if "_name" in cfg["task"] else cfg["task"].get("task")
-    return getattr(state.get("args"), "task", "translation")
+        names = [cfg[part].get("_name") if cfg.get(part) is not None else None for part in ("task", "criterion")]
+        return names[0] or "translation", names[1]
+    args = state.get("args")
+    return getattr(args, "task", "translation"), getattr(args, "criterion", None)
 
 
 def bleu_by_length(generate_output: str, bins):
@@ -125,7 +128,7 @@ def bleu_by_length(generate_output: str, bins):
 
 def evaluate(args, arch, work, checkpoint, env, device):
     """{'metric': name, 'value': float, 'bins': [...]} for one trained architecture."""
-    task = stored_task(checkpoint)
+    task, criterion = stored_task(checkpoint)
     if task == "translation":
         subset = args.subset or "test"
         output = work / "generate.txt"
@@ -145,7 +148,8 @@ def evaluate(args, arch, work, checkpoint, env, device):
     output.write_text("")
     DEMO.run(DEMO.command_line(
         "fairseq-validate", args.data, "--user-dir", USER_DIR, "--path", checkpoint, "--task", task,
-        "--valid-subset", subset, "--max-tokens", "4096", *device), output, env=env)
+        *(["--criterion", criterion] if criterion else []), "--valid-subset", subset, "--max-tokens", "4096",
+        *device), output, env=env)
     text = output.read_text()
     line = [line for line in text.splitlines() if f"valid on '{subset}' subset" in line]
     if not line:
