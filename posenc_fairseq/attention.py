@@ -32,6 +32,8 @@ from torch import Tensor
 
 from fairseq.modules import MultiheadAttention
 
+from .encodings.positions import position_range
+
 
 def use_positional_attention(module: torch.nn.Module):
     """Turn every fairseq MultiheadAttention inside `module` into a PositionalAttention in place.
@@ -222,25 +224,32 @@ class PositionalAttention(MultiheadAttention):
             raise RuntimeError(f"cross-self-attention: {src_len} keys cannot hold {source_keys} source "
                                f"and {tgt_len} target tokens")
         target_len = src_len - source_keys
-        q_pos = torch.arange(target_len - tgt_len, target_len, device=q.device)
-        k_pos = torch.arange(target_len, device=q.device)
+        # built from Python integers: the encodings read their bounds without a device sync
+        q_pos = position_range(target_len - tgt_len, target_len, q.device)
+        k_pos = position_range(0, target_len, q.device)
         k_target = k[:, :, source_keys:] if source_keys else k
         q = q * self.scaling
         terms = dict(encoding=encoding, binding=binding, relative=relative, k_target=k_target, k_pos=k_pos,
                      attn_mask=attn_mask, key_padding_mask=key_padding_mask, source_keys=source_keys)
         value_term = relative and encoding.has_relative_values(binding.role, binding.layer)
 
+        # Shaw/LFHC/XL/GCDF: relative logits that need a gradient go through the explicit softmax:
+        # SDPA with such a mask falls back to its unfused kernel, which keeps more (measured: XL 2.3x
+        # the memory of one layer's forward and backward at n = 1024)
+        query_blocks = relative and getattr(encoding, "query_blocks", False)
         block = query_block_size(bsz * heads, src_len)
-        if relative and getattr(encoding, "query_blocks", False) and not (need_weights or before_softmax) \
-                and tgt_len > block:
+        if query_blocks and not (need_weights or before_softmax) and tgt_len > block:
             # Long input, relative terms: one block of queries at a time, so that the relative terms
             # (and their distances) of one block only exist at once; exactly the same result.
             probs = None
             parts = []
             for start in range(0, tgt_len, block):
                 rows = slice(start, min(start + block, tgt_len))
-                additive = self._additive(q[:, :, rows], q_pos[rows], rows, **terms)
-                parts.append(self._attend(q[:, :, rows], k, v, additive, value_term, q_pos[rows], **terms)[0])
+                rows_pos = position_range(target_len - tgt_len + rows.start, target_len - tgt_len + rows.stop, q.device)
+                additive = self._additive(q[:, :, rows], rows_pos, rows, **terms)
+                explicit = additive is not None and additive.requires_grad
+                parts.append(self._attend(q[:, :, rows], k, v, additive, value_term, rows_pos, explicit=explicit,
+                                          **terms)[0])
             out = torch.cat(parts, dim=2)
         else:
             additive = self._additive(q, q_pos, slice(None), **terms)
@@ -252,7 +261,9 @@ class PositionalAttention(MultiheadAttention):
                     return logits.reshape(bsz * heads, tgt_len, src_len), v.reshape(bsz * heads, src_len, head_dim)
                 out, probs = self._attend(q, k, v, additive, value_term, q_pos, explicit=True, **terms)
             else:
-                out, probs = self._attend(q, k, v, additive, False, q_pos, **terms)
+                explicit = query_blocks and additive is not None and additive.requires_grad
+                out, probs = self._attend(q, k, v, additive, False, q_pos, explicit=explicit, **terms)
+                probs = None
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, heads * head_dim)
         out = self.out_proj(out)
 

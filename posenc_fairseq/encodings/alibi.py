@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .base import PositionalEncoding, register_encoding
+from .positions import bounds
 
 
 def alibi_slopes(heads: int) -> Tensor:
@@ -43,4 +44,5 @@ class ALiBi(PositionalEncoding):
         def compute():
             distance = (key_positions[None, :] - query_positions[:, None]).abs()
             return -self.slopes[:, None, None] * distance
-        return self.memoize((role, "alibi", int(query_positions[0]), len(query_positions), len(key_positions)), compute)
+        (q_low, _), (k_low, _) = bounds(query_positions), bounds(key_positions)  # no device sync
+        return self.memoize((role, "alibi", q_low, len(query_positions), k_low, len(key_positions)), compute)

@@ -4,7 +4,9 @@ Each head's vector is split into pairs (x_m, x_{m + D/2}) ("rotate half" layout)
 token at position p is rotated by the angle p * base^(-2m/D). Then q_i . k_j depends on positions
 only through i - j. Keys are rotated before they enter the incremental cache, at their absolute
 position, so step-by-step decoding equals the full pass; no table, so any length works.
-Cross-attention is left alone (source and target positions are not comparable).
+Cross-attention is left alone (source and target positions are not comparable). The rotation
+(cos, sin) of the positions a stack announces is computed once per pass and shared by the queries
+and keys of every layer (a decoding step: once per step).
 """
 import torch
 from torch import Tensor
@@ -17,18 +19,29 @@ from .option_types import float_in_range, option
 base_type = float_in_range(0.0, 3.0e38, low_open=True)
 
 
-def rotate(x: Tensor, positions: Tensor, heads: int, base: float = 10000.0) -> Tensor:
-    """x (T, B, heads * D), positions (B, T) -> x with every head rotated by its positions."""
+def rotation(positions: Tensor, head_dim: int, base: float = 10000.0):
+    """cos and sin (T, B, 1, D/2) of the angles p * base^(-2m/D) of positions (B, T)."""
+    half = head_dim // 2
+    frequencies = base ** (-torch.arange(half, device=positions.device, dtype=torch.float32) * 2 / head_dim)
+    angles = positions.t().float()[..., None] * frequencies  # (T, B, half)
+    return angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+
+
+def apply_rotation(x: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
+    """x (T, B, heads * D) rotated by `rotation`'s cos and sin, in float32."""
     length, batch, embed = x.shape
     head_dim = embed // heads
     half = head_dim // 2
-    frequencies = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) * 2 / head_dim)
-    angles = positions.t().float()[..., None] * frequencies  # (T, B, half)
-    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
     x = x.view(length, batch, heads, head_dim).float()
     first, second = x[..., :half], x[..., half: 2 * half]
     rotated = torch.cat([first * cos - second * sin, second * cos + first * sin, x[..., 2 * half:]], dim=-1)
     return rotated.reshape(length, batch, embed)
+
+
+def rotate(x: Tensor, positions: Tensor, heads: int, base: float = 10000.0) -> Tensor:
+    """x (T, B, heads * D), positions (B, T) -> x with every head rotated by its positions."""
+    cos, sin = rotation(positions.to(x.device), x.size(-1) // heads, base)
+    return apply_rotation(x, cos, sin, heads)
 
 
 @register_encoding("rotary")
@@ -48,4 +61,12 @@ class Rotary(PositionalEncoding):
     def project(self, role, layer, which, x, positions):
         if role == "cross" or which == "v":
             return x
-        return rotate(x, positions, self.dims.heads, self.base).to(x.dtype)
+        head_dim = x.size(-1) // self.dims.heads
+        if positions is self.token_positions.get(role):
+            # the positions the stack announced for this pass (a decoding step: the current one):
+            # one rotation for the queries and keys of every layer
+            cos, sin = self.memoize((role, "rotary", positions.shape, head_dim, str(x.device)),
+                                    lambda: rotation(positions.to(x.device), head_dim, self.base))
+        else:  # e.g. --cross-self-attention's keys cat(source, target)
+            cos, sin = rotation(positions.to(x.device), head_dim, self.base)
+        return apply_rotation(x, cos, sin, self.dims.heads).to(x.dtype)

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from .base import PositionalEncoding, register_encoding
 from .option_types import Checker, check_size, checked, one_of, option
+from .positions import bounds
 
 SELF_ROLES = ("encoder", "decoder")
 #: parse-time bound of k (2k+1 table rows per layer); build time checks the exact table size
@@ -112,13 +113,23 @@ class Shaw(PositionalEncoding):
         return shaw_buckets(key_positions[None, :] - query_positions[:, None], self.k)
 
     def buckets(self, role: str, layer: int, query_positions: Tensor, key_positions: Tensor):
-        """(index, low, high): the rows low..high that the call uses and each pair's row - low."""
+        """(index, low, high): the rows low..high that the call uses and each pair's row - low.
+        The bucket is monotone in the distance, so low and high are the buckets of the extreme
+        pairs, found from the positions' bounds (no device synchronisation)."""
+        (q_low, q_high), (k_low, k_high) = bounds(query_positions), bounds(key_positions)
+
         def compute():
             rows = self.bucket_of(query_positions, key_positions, layer)
-            low, high = int(rows.min()), int(rows.max())
+            low, high = self.bucket_bounds(q_low, q_high, k_low, k_high, layer)
             return rows - low, low, high
-        return self.memoize((role, self.name, self._layer_key(layer), int(query_positions[0]),
-                             len(query_positions), len(key_positions)), compute)
+        return self.memoize((role, self.name, self._layer_key(layer), q_low, len(query_positions),
+                             k_low, len(key_positions)), compute)
+
+    def bucket_bounds(self, q_low, q_high, k_low, k_high, layer):
+        """Lowest and highest row of the pairs of queries q_low..q_high and keys k_low..k_high, in
+        Python integers: clip(j - i, k) + k is monotone in j - i."""
+        return (max(-self.k, min(self.k, k_low - q_high)) + self.k,
+                max(-self.k, min(self.k, k_high - q_low)) + self.k)
 
     def _layer_key(self, layer):
         return 0  # Shaw: the same index matrix at every layer
@@ -174,6 +185,14 @@ class LFHC(Shaw):
     def bucket_of(self, query_positions, key_positions, layer):
         relative = query_positions[:, None] - key_positions[None, :]  # x = i - j (eq. 5)
         return lfhc_buckets(relative, self.k, layer + 1, self.rounding)
+
+    def bucket_bounds(self, q_low, q_high, k_low, k_high, layer):
+        """Eq. 9's rows are monotone in x = i - j: those of the smallest and largest x."""
+        def row(x):
+            l = layer + 1
+            part = x // l if self.rounding == "floor" or x >= 0 else -((-x) // l)
+            return max(-self.k, min(self.k, part)) + self.k
+        return row(q_low - k_high), row(q_high - k_low)
 
     def _layer_key(self, layer):
         return layer

@@ -16,7 +16,9 @@ Cross-attention gets no bias. By default only the first layer of each stack has 
 (`--scalar-bias-layers first`, the paper's MT/classification runs); with `all` every layer gets
 one, shared by all layers of a stack with `--scalar-bias-share-layers` or one per layer without.
 The bias is computed once per forward over the distinct distances and gathered into
-(heads, q_len, k_len); layers that share a table share that tensor.
+(heads, q_len, k_len); layers that share a table share that tensor. A decoding step (one query,
+the last position) reads its bias as a slice of the per-distance values, which inference keeps
+across steps (positions.py): no per-step bucketing, no gather, no device synchronisation.
 
 Also here: `prior_distribution`, the prior beta of paper eq. 6 (softmax over keys of the bias),
 for every encoding with a token-independent logit bias (T5, T5-NoB, AT5, AT5-NoB, ALiBi).
@@ -35,6 +37,7 @@ from torch import Tensor, nn
 
 from .base import PositionalEncoding, layers_with_bias, register_encoding
 from .option_types import OptionValueError, check_size, even_int_in_range, int_in_range, one_of, option
+from .positions import bounds, is_range, range_values, signature, use_kept_values
 
 #: parse-time bounds; beyond them a table would be absurdly large (build time checks the exact size)
 MAX_BUCKETS = 2 ** 20
@@ -144,18 +147,28 @@ class ScalarBias(PositionalEncoding):
         layer has no bias."""
         if not self.has_bias(role, layer):
             return None
+        (q_low, q_high), (k_low, k_high) = bounds(query_positions), bounds(key_positions)
+        low, high = k_low - q_high, k_high - q_low
+        key = self.table_key(role, layer)
+        if len(query_positions) == 1 and is_range(key_positions):
+            # one query (a decoding step) and consecutive keys: key j is at distance low + j, so
+            # the bias is the per-distance values themselves, kept across steps in inference
+            if use_kept_values(self):
+                values = range_values(self.__dict__.setdefault("_kept", {}), key, signature(self.parameters()),
+                                      low, high, lambda a, b: self.distance_bias(key, a, b), dim=1)
+            else:
+                values = self.distance_bias(key, low, high)
+            return values[:, None, :]
         relative = key_positions.long()[None, :] - query_positions.long()[:, None]
-        low = int(key_positions.min()) - int(query_positions.max())
-        high = int(key_positions.max()) - int(query_positions.min())
-        values = self.distance_bias(self.table_key(role, layer), low, high)  # over the distinct distances
+        values = self.distance_bias(key, low, high)  # over the distinct distances
         return values[:, relative - low]
 
     def logit_bias(self, role, layer, query_positions, key_positions):
         if not self.has_bias(role, layer):
             return None
         key = self.table_key(role, layer)
-        memo = (role, self.name, key, int(query_positions[0]), len(query_positions),
-                int(key_positions[0]), len(key_positions))
+        (q_low, _), (k_low, _) = bounds(query_positions), bounds(key_positions)
+        memo = (role, self.name, key, q_low, len(query_positions), k_low, len(key_positions))
         return self.memoize(memo, lambda: self.bias(role, layer, query_positions, key_positions))
 
 

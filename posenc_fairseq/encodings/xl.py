@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from .base import PositionalEncoding, register_encoding
 from .option_types import float_in_range, option
+from .positions import bounds, range_values, signature, use_kept_values
 
 #: lambda of eq. 15: positive (0 removes the position term, a negative one only flips its sign);
 #: bounded so that lambda * W_r R stays far from float16/float32 overflow
@@ -82,8 +83,7 @@ class TransformerXL(PositionalEncoding):
         single query (a decoding step) needs only its own distances. (The causal decoder could skip
         d < 0, but then a decoder call without the future mask, e.g. fairseq's full-context
         alignment, would be silently wrong.)"""
-        q_first, q_last = int(query_positions[0]), int(query_positions[-1])
-        k_first, k_last = int(key_positions[0]), int(key_positions[-1])
+        (q_first, q_last), (k_first, k_last) = bounds(query_positions), bounds(key_positions)
         need = (q_first - k_last, q_last - k_first)
         if len(query_positions) == 1:
             return need, need
@@ -103,8 +103,9 @@ class TransformerXL(PositionalEncoding):
     def _index(self, role, query_positions, key_positions, low):
         def compute():
             return query_positions[:, None] - key_positions[None, :] - low  # (i - j) - low
-        return self.memoize((role, self.name, "index", int(query_positions[0]), len(query_positions),
-                             int(key_positions[0]), len(key_positions)), compute)
+        (q_first, _), (k_first, _) = bounds(query_positions), bounds(key_positions)
+        return self.memoize((role, self.name, "index", q_first, len(query_positions), k_first, len(key_positions)),
+                            compute)
 
     def _device(self):
         return next(iter(self.projections.values())).weight.device
@@ -116,12 +117,32 @@ class TransformerXL(PositionalEncoding):
             return projection(self._prior(role, low, high).to(projection.weight.dtype))
         return self.memoize((role, self.name, "projected", layer, low, high), compute)
 
+    def projected_step(self, role, layer, low, high):
+        """`projected` for a decoding step (one query): in inference, a slice of W_r R_d kept
+        across steps (positions.py), so a step projects no distance again; else as `projected`."""
+        if not use_kept_values(self):
+            return self.projected(role, layer, low, high)
+        projection = self.projections[f"{role}{layer}"]
+
+        def compute(first, last):
+            prior = self.prior(torch.arange(first, last + 1, device=projection.weight.device))
+            return projection(prior.to(projection.weight.dtype))
+        return range_values(self.__dict__.setdefault("_kept", {}), (role, layer),
+                            signature([projection.weight], self.prior_key()), low, high, compute, dim=0)
+
+    def prior_key(self):
+        """What the prior R depends on besides the distance (kept values are recomputed on change)."""
+        return (self.dims.embed_dim,)
+
     def relative_logits(self, role, layer, query, key, query_positions, key_positions):
         if role not in SELF_ROLES:
             return None
         batch, heads, tq, head_dim = query.shape
         (low, high), (span_low, span_high) = self.spans(query_positions, key_positions)
-        rel = self.projected(role, layer, span_low, span_high)[low - span_low: high - span_low + 1]
+        if tq == 1:  # a decoding step
+            rel = self.projected_step(role, layer, low, high)
+        else:
+            rel = self.projected(role, layer, span_low, span_high)[low - span_low: high - span_low + 1]
         rel = rel.to(query.dtype).view(-1, heads, head_dim).transpose(0, 1)  # (H, N, D) = W_r R_d, d = low..high
         index = self._index(role, query_positions, key_positions, low)  # (Tq, Tk)
         scale = head_dim ** -0.5  # query arrives already scaled; u and v are scaled here
@@ -154,3 +175,6 @@ class GCDF(TransformerXL):
 
     def prior(self, distances):
         return gcdf_prior(distances, self.dims.embed_dim, self.scale)
+
+    def prior_key(self):
+        return (self.dims.embed_dim, self.scale)

@@ -239,3 +239,14 @@ def test_fairseq_train_roberta_shaw(masked_lm_data, tmp_path):
                "--criterion", "masked_lm", "--arch", "roberta_shaw", "--tokens-per-sample", "64",
                *TINY_ROBERTA, *QUICK_TRAIN, "--save-dir", tmp_path, "--max-update", "3", "--disable-validation"])
     assert "num_updates 3" in out
+
+
+@pytest.mark.parametrize("name,argv", [("shaw", []), ("lfhc", []), ("lfhc", ["--lfhc-rounding", "trunc"])])
+def test_bucket_bounds_are_the_rows_min_and_max(name, argv):
+    """The rows a call uses, found from the positions' bounds without a device sync, are exactly
+    the min and max of its index matrix."""
+    enc = encoding(name, f"--{name}-k", "3", *argv)
+    for layer in range(LAYERS):
+        for q_low, q_high, k_low, k_high in [(0, 9, 0, 9), (5, 5, 0, 5), (0, 2, 4, 30), (20, 40, 0, 3), (7, 7, 7, 7)]:
+            rows = enc.bucket_of(torch.arange(q_low, q_high + 1), torch.arange(k_low, k_high + 1), layer)
+            assert enc.bucket_bounds(q_low, q_high, k_low, k_high, layer) == (int(rows.min()), int(rows.max()))

@@ -1,0 +1,68 @@
+"""Position tensors whose bounds are known on the host, and values of a distance kept across calls.
+
+`PositionalAttention` builds the query and key positions of every call from Python integers
+(`position_range`); the encodings read their bounds with `bounds`, which then costs no device
+synchronisation (on CUDA `int(tensor)` waits for the device, once per layer and decoding step).
+Any other 1-D positions work as well: their bounds are computed (and synchronise).
+
+`range_values` keeps a function of the relative distance (T5's bias per distance, XL's projected
+prior W_r R_d) across calls in inference, so that a decoding step reads a slice of it instead of
+computing it again for every distance of every step: a step costs O(1) amortised and no work per
+layer beyond the slice. The kept values are recomputed when a parameter they depend on changes
+(new tensor, in-place update, dtype or device) and are never used with gradients or in training.
+"""
+from typing import Callable, Dict, Iterable, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+def position_range(start: int, stop: int, device=None) -> Tensor:
+    """torch.arange(start, stop) that knows its bounds (start, stop - 1) without a device sync."""
+    positions = torch.arange(start, stop, device=device)
+    positions.bounds = (start, stop - 1)
+    return positions
+
+
+def bounds(positions: Tensor) -> Tuple[int, int]:
+    """(min, max) of 1-D `positions`: known for a `position_range`, computed otherwise."""
+    known = getattr(positions, "bounds", None)
+    if known is not None:
+        return known
+    return int(positions.min()), int(positions.max())
+
+
+def is_range(positions: Tensor) -> bool:
+    """Whether `positions` is a `position_range` (consecutive, ascending)."""
+    return getattr(positions, "bounds", None) is not None
+
+
+def use_kept_values(module: torch.nn.Module) -> bool:
+    """Kept values only in inference: no gradient to propagate, no dropout to sample."""
+    return not torch.is_grad_enabled() and not module.training
+
+
+def signature(parameters: Iterable[Tensor], *extra) -> tuple:
+    """What kept values depend on: each parameter's storage, in-place version, dtype and device."""
+    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in parameters) + extra
+
+
+def range_values(cache: Dict, key, depends_on: tuple, low: int, high: int,
+                 compute: Callable[[int, int], Tensor], dim: int) -> Tensor:
+    """compute(low, high) (values of the distances low..high along `dim`), kept in `cache[key]`
+    while `depends_on` holds: a request inside the kept range is a slice (a view) of it. A request
+    outside it computes a range that also doubles the kept one on the missing side, so a decoding
+    step that needs one more distance than the last recomputes only O(log n) times in n steps."""
+    entry: Optional[tuple] = cache.get(key)
+    if entry is None or entry[0] != depends_on:
+        kept_low, kept_high = low, high
+    elif low < entry[1] or high > entry[2]:
+        size = entry[2] - entry[1] + 1
+        kept_low = min(low, entry[1] - size) if low < entry[1] else entry[1]
+        kept_high = max(high, entry[2] + size) if high > entry[2] else entry[2]
+    else:
+        kept_low, kept_high = entry[1], entry[2]
+    if entry is None or (entry[0], entry[1], entry[2]) != (depends_on, kept_low, kept_high):
+        entry = (depends_on, kept_low, kept_high, compute(kept_low, kept_high))
+        cache[key] = entry
+    return entry[3].narrow(dim, low - entry[1], high - low + 1)

@@ -1,0 +1,79 @@
+"""Decoding steps: per-step position work once per step (shared by the layers), no host
+synchronisation beyond the stock model's, and values kept across steps in inference
+(`encodings/positions.py`) that follow every change of the parameters."""
+import pytest
+import torch
+
+import posenc_fairseq  # noqa: F401
+from posenc_fairseq.encodings.positions import bounds, position_range, range_values
+from test_every_encoding import decoder_logits_full_and_stepwise, perturbed_translation_model
+from util import random_batch
+
+STEP_ENCODINGS = ["t5", "t5_nob", "at5", "at5_nob", "alibi", "rotary", "shaw", "lfhc", "xl", "gcdf"]
+
+
+def test_range_values_slices_grows_and_follows_the_parameters():
+    computed = []
+
+    def compute(low, high):
+        computed.append((low, high))
+        return torch.arange(low, high + 1, dtype=torch.float64)[None, :] * scale
+
+    cache, scale = {}, 1.0
+    assert range_values(cache, "k", ("a",), 0, 3, compute, dim=1).tolist() == [[0, 1, 2, 3]]
+    assert range_values(cache, "k", ("a",), 1, 2, compute, dim=1).tolist() == [[1, 2]]  # a slice
+    assert computed == [(0, 3)]
+    assert range_values(cache, "k", ("a",), -1, 3, compute, dim=1).tolist() == [[-1, 0, 1, 2, 3]]
+    assert computed[-1] == (-4, 3)  # doubled on the missing side only
+    assert range_values(cache, "k", ("a",), -4, 0, compute, dim=1).tolist() == [[-4, -3, -2, -1, 0]]
+    assert len(computed) == 2
+    scale = 2.0  # a parameter changed: its signature differs
+    assert range_values(cache, "k", ("b",), 0, 1, compute, dim=1).tolist() == [[0, 2]]
+    assert computed[-1] == (0, 1)
+
+
+def test_position_range_knows_its_bounds():
+    positions = position_range(3, 7)
+    assert positions.tolist() == [3, 4, 5, 6] and bounds(positions) == (3, 6)
+    assert bounds(torch.tensor([5, 2, 9])) == (2, 9)
+
+
+@pytest.mark.parametrize("encoding", STEP_ENCODINGS)
+def test_steps_follow_parameter_changes(translation_data, encoding):
+    """Decode, change every parameter in place, decode again: the kept per-distance values
+    (T5/AT5 bias, XL/GCDF projected prior) are recomputed, steps equal the full pass both times."""
+    model, task = perturbed_translation_model(translation_data, encoding)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=6, tgt_len=9)
+    with torch.no_grad():
+        full, stepwise = decoder_logits_full_and_stepwise(model, src, src_lengths, prev)
+        assert (full - stepwise).abs().max() <= 1e-5
+        for parameter in model.positional_encoding.parameters():
+            parameter.mul_(1.5).add_(0.05)
+        full_2, stepwise_2 = decoder_logits_full_and_stepwise(model, src, src_lengths, prev)
+    assert (full_2 - stepwise_2).abs().max() <= 1e-5
+    if list(model.positional_encoding.parameters()):  # ALiBi and rotary have none
+        assert (full_2 - full).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("encoding", STEP_ENCODINGS)
+def test_no_host_synchronisation_per_layer_in_a_step(translation_data, encoding, monkeypatch):
+    """int(tensor) / tensor.item() wait for the device on CUDA: a decoding step of any encoding
+    makes no more of them than the stock sinusoidal model's step (none per layer)."""
+    counts = {}
+    for name in ("sinusoidal", encoding):
+        model, task = perturbed_translation_model(translation_data, name)
+        src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=6, tgt_len=5)
+        with torch.no_grad():
+            encoder_out = model.encoder(src, src_lengths=src_lengths)
+            state = {}
+            model.decoder(prev[:, :1], encoder_out=encoder_out, incremental_state=state)
+            calls = []
+            with monkeypatch.context() as patch:
+                for method in ("__int__", "__index__", "item", "tolist", "__bool__", "__float__"):
+                    original = getattr(torch.Tensor, method)
+                    patch.setattr(torch.Tensor, method,
+                                  lambda self, *a, _m=method, _o=original: (calls.append(_m), _o(self, *a))[1])
+                for t in range(1, prev.size(1)):
+                    model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+        counts[name] = len(calls)
+    assert counts[encoding] <= counts["sinusoidal"], counts
