@@ -56,12 +56,26 @@ def test_compare_refuses_training_without_an_end(translation_data, tmp_path):
     assert done.returncode == 2 and "--max-update N or --max-epoch N" in done.stderr
 
 
-def test_options_lists_every_option_of_every_encoding_with_a_default():
+def options_output(capsys, *argv):
+    """scripts/options.py run in this process (fairseq is imported already: no start-up cost)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("options_script", SCRIPTS / "options.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    capsys.readouterr()
+    module.main(list(argv))
+    return capsys.readouterr().out
+
+
+def test_options_lists_every_option_of_every_encoding_with_a_default(capsys):
     import argparse
+
+    import pytest
 
     from posenc_fairseq.encodings import ENCODINGS
 
-    out = run([sys.executable, SCRIPTS / "options.py"])
+    out = options_output(capsys)
     for name, cls in ENCODINGS.items():
         assert re.search(rf"^{name}  \(architectures transformer_{name}\*", out, flags=re.M), name
         parser = argparse.ArgumentParser()
@@ -73,10 +87,13 @@ def test_options_lists_every_option_of_every_encoding_with_a_default():
             assert found, f"{name}: {flag} missing"
             assert found.group(1) not in ("see below", ""), f"{name}: {flag} has no stated default"
     assert "default: 32" in out.split("\nt5  (")[1]
-    one = run([sys.executable, SCRIPTS / "options.py", "alibi"])
+    one = options_output(capsys, "alibi")
     assert "no options of its own" in one and "floater" not in one.split("alibi  (")[1]
-    bad = subprocess.run([sys.executable, str(SCRIPTS / "options.py"), "bogus"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "unknown encoding(s) bogus" in bad.stderr
+    with pytest.raises(SystemExit) as exit_info:
+        options_output(capsys, "bogus")
+    assert exit_info.value.code == 2 and "unknown encoding(s) bogus" in capsys.readouterr().err
+    # and as a command
+    assert "--floater-method rk4|midpoint|euler|dopri5" in run([sys.executable, SCRIPTS / "options.py", "floater"])
 
 
 def test_importing_the_plugin_leaves_logging_alone():
