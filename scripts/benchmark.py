@@ -5,12 +5,16 @@ For each architecture a fresh subprocess builds the model (same size for all), t
   - training tokens/s: forward + backward + Adam step on random batches of `--length` tokens,
   - peak memory of one training step above the process's resting memory (CUDA: peak allocated;
     CPU: peak RSS growth, read from /proc),
-  - generation tokens/s: step-by-step (incremental) greedy decoding of `--gen-length` tokens.
+  - generation tokens/s: step-by-step (incremental) greedy decoding of `--gen-length` tokens,
+  - beam search tokens/s: fairseq's SequenceGenerator (as fairseq-generate) with `--beam 5` (0: no column).
+`--growth` prints instead, per arch, the training time per step at n = 128 and 2048 (batch 1) and
+its growth exponent log(t2048/t128)/log(16) next to the reference's.
 Timings on a shared machine vary from call to call, so every architecture is measured `--repeats`
 times, the architectures alternating (round robin), each in a process with `--threads` torch
 threads; the table gives the median ratio to the reference measured in the same round, and the
 range of the ratios over the rounds.
 Usage: benchmark.py [--archs transformer_sinusoidal transformer_t5 ...] [--length 1024] [--repeats 5]
+       benchmark.py --growth [--archs ...] [--repeats 3]
 """
 import argparse
 import json
@@ -87,6 +91,9 @@ def measure(arch, args):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     train_tps = 2 * args.batch * args.length * args.steps / elapsed  # source + target tokens
 
+    if args.train_only:
+        return {"arch": arch, "train_tokens_per_s": train_tps, "peak_memory_mb": peak / 2**20,
+                "train_seconds_per_step": elapsed / args.steps}
     model.eval()
     with torch.no_grad():
         encoder_out = model.encoder(src[:1], src_lengths=lengths[:1])
@@ -99,8 +106,27 @@ def measure(arch, args):
             tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], dim=1)
         sync()
         gen_tps = args.gen_length / (time.perf_counter() - start)
-    return {"arch": arch, "train_tokens_per_s": train_tps, "peak_memory_mb": peak / 2**20,
-            "generate_tokens_per_s": gen_tps}
+    result = {"arch": arch, "train_tokens_per_s": train_tps, "peak_memory_mb": peak / 2**20,
+              "generate_tokens_per_s": gen_tps}
+    if args.beam > 0:
+        result["beam_tokens_per_s"] = beam_search_speed(model, task, src[:1], lengths[:1], args, sync)
+    return result
+
+
+def beam_search_speed(model, task, src, lengths, args, sync):
+    """fairseq's SequenceGenerator (what fairseq-generate runs) with --beam args.beam on one source
+    sentence, exactly --gen-length target tokens (min = max length): target tokens per second."""
+    from fairseq.sequence_generator import SequenceGenerator
+
+    generator = SequenceGenerator([model], task.target_dictionary, beam_size=args.beam, max_len_a=0,
+                                  max_len_b=args.gen_length, min_len=args.gen_length)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
+    generator.generate([model], sample)  # warm-up
+    sync()
+    start = time.perf_counter()
+    generator.generate([model], sample)
+    sync()
+    return args.gen_length / (time.perf_counter() - start)
 
 
 def rss_bytes():
@@ -128,10 +154,21 @@ def main():
     parser.add_argument("--reference", default="transformer_sinusoidal")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                         help="further model options for every arch, e.g. --extra --floater-recompute-every 400")
+    parser.add_argument("--beam", type=int, default=5,
+                        help="beam size of the fairseq SequenceGenerator column (beam5 tok/s); 0 leaves it out")
+    parser.add_argument("--growth", action="store_true",
+                        help="instead of the table: training time per step at n = 128 and 2048 (batch 1, "
+                             "--growth-lengths) and its growth exponent log(t2048/t128)/log(16) per arch")
+    parser.add_argument("--growth-lengths", type=int, nargs=2, default=[128, 2048], metavar=("SHORT", "LONG"),
+                        help=argparse.SUPPRESS)
     parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--train-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure(args.one, args)))
+        return
+    if args.growth:
+        growth(args)
         return
     archs = list(dict.fromkeys([args.reference, *args.archs]))
     rounds = []
@@ -149,6 +186,8 @@ def main():
     print(f"length {args.length}, batch {args.batch}, dim {args.dim}, {args.layers}+{args.layers} layers, "
           f"{args.device}, {args.threads} threads, {len(rounds)} rounds; ratios to {args.reference}: median [min-max]")
     columns = (("train_tokens_per_s", "train tok/s"), ("peak_memory_mb", "peak MB"), ("generate_tokens_per_s", "gen tok/s"))
+    if args.beam > 0:
+        columns += (("beam_tokens_per_s", f"beam{args.beam} tok/s"),)
     print(f"{'arch':40s}" + "".join(f" {title:>12s} {'ratio':>18s}" for _, title in columns))
     for arch in archs:
         line = f"{arch:40s}"
@@ -160,6 +199,51 @@ def main():
                 continue
             line += f" {statistics.median(values):12.1f} {statistics.median(ratios):6.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]"
         print(line)
+
+
+def growth(args):
+    """Training time per step at a short and a long length (batch 1), each arch in its own
+    process, rounds alternating the archs; exponent = log(t_long / t_short) / log(long / short)
+    (1: linear, 2: quadratic), median and range over the rounds, and its difference to the reference's."""
+    import math
+
+    short, long = args.growth_lengths
+    archs = list(dict.fromkeys([args.reference, *args.archs]))
+    base = ["--dim", str(args.dim), "--heads", str(args.heads), "--layers", str(args.layers), "--vocab",
+            str(args.vocab), "--steps", str(args.steps), "--device", args.device, "--threads", str(args.threads),
+            "--batch", "1", "--train-only"]
+    exponents = {arch: [] for arch in archs}
+    times = {(arch, n): [] for arch in archs for n in (short, long)}
+    for _ in range(args.repeats):
+        for arch in archs:
+            seconds = {}
+            for n in (short, long):
+                done = subprocess.run([sys.executable, __file__, "--one", arch, *base, "--length", str(n),
+                                       "--extra", *args.extra], capture_output=True, text=True,
+                                      env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+                if done.returncode != 0:
+                    print(f"{arch} (n = {n}): failed\n{done.stderr[-2000:]}", file=sys.stderr)
+                    break
+                seconds[n] = json.loads(done.stdout.strip().splitlines()[-1])["train_seconds_per_step"]
+                times[(arch, n)].append(seconds[n])
+            if len(seconds) == 2:
+                exponents[arch].append(math.log(seconds[long] / seconds[short]) / math.log(long / short))
+    print(f"training time per step at n = {short} and {long}, batch 1, dim {args.dim}, {args.layers}+{args.layers} "
+          f"layers, {args.device}, {args.threads} threads, {args.repeats} rounds; exponent log(t{long}/t{short})/"
+          f"log({long // short}): median [min-max]")
+    print(f"{'arch':40s} {'s/step n=' + str(short):>14s} {'s/step n=' + str(long):>15s} {'exponent':>22s} "
+          f"{'- ' + args.reference:>12s}")
+    reference = statistics.median(exponents[args.reference]) if exponents[args.reference] else None
+    for arch in archs:
+        values = sorted(exponents[arch])
+        if not values:
+            print(f"{arch:40s} {'-':>14s} {'-':>15s} {'-':>22s}")
+            continue
+        median = statistics.median(values)
+        difference = f"{median - reference:+.2f}" if reference is not None else "-"
+        print(f"{arch:40s} {statistics.median(times[(arch, short)]):14.3f} {statistics.median(times[(arch, long)]):15.3f} "
+              f"{median:6.2f} [{values[0]:.2f}-{values[-1]:.2f}]{'':>5s} {difference:>12s}")
+
 
 if __name__ == "__main__":
     main()

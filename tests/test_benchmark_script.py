@@ -1,0 +1,26 @@
+"""scripts/benchmark.py on a tiny model: the table (with the beam-search column) and --growth."""
+import sys
+
+from util import REPO, run
+
+TINY = ["--repeats", "1", "--steps", "1", "--dim", "16", "--heads", "2", "--layers", "1", "--threads", "1",
+        "--vocab", "50"]
+
+
+def test_table_has_the_beam_search_column():
+    out = run([sys.executable, REPO / "scripts" / "benchmark.py", "--archs", "transformer_xl", "--length", "12",
+               "--batch", "1", "--gen-length", "4", *TINY])
+    header = [line for line in out.splitlines() if line.startswith("arch")][0]
+    assert header.split()[1:] == ["train", "tok/s", "ratio", "peak", "MB", "ratio", "gen", "tok/s", "ratio",
+                                  "beam5", "tok/s", "ratio"]
+    rows = [line.split() for line in out.splitlines() if line.startswith("transformer_")]
+    assert [row[0] for row in rows] == ["transformer_sinusoidal", "transformer_xl"] and all(len(row) == 13 for row in rows)
+
+
+def test_growth_prints_an_exponent_per_arch():
+    out = run([sys.executable, REPO / "scripts" / "benchmark.py", "--growth", "--growth-lengths", "8", "32",
+               "--archs", "transformer_sinusoidal", *TINY, "--extra", "--dropout", "0.2"])
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("transformer_")}
+    assert sorted(rows) == ["transformer_sinusoidal"]
+    assert rows["transformer_sinusoidal"][-1] == "+0.00"
+    float(rows["transformer_sinusoidal"][3])  # the median exponent
