@@ -45,7 +45,7 @@ STOCK_CHECKPOINT=${STOCK_CHECKPOINT:-$WORK/stock/checkpoint_best.pt}
 
 # 4.-5. retrain with half the peak learning rate, keeping every epoch checkpoint
 HALF_LR=$("$PYTHON" -c "print(float('$LR') / 2)")
-ARCH=$FLOATER_ARCH LR=$HALF_LR MAX_EPOCH=$RETRAIN_EPOCHS RESTORE="$WORK/floater_init.pt" --force \
+ARCH=$FLOATER_ARCH LR=$HALF_LR MAX_EPOCH=$RETRAIN_EPOCHS RESTORE="$WORK/floater_init.pt" \
     "$HERE/train.sh" "$DATA_BIN" "$WORK/floater" ${FLOATER_ARGS:-} "$@"
 
 # 6. average the last 5 epoch checkpoints, score BLEU
