@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .base import PositionalEncoding, register_encoding
 from .option_types import float_in_range, option
-from .positions import bounds, range_values, signature, use_kept_values
+from .positions import bounds, is_range, range_values, signature, use_kept_values
 
 #: lambda of eq. 15: positive (0 removes the position term, a negative one only flips its sign);
 #: bounded so that lambda * W_r R stays far from float16/float32 overflow
@@ -144,14 +144,30 @@ class TransformerXL(PositionalEncoding):
         else:
             rel = self.projected(role, layer, span_low, span_high)[low - span_low: high - span_low + 1]
         rel = rel.to(query.dtype).view(-1, heads, head_dim).transpose(0, 1)  # (H, N, D) = W_r R_d, d = low..high
-        index = self._index(role, query_positions, key_positions, low)  # (Tq, Tk)
         scale = head_dim ** -0.5  # query arrives already scaled; u and v are scaled here
         u = self.content_bias[role].to(query.dtype) * scale
         v = self.position_bias[role].to(query.dtype) * scale
+        content = torch.einsum("hd,bhkd->bhk", u, key)[:, :, None, :]  # (B, H, 1, Tk)
+        if tq > 1 and is_range(query_positions) and is_range(key_positions):
+            return self.shifted(query + v[None, :, None, :], rel, key.size(2)) + content
+        index = self._index(role, query_positions, key_positions, low)  # (Tq, Tk)
         position = (query + v[None, :, None, :]) @ rel.transpose(-1, -2)[None]  # (B, H, Tq, N)
         position = position.gather(-1, index.expand(batch, heads, tq, index.size(-1)))
-        content = torch.einsum("hd,bhkd->bhk", u, key)[:, :, None, :]  # (B, H, 1, Tk)
         return position + content
+
+    @staticmethod
+    def shifted(query: Tensor, rel: Tensor, keys: int) -> Tensor:
+        """(B, H, Tq, Tk) query_i . rel_{d(i, j)} for consecutive query and key positions, rel (H, N, D)
+        over d = low..high, N = Tq + Tk - 1: the relative shift as a strided view of
+        query @ rel^T, no index tensor and no gather. (gather would keep its whole input,
+        (B, H, Tq, N), for the backward pass; the view keeps nothing.) With the distances in
+        descending order, column c = Tq - 1 - i + j holds d = i - j, at flat offset
+        i * (N - 1) + j + Tq - 1 of each (B, H) slab: rows of Tk that do not overlap."""
+        batch, heads, tq, _ = query.shape
+        position = (query @ rel.flip(1).transpose(-1, -2)[None]).contiguous()  # (B, H, Tq, N), d = high..low
+        n = position.size(-1)
+        return position.as_strided((batch, heads, tq, keys), (heads * tq * n, tq * n, n - 1, 1),
+                                   position.storage_offset() + tq - 1)
 
     def reset_to_identity(self):
         with torch.no_grad():

@@ -193,3 +193,29 @@ def test_fairseq_train(translation_data, tmp_path, arch, extra):
     out = run(["fairseq-train", translation_data, "--user-dir", USER_DIR, "--arch", arch, *extra,
                *TINY_TRANSFORMER, *QUICK_TRAIN, "--save-dir", tmp_path, "--max-update", "3", "--disable-validation"])
     assert "num_updates 3" in out
+
+
+@pytest.mark.parametrize("name", ["xl", "gcdf"])
+@pytest.mark.parametrize("tq,tk,first", [(6, 6, 0), (3, 8, 5), (4, 4, 2), (2, 9, 7)])
+def test_strided_relative_shift_equals_gather_with_gradients(name, tq, tk, first):
+    """Consecutive positions (the attention's own, `position_range`) take the strided relative
+    shift; any other positions the gather. Same logits, same gradients."""
+    from posenc_fairseq.encodings.positions import position_range
+
+    enc = encoding(name)
+    torch.manual_seed(7)
+    q = torch.randn(2, HEADS, tq, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, HEADS, tk, 4, dtype=torch.float64, requires_grad=True)
+    weight = enc.projections["encoder1"].weight
+    results = []
+    for ranged in (False, True):
+        enc.begin("encoder")
+        q_pos = position_range(first, first + tq) if ranged else torch.arange(first, first + tq)
+        k_pos = position_range(0, tk) if ranged else torch.arange(tk)
+        logits = enc.relative_logits("encoder", 1, q, k, q_pos, k_pos)
+        grads = torch.autograd.grad(logits.pow(2).sum(), [q, k, weight, enc.position_bias["encoder"]])
+        results.append((logits.detach(), grads))
+    (a, grads_a), (b, grads_b) = results
+    assert (a - b).abs().max() <= 1e-12
+    for x, y in zip(grads_a, grads_b):
+        assert (x - y).abs().max() <= 1e-12
