@@ -66,3 +66,17 @@ def range_values(cache: Dict, key, depends_on: tuple, low: int, high: int,
         entry = (depends_on, kept_low, kept_high, compute(kept_low, kept_high))
         cache[key] = entry
     return entry[3].narrow(dim, low - entry[1], high - low + 1)
+
+
+def relative_shift(per_distance: Tensor, keys: int) -> Tensor:
+    """(B, H, Tq, Tk) view of `per_distance` (B, H, Tq, N), N = Tq + Tk - 1, whose column c holds
+    the value of query - key distance high - c (descending; high = last query - first key), for
+    consecutive query and key positions: pair (i, j) has distance high - (Tq - 1 - i + j), so the
+    result is a strided view at flat offset i * (N - 1) + j + Tq - 1 of each (B, H) slab (rows of
+    Tk that do not overlap). No (Tq, Tk) index tensor, and unlike gather the view keeps nothing
+    for the backward pass (gather keeps its whole (B, H, Tq, N) input)."""
+    per_distance = per_distance.contiguous()
+    batch, heads, queries, n = per_distance.shape
+    assert n == queries + keys - 1, (per_distance.shape, keys)
+    return per_distance.as_strided((batch, heads, queries, keys), (heads * queries * n, queries * n, n - 1, 1),
+                                   per_distance.storage_offset() + queries - 1)

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from .base import PositionalEncoding, register_encoding
 from .option_types import Checker, check_size, checked, one_of, option
-from .positions import bounds
+from .positions import bounds, is_range, relative_shift
 
 SELF_ROLES = ("encoder", "decoder")
 #: parse-time bound of k (2k+1 table rows per layer); build time checks the exact table size
@@ -135,9 +135,27 @@ class Shaw(PositionalEncoding):
         return 0  # Shaw: the same index matrix at every layer
 
     # --- hooks ----------------------------------------------------------------------------------
+    def distance_rows(self, role, layer, query_positions, key_positions):
+        """(rows, low, high) for consecutive positions: the row - low of each query - key distance
+        of the call, descending from last query - first key (the order `relative_shift` reads)."""
+        (q_low, q_high), (k_low, k_high) = bounds(query_positions), bounds(key_positions)
+
+        def compute():
+            x = torch.arange(q_high - k_low, q_low - k_high - 1, -1, device=query_positions.device)  # query - key
+            rows = self.bucket_of(x, torch.zeros(1, dtype=x.dtype, device=x.device), layer)[:, 0]
+            low, high = self.bucket_bounds(q_low, q_high, k_low, k_high, layer)
+            return rows - low, low, high
+        return self.memoize((role, self.name, "distance rows", self._layer_key(layer), q_low, len(query_positions),
+                             k_low, len(key_positions)), compute)
+
     def relative_logits(self, role, layer, query, key, query_positions, key_positions):
         if role not in SELF_ROLES:
             return None
+        if query.size(2) > 1 and is_range(query_positions) and is_range(key_positions):
+            # the attention's consecutive positions: query . row per distance, then a strided view
+            rows, low, high = self.distance_rows(role, layer, query_positions, key_positions)  # (N,)
+            table = self.key_tables[f"{role}{layer}"][low: high + 1].to(query.dtype)
+            return relative_shift((query @ table.t()).index_select(-1, rows), key.size(2))
         index, low, high = self.buckets(role, layer, query_positions, key_positions)  # (Tq, Tk)
         table = self.key_tables[f"{role}{layer}"][low: high + 1].to(query.dtype)
         scores = query @ table.t()  # (B, H, Tq, #rows used); query is already scaled by 1/sqrt(d)

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .base import PositionalEncoding, register_encoding
 from .option_types import float_in_range, option
-from .positions import bounds, is_range, range_values, signature, use_kept_values
+from .positions import bounds, is_range, range_values, relative_shift, signature, use_kept_values
 
 #: lambda of eq. 15: positive (0 removes the position term, a negative one only flips its sign);
 #: bounded so that lambda * W_r R stays far from float16/float32 overflow
@@ -157,17 +157,9 @@ class TransformerXL(PositionalEncoding):
 
     @staticmethod
     def shifted(query: Tensor, rel: Tensor, keys: int) -> Tensor:
-        """(B, H, Tq, Tk) query_i . rel_{d(i, j)} for consecutive query and key positions, rel (H, N, D)
-        over d = low..high, N = Tq + Tk - 1: the relative shift as a strided view of
-        query @ rel^T, no index tensor and no gather. (gather would keep its whole input,
-        (B, H, Tq, N), for the backward pass; the view keeps nothing.) With the distances in
-        descending order, column c = Tq - 1 - i + j holds d = i - j, at flat offset
-        i * (N - 1) + j + Tq - 1 of each (B, H) slab: rows of Tk that do not overlap."""
-        batch, heads, tq, _ = query.shape
-        position = (query @ rel.flip(1).transpose(-1, -2)[None]).contiguous()  # (B, H, Tq, N), d = high..low
-        n = position.size(-1)
-        return position.as_strided((batch, heads, tq, keys), (heads * tq * n, tq * n, n - 1, 1),
-                                   position.storage_offset() + tq - 1)
+        """(B, H, Tq, Tk) query_i . rel_{i - j} for consecutive query and key positions, rel
+        (H, N, D) over d = low..high: `relative_shift` of query @ rel^T (distances descending)."""
+        return relative_shift(query @ rel.flip(1).transpose(-1, -2)[None], keys)
 
     def reset_to_identity(self):
         with torch.no_grad():

@@ -250,3 +250,29 @@ def test_bucket_bounds_are_the_rows_min_and_max(name, argv):
         for q_low, q_high, k_low, k_high in [(0, 9, 0, 9), (5, 5, 0, 5), (0, 2, 4, 30), (20, 40, 0, 3), (7, 7, 7, 7)]:
             rows = enc.bucket_of(torch.arange(q_low, q_high + 1), torch.arange(k_low, k_high + 1), layer)
             assert enc.bucket_bounds(q_low, q_high, k_low, k_high, layer) == (int(rows.min()), int(rows.max()))
+
+
+@pytest.mark.parametrize("name,argv", [("shaw", []), ("lfhc", []), ("lfhc", ["--lfhc-rounding", "trunc"])])
+@pytest.mark.parametrize("tq,tk,first", [(6, 6, 0), (3, 8, 5), (4, 4, 2), (2, 9, 7)])
+@pytest.mark.parametrize("layer", [0, 2])
+def test_strided_relative_shift_equals_gather_with_gradients(name, argv, tq, tk, first, layer):
+    """Consecutive positions (the attention's own, `position_range`) take per-distance rows and
+    the strided relative shift; any other positions the (Tq, Tk) gather. Same logits and gradients."""
+    from posenc_fairseq.encodings.positions import position_range
+
+    enc = encoding(name, f"--{name}-k", "2", *argv)
+    torch.manual_seed(7)
+    q = torch.randn(2, HEADS, tq, EMBED // HEADS, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, HEADS, tk, EMBED // HEADS, dtype=torch.float64)
+    table = enc.key_tables[f"decoder{layer}"]
+    results = []
+    for ranged in (False, True):
+        enc.begin("decoder")
+        q_pos = position_range(first, first + tq) if ranged else torch.arange(first, first + tq)
+        k_pos = position_range(0, tk) if ranged else torch.arange(tk)
+        logits = enc.relative_logits("decoder", layer, q, k, q_pos, k_pos)
+        results.append((logits.detach(), torch.autograd.grad(logits.pow(2).sum(), [q, table])))
+    (a, grads_a), (b, grads_b) = results
+    assert (a - b).abs().max() <= 1e-12
+    for x, y in zip(grads_a, grads_b):
+        assert (x - y).abs().max() <= 1e-12
