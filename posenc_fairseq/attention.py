@@ -11,7 +11,15 @@ incremental-state layout and beam handling) with a forward that asks a bound
 
 Positions are explicit: in self-attention the queries are the last `q_len` of the `k_len` keys
 (the cache holds the earlier ones), so query i has position k_len - q_len + i during step-by-step
-decoding exactly as in the full forward pass.
+decoding exactly as in the full forward pass. The positions are `position_range`s: built from
+Python integers, so the encodings read their bounds without a device synchronisation.
+
+Long inputs (Shaw, LFHC, XL, GCDF: encodings with `query_blocks`): the hooks are called and the
+softmax is taken one block of queries at a time (`QUERY_BLOCK`, `query_block_size`), so a block's
+relative terms and distances are all that exist at once; the result is the same. Relative logits
+that need a gradient go through the explicit softmax rather than SDPA, whose unfused fallback for
+such a mask keeps more memory. What a training step still keeps per layer is the probabilities,
+(B, H, n, n), as SDPA's unfused path would.
 
 fairseq features handled here (see README, "Works with"):
 - `--cross-self-attention`: the decoder self-attention keys are cat(source, target). The projection
