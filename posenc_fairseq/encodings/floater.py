@@ -30,6 +30,7 @@ Tables. A table is b(t_i) - b(0) for positions 0..n-1, all slots. Which table a 
     not per decoding step), extended onward for longer inputs.
 Tables are never stored in checkpoints: they would be averaged by checkpoint averaging and EMA.
 """
+import functools
 import math
 from typing import List, NamedTuple, Optional
 
@@ -124,6 +125,26 @@ def subdivided_grid(substeps: int):
     return construct
 
 
+def one_cpu_thread(function):
+    """Run a solve's loop on one CPU thread: its thousands of small sequential matrix products
+    gain nothing from intra-op threads, and lose 100x when another process competes for the
+    cores (each product then waits for a descheduled thread). CUDA tensors are unaffected."""
+
+    @functools.wraps(function)
+    def wrapped(ctx, *args):
+        threads = torch.get_num_threads()
+        if threads == 1 or torch.cuda.is_available() and any(
+                isinstance(a, Tensor) and a.is_cuda for a in args):
+            return function(ctx, *args)
+        torch.set_num_threads(1)
+        try:
+            return function(ctx, *args)
+        finally:
+            torch.set_num_threads(threads)
+
+    return wrapped
+
+
 class FixedGridSolve(torch.autograd.Function):
     """States b(t_i), i = first..last, of db/dt = h(t, b) by an explicit Runge-Kutta method with
     `substeps` equal steps per interval [t_i, t_i+1], and their exact discrete gradient.
@@ -137,6 +158,7 @@ class FixedGridSolve(torch.autograd.Function):
     """
 
     @staticmethod
+    @one_cpu_thread
     def forward(ctx, tableau: Tableau, first: int, last: int, delta: float, substeps: int,
                 y0: Tensor, w1: Tensor, c1: Tensor, w2: Tensor, c2: Tensor) -> Tensor:
         run = _Run(tableau, first, last, delta, substeps, y0, w1, c1, w2, c2)
@@ -159,6 +181,7 @@ class FixedGridSolve(torch.autograd.Function):
         return states
 
     @staticmethod
+    @one_cpu_thread
     def backward(ctx, grad_states: Tensor):
         states, w1, c1, w2, c2, *kept = ctx.saved_tensors
         tableau, first, last, delta, substeps = ctx.settings
