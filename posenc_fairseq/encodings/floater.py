@@ -489,7 +489,9 @@ class Floater(PositionalEncoding):
 
     # --- which table a forward pass uses ------------------------------------------------------
     def table(self, rows: int) -> Tensor:
-        """b(t_i) - b(0) for at least positions 0..rows-1, as this forward pass uses it."""
+        """b(t_i) - b(0) for at least positions 0..rows-1, as a forward pass now would use it
+        (outside a forward pass the cached evaluation table is checked against the parameters)."""
+        self._eval_checked = False
         return self._table(rows, None).values
 
     def _table(self, rows: int, layer_key) -> Solved:
