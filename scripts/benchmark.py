@@ -5,6 +5,8 @@ For each architecture a fresh subprocess builds the model (same size for all), t
   - training tokens/s: forward + backward + Adam step on random batches of `--length` tokens,
   - peak memory of one training step above the process's resting memory (CUDA: peak allocated;
     CPU: peak RSS growth, read from /proc),
+  - CPU also `heap MB`: the peak of malloc's bytes in use during one more (untimed) training step,
+    which, unlike RSS, repeats exactly from run to run,
   - generation tokens/s: step-by-step (incremental) greedy decoding of `--gen-length` tokens,
   - beam search tokens/s: fairseq's SequenceGenerator (as fairseq-generate) with `--beam 5` (0: no column).
 `--growth` prints instead, per arch, the training time per step at n = 128 and 2048 (batch 1) and
@@ -90,6 +92,7 @@ def measure(arch, args):
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     train_tps = 2 * args.batch * args.length * args.steps / elapsed  # source + target tokens
+    heap = heap_peak_bytes(step) if device.type == "cpu" else None  # one more, untimed step
 
     if args.train_only:
         return {"arch": arch, "train_tokens_per_s": train_tps, "peak_memory_mb": peak / 2**20,
@@ -108,6 +111,8 @@ def measure(arch, args):
         gen_tps = args.gen_length / (time.perf_counter() - start)
     result = {"arch": arch, "train_tokens_per_s": train_tps, "peak_memory_mb": peak / 2**20,
               "generate_tokens_per_s": gen_tps}
+    if heap is not None:
+        result["heap_peak_mb"] = heap / 2**20
     if args.beam > 0:
         result["beam_tokens_per_s"] = beam_search_speed(model, task, src[:1], lengths[:1], args, sync)
     return result
@@ -127,6 +132,47 @@ def beam_search_speed(model, task, src, lengths, args, sync):
     generator.generate([model], sample)
     sync()
     return args.gen_length / (time.perf_counter() - start)
+
+
+def heap_peak_bytes(step):
+    """CPU: peak of the bytes malloc has handed out (glibc mallinfo2, sampled after every torch op)
+    during one training step, above the bytes in use before it. Unlike RSS it does not depend on
+    what the allocator kept from earlier steps, so it repeats exactly from run to run. None where
+    mallinfo2 is not available."""
+    import ctypes
+    import gc
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    mallinfo2.restype = MallInfo2
+
+    def in_use():
+        info = mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    class Sample(TorchDispatchMode):
+        peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            Sample.peak = max(Sample.peak, in_use())
+            return out
+
+    gc.collect()
+    before = Sample.peak = in_use()
+    with Sample():
+        step()
+    return Sample.peak - before
 
 
 def rss_bytes():
@@ -188,6 +234,8 @@ def main():
     columns = (("train_tokens_per_s", "train tok/s"), ("peak_memory_mb", "peak MB"), ("generate_tokens_per_s", "gen tok/s"))
     if args.beam > 0:
         columns += (("beam_tokens_per_s", f"beam{args.beam} tok/s"),)
+    if args.device == "cpu":
+        columns += (("heap_peak_mb", "heap MB"),)
     print(f"{'arch':40s}" + "".join(f" {title:>12s} {'ratio':>18s}" for _, title in columns))
     for arch in archs:
         line = f"{arch:40s}"
