@@ -497,10 +497,14 @@ class Floater(PositionalEncoding):
     def _table(self, rows: int, layer_key) -> Solved:
         grad = torch.is_grad_enabled() and any(p.requires_grad for p in self._solve_inputs())
         if self.training and self._window_pass:
-            solved = self._window_table(rows)
-            if grad:  # keep h in the graph (zero gradient): DDP sees no unused parameters
-                touch = torch.stack([p.sum() for p in self.dynamics.parameters() if p.requires_grad]).sum()
-                solved = Solved(solved.values + 0.0 * touch, solved.first_overflow)
+            key = ("window", grad, layer_key if in_backward() else None)
+            solved = self._pass_tables.get(key)
+            if solved is None or solved.values.size(0) < rows:  # once per pass, shared by the layers
+                solved = self._window_table(rows)
+                if grad:  # keep h in the graph (zero gradient): DDP sees no unused parameters
+                    touch = torch.stack([p.sum() for p in self.dynamics.parameters() if p.requires_grad]).sum()
+                    solved = Solved(solved.values + 0.0 * touch, solved.first_overflow)
+                self._pass_tables[key] = solved
             return solved
         if not self.training and not grad:
             return self._eval_table(rows)
@@ -597,14 +601,19 @@ class Floater(PositionalEncoding):
     def _gathered(self, table: Tensor, role: str, positions: Tensor, dtype: torch.dtype) -> Tensor:
         """The biases of `role`'s slots at `positions`, (T, B, slots of the role, d) in `dtype`:
         gathered once per forward pass and shared by q/k/v and the layers."""
-        start, end = self._role_start[role], self._role_end[role]
         if in_backward():  # a recomputed layer (activation checkpointing) keeps its own graph
-            return table[:, start:end][positions].transpose(0, 1).to(dtype)
+            return self._gather(table, role, positions, dtype)
         key = (role, id(positions), dtype)  # cross-attention: target positions (q), source positions (k, v)
         hit = self._pass_gathered.get(key)
         if hit is None or hit[0] is not table or hit[1] is not positions:
-            hit = self._pass_gathered[key] = (table, positions, table[:, start:end][positions].transpose(0, 1).to(dtype))
+            hit = self._pass_gathered[key] = (table, positions, self._gather(table, role, positions, dtype))
         return hit[2]
+
+    def _gather(self, table: Tensor, role: str, positions: Tensor, dtype: torch.dtype) -> Tensor:
+        # index_select: its backward (index_add) is ~20x faster on CPU than advanced indexing's
+        start, end = self._role_start[role], self._role_end[role]
+        rows = table[:, start:end].reshape(table.size(0), -1).index_select(0, positions.reshape(-1))
+        return rows.view(*positions.shape, end - start, table.size(-1)).transpose(0, 1).to(dtype)
 
     # --- checkpoints: the window snapshot (K > 1), never a table -----------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
