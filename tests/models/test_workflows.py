@@ -18,6 +18,7 @@ from fairseq.modules import FairseqDropout
 from fairseq.sequence_generator import SequenceGenerator
 from posenc_fairseq.attention import PositionalAttention
 from posenc_fairseq.encodings import ENCODINGS
+from test_every_encoding import decoder_logits_full_and_stepwise as stepwise_and_full
 from util import (QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, random_batch, run)
 
 EVERY_ENCODING = sorted(ENCODINGS)
@@ -48,16 +49,6 @@ def roberta_model(data, arch, extra=(), perturb=True):
     if perturb and hasattr(model, "positional_encoding"):
         perturbed(model)
     return model, task, args
-
-
-def stepwise_and_full(model, src, src_lengths, prev):
-    encoder_out = model.encoder(src, src_lengths=src_lengths)
-    full, _ = model.decoder(prev, encoder_out=encoder_out)
-    state, steps = {}, []
-    for t in range(prev.size(1)):
-        logits, _ = model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
-        steps.append(logits)
-    return full, torch.cat(steps, dim=1)
 
 
 def beam_search(model, task, src, src_lengths, beam=2):
