@@ -18,8 +18,10 @@ Long inputs (Shaw, LFHC, XL, GCDF: encodings with `query_blocks`): the hooks are
 softmax is taken one block of queries at a time (`QUERY_BLOCK`, `query_block_size`), so a block's
 relative terms and distances are all that exist at once; the result is the same. Relative logits
 that need a gradient go through the explicit softmax rather than SDPA, whose unfused fallback for
-such a mask keeps more memory. What a training step still keeps per layer is the probabilities,
-(B, H, n, n), as SDPA's unfused path would.
+such a mask keeps more memory. In training each block is recomputed during backward (activation
+checkpointing of the block alone), so a step keeps only the blocks' inputs, not the probabilities
+(B, H, n, n) of every layer: memory stays near stock's fused attention at the price of computing
+the blocked attention twice.
 
 fairseq features handled here (see README, "Works with"):
 - `--cross-self-attention`: the decoder self-attention keys are cat(source, target). The projection
@@ -37,9 +39,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from fairseq.modules import MultiheadAttention
 
+from .encodings.base import in_backward
 from .encodings.positions import position_range
 
 
@@ -89,6 +93,17 @@ def query_block_size(batch_heads: int, keys: int) -> int:
     more where a block of logits would stay under QUERY_BLOCK_ELEMENTS (short keys, small batch),
     so that short inputs run in one piece as before."""
     return max(QUERY_BLOCK, QUERY_BLOCK_ELEMENTS // max(1, batch_heads * keys))
+
+
+def recorded(encoding, function):
+    """`function` run inside `encoding.recorded_block`, with one record shared by its forward and
+    its recomputation during backward."""
+    record = []
+
+    def run(*args):
+        with encoding.recorded_block(record):
+            return function(*args)
+    return run
 
 
 class PositionalAttention(MultiheadAttention):
@@ -254,10 +269,20 @@ class PositionalAttention(MultiheadAttention):
             for start in range(0, tgt_len, block):
                 rows = slice(start, min(start + block, tgt_len))
                 rows_pos = position_range(target_len - tgt_len + rows.start, target_len - tgt_len + rows.stop, q.device)
-                additive = self._additive(q[:, :, rows], rows_pos, rows, **terms)
-                explicit = additive is not None and additive.requires_grad
-                parts.append(self._attend(q[:, :, rows], k, v, additive, value_term, rows_pos, explicit=explicit,
-                                          **terms)[0])
+
+                def block_output(q_rows, rows=rows, rows_pos=rows_pos):
+                    additive = self._additive(q_rows, rows_pos, rows, **terms)
+                    explicit = additive is not None and additive.requires_grad
+                    return self._attend(q_rows, k, v, additive, value_term, rows_pos, explicit=explicit, **terms)[0]
+
+                if torch.is_grad_enabled() and not in_backward():
+                    # Keep only the block's inputs for backward and recompute its relative terms and
+                    # probabilities there (same dropout mask: the RNG state is restored), so a
+                    # training step holds one block's (B, H, block, S) at a time, not the whole
+                    # (B, H, n, S) per layer.
+                    parts.append(checkpoint(recorded(encoding, block_output), q[:, :, rows], use_reentrant=False))
+                else:
+                    parts.append(block_output(q[:, :, rows]))
             out = torch.cat(parts, dim=2)
         else:
             additive = self._additive(q, q_pos, slice(None), **terms)

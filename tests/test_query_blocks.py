@@ -21,7 +21,8 @@ def blocks(monkeypatch, size):
 
 def run_both(monkeypatch, enc, call, queries, size=4):
     """call() -> (output, tensors whose .grad to compare); whole first, then in blocks of `size`
-    (checked: the relative terms are asked for once per block)."""
+    (checked: the relative terms are asked for once per block, and once more per block when
+    backward recomputes it)."""
     results = []
     calls = []
     original = enc.relative_logits
@@ -37,9 +38,11 @@ def run_both(monkeypatch, enc, call, queries, size=4):
             blocks(monkeypatch, block)
         calls.clear()
         out, tensors = call()
+        expected = [queries] if block is None else [min(size, queries - start) for start in range(0, queries, size)]
+        assert calls == expected
+        calls.clear()
         out.pow(2).sum().backward()
-        assert calls == ([queries] if block is None else
-                         [min(size, queries - start) for start in range(0, queries, size)])
+        assert sorted(calls) == ([] if block is None else sorted(expected))
         results.append((out.detach(), [t.grad.clone() if t.grad is not None else None for t in tensors]))
         for t in tensors:
             t.grad = None
@@ -109,3 +112,63 @@ def test_block_size():
     assert attention_module.query_block_size(4, 1024) == 256  # 2^20 elements a block
     assert attention_module.query_block_size(64, 4096) == attention_module.QUERY_BLOCK
     assert attention_module.query_block_size(8, 64) == 2 ** 20 // 512  # short keys: one piece
+
+
+@pytest.mark.parametrize("name,argv", CASES)
+def test_blocked_training_keeps_only_block_inputs(monkeypatch, name, argv):
+    """What a blocked training call keeps for backward: its inputs, not the (B, H, n, n)
+    probabilities and relative terms the whole call keeps (counted through autograd's
+    saved-tensor hooks, which see what the graph holds outside the recomputed blocks)."""
+    enc = perturbed_encoding(name, *argv, dims=ModelDims(EMBED, HEADS, 1, 1))
+    module = bound_attention(enc, "encoder", 0, EMBED, HEADS).train()
+    length, batch = 64, 2
+    x = torch.randn(length, batch, EMBED, dtype=torch.float64, requires_grad=True)
+
+    def saved_elements():
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            enc.begin("encoder")
+            module(x, x, x, need_weights=False)
+        return sum(sizes), max(sizes)
+
+    whole_total, whole_largest = saved_elements()
+    blocks(monkeypatch, 8)
+    blocked_total, blocked_largest = saved_elements()
+    assert whole_largest >= batch * HEADS * length * length  # the probabilities (and relative terms)
+    assert blocked_largest < batch * HEADS * 8 * length  # nothing as large as one block's logits
+    assert blocked_total * 4 < whole_total
+
+
+@pytest.mark.parametrize("name,argv", CASES)
+def test_recomputed_blocks_drop_the_same_attention(monkeypatch, name, argv):
+    """Training with attention dropout: backward recomputes each block with the dropout mask of
+    its forward (the same outputs and gradients as keeping every block's graph)."""
+    enc = perturbed_encoding(name, *argv, dims=ModelDims(EMBED, HEADS, 1, 1))
+    module = bound_attention(enc, "decoder", 0, EMBED, HEADS).train()
+    module.dropout_module.p = 0.3
+    length, batch = 13, 2
+    x = torch.randn(length, batch, EMBED, dtype=torch.float64, requires_grad=True)
+    mask = torch.triu(torch.full((length, length), float("-inf"), dtype=torch.float64), 1)
+    blocks(monkeypatch, 4)
+    results = []
+    for keep_graphs in (False, True):
+        if keep_graphs:
+            monkeypatch.setattr(attention_module, "checkpoint", lambda function, *args, **_: function(*args))
+        torch.manual_seed(7)
+        enc.begin("decoder")
+        out, _ = module(x, x, x, attn_mask=mask, need_weights=False)
+        torch.manual_seed(8)  # backward must not depend on the RNG state it starts from
+        out.pow(2).sum().backward()
+        tensors = [x, *enc.parameters(), *module.parameters()]
+        results.append((out.detach(), [t.grad.clone() for t in tensors if t.grad is not None]))
+        for t in tensors:
+            t.grad = None
+    (recomputed, recomputed_grads), (kept, kept_grads) = results
+    assert (recomputed - kept).abs().max() <= 1e-12
+    assert len(recomputed_grads) == len(kept_grads) > 3
+    for a, b in zip(recomputed_grads, kept_grads):
+        assert (a - b).abs().max() <= 1e-12
+    enc.begin("decoder")
+    torch.manual_seed(9)
+    other, _ = module(x, x, x, attn_mask=mask, need_weights=False)
+    assert (other - kept).abs().max() > 1e-3  # dropout really drops

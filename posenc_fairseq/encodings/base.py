@@ -7,6 +7,7 @@ encoding overrides only where its position information enters. This file does no
 fairseq: encodings are plain torch and testable in milliseconds.
 """
 import argparse
+import contextlib
 from typing import Callable, Dict, Optional
 
 import torch
@@ -51,19 +52,39 @@ class PositionalEncoding(nn.Module):
 
         A term is shared only within one grad mode, and never inside a backward pass: activation
         checkpointing (fairseq's --checkpoint-activations) runs each layer under no_grad and
-        recomputes it during backward, where each layer needs a term with a graph of its own."""
+        recomputes it during backward, where each layer needs a term with a graph of its own.
+        Inside `recorded_block` (a block of queries that backward recomputes) the recomputation
+        repeats the forward's hits and misses instead (see there)."""
+        key = (*key, torch.is_grad_enabled())
+        block = self.__dict__.get("_block_record")
+        if block is not None:
+            return block.memoize(self._memo, key, compute)
         if in_backward():
             return compute()
-        key = (*key, torch.is_grad_enabled())
         if key not in self._memo:
             self._memo[key] = compute()
         return self._memo[key]
+
+    @contextlib.contextmanager
+    def recorded_block(self, record: list):
+        """Around one block of queries that autograd recomputes during backward (attention.py's
+        blocked training path, non-reentrant activation checkpointing). The recomputation must
+        do exactly the autograd operations of the forward, so `memoize` records in `record`
+        which terms the forward found memoized, and the recomputation takes those from the memo
+        again (their values, which are all it needs: gradients flow through the forward's graph)
+        and computes the others as the forward did."""
+        previous = self.__dict__.get("_block_record")
+        self.__dict__["_block_record"] = _BlockRecord(record, replay=in_backward())
+        try:
+            yield
+        finally:
+            self.__dict__["_block_record"] = previous
 
     def __getstate__(self):
         """Copies (fairseq's EMA deep-copies the model) start without per-forward results, which
         may hold autograd graphs that cannot be copied."""
         state = super().__getstate__()
-        state.update(_memo={}, token_positions={})
+        state.update(_memo={}, token_positions={}, _block_record=None)
         return state
 
     # --- the four hooks, called by PositionalAttention ------------------------------------
@@ -90,6 +111,29 @@ class PositionalEncoding(nn.Module):
     # --- warm start ------------------------------------------------------------------------
     def reset_to_identity(self):
         """Initialise so that the encoding adds nothing (used when converting stock checkpoints)."""
+
+
+class _BlockRecord:
+    """Which memoized terms one recorded block found in the memo (True) or computed (False)."""
+
+    def __init__(self, record: list, replay: bool):
+        self.record, self.replay, self.next = record, replay, 0
+
+    def memoize(self, memo: dict, key: tuple, compute: Callable[[], Tensor]) -> Tensor:
+        if not self.replay:
+            hit = key in memo
+            self.record.append(hit)
+            if not hit:
+                memo[key] = compute()
+            return memo[key]
+        hit = self.record[self.next]
+        self.next += 1
+        if not hit:
+            return compute()
+        if key in memo:
+            return memo[key]
+        with torch.no_grad():  # the memo was cleared meanwhile: the same value, no operation recorded
+            return compute()
 
 
 def in_backward() -> bool:

@@ -42,3 +42,21 @@ def test_activation_checkpointing_gives_the_same_gradients(translation_data, enc
     # the position parameters really get gradient (not zero in both)
     if encoding not in ("sinusoidal", "learned", "nope", "alibi", "rotary") and not extra:
         assert any(plain[name].abs().max() > 0 for name in position_parameters)
+
+
+@pytest.mark.parametrize("encoding", ["shaw", "lfhc", "xl", "gcdf"])
+def test_activation_checkpointing_of_long_inputs(translation_data, monkeypatch, encoding):
+    """Long inputs of Shaw/LFHC/XL/GCDF run a block of queries at a time and recompute each block
+    during backward: with fairseq's --checkpoint-activations on top (the blocks then run under
+    no_grad and inside fairseq's recompute), and without blocks, the gradients are the same."""
+    from posenc_fairseq import attention as attention_module
+
+    whole_model, whole = gradients(translation_data, encoding, [])
+    state = whole_model.state_dict()
+    monkeypatch.setattr(attention_module, "QUERY_BLOCK", 3)
+    monkeypatch.setattr(attention_module, "QUERY_BLOCK_ELEMENTS", 1)
+    for extra in ([], ["--checkpoint-activations"]):
+        _, blocked = gradients(translation_data, encoding, extra, state)
+        assert sorted(blocked) == sorted(whole)
+        for name, expected in whole.items():
+            assert (blocked[name] - expected).abs().max() <= 1e-5 * (1 + expected.abs().max()), (extra, name)
