@@ -405,15 +405,15 @@ class Floater(PositionalEncoding):
         self._reset_pass()
 
     def _reset_pass(self):
-        self._pass_tables = {}  # (grad, layer key inside backward) -> Solved, this forward pass only
-        self._pass_gathered = {}  # (role, id(positions), dtype) -> (table, positions, biases there)
-        self._needed = 0
-        self._window_pass = False
-        self._eval_checked = False
+        self.__dict__.update(  # (plain attributes: once per decoding step, nn.Module's setattr is slow)
+            _pass_tables={},  # (grad, layer key inside backward) -> Solved, this forward pass only
+            _pass_gathered={},  # (role, id(positions), dtype) -> (table, positions, biases there)
+            _pass_biases={},  # (role, layer, which, id(positions)) -> (positions, that slot's biases there)
+            _needed=0, _window_pass=False, _eval_checked=False)
 
     def __getstate__(self):  # copies (fairseq's EMA deep-copies the model) drop per-pass graphs
         state = super().__getstate__()
-        state.update(_pass_tables={}, _pass_gathered={}, _eval_cache=None, _window=None)
+        state.update(_pass_tables={}, _pass_gathered={}, _pass_biases={}, _eval_cache=None, _window=None)
         return state
 
     # --- solving ------------------------------------------------------------------------------
@@ -559,16 +559,22 @@ class Floater(PositionalEncoding):
     def set_num_updates(self, num_updates: int):
         self._num_updates = num_updates
 
-    def begin(self, role, positions=None, source_positions=None):
-        super().begin(role, positions, source_positions)
+    def begin(self, role, positions=None, source_positions=None, earlier=0):
+        super().begin(role, positions, source_positions, earlier)
         # a new forward pass starts with the encoder, or with a decoder call that follows a decoder call
         if role == "encoder" or self._last_begin != "encoder":
             self._reset_pass()
             if self.training and self.recompute_every > 1:
                 self._start_window_pass()
-        self._last_begin = role
+        self.__dict__["_last_begin"] = role
+        if earlier > 0:
+            # a later decoding step: its pass's first step checked the table and saw the source
+            # positions (cross-attention keys are cached); its own are below earlier + length,
+            # known without reading them (a host sync per step costs more than FLOATER's step)
+            self.__dict__.update(_eval_checked=True, _needed=max(self._needed, earlier + positions.size(-1)))
+            return
         if not self.training and positions is not None and positions.numel() and int(positions.min()) > 0:
-            self._eval_checked = True  # a later decoding step: its pass's first step checked the table
+            self._eval_checked = True  # a later step of a caller that does not say `earlier`
         for given in (positions, source_positions):
             if given is not None and given.numel() > 0:
                 self._needed = max(self._needed, int(given.max()) + 1)
@@ -581,10 +587,16 @@ class Floater(PositionalEncoding):
             self._window = {"index": index, "options": self._options(),
                             "parameters": self._flat_parameters(self.solve_dtype()), "table": None}
 
-    def project(self, role, layer, which, x, positions):
+    def projection_bias(self, role, layer, which, positions):
+        """b(t_i) = b(0) + table[i] for each token of the call, (T, B, E): the projection's bias."""
+        if not in_backward():  # gathered for these positions earlier in the pass (every slot of the role)
+            hit = self._pass_biases.get((role, layer, which, id(positions)))
+            if hit is not None and hit[0] is positions:
+                return hit[1]
         slot = self._slot_index.get((role, layer, which))
         if slot is None or positions is None:
-            return x
+            return None
+        dtype = self._slots[slot][3].q_proj.weight.dtype
         # begin() saw every position of this forward (one host sync per stack, not one per layer)
         rows = self._needed or (int(positions.max()) + 1 if positions.numel() else 1)
         solved = self._table(rows, ("encoder" if role == "encoder" else "decoder", layer))
@@ -596,24 +608,30 @@ class Floater(PositionalEncoding):
                 "dynamics grow without bound beyond the lengths seen in training. Train on longer inputs, use a "
                 "smaller --floater-delta, or shorten the input (docs/floater.md)")
         start = self._role_start[role]
-        return x + self._gathered(solved.values, role, positions, x.dtype)[:, :, slot - start]
+        return self._gathered(solved.values, role, positions, dtype)[:, :, slot - start]
 
     def _gathered(self, table: Tensor, role: str, positions: Tensor, dtype: torch.dtype) -> Tensor:
-        """The biases of `role`'s slots at `positions`, (T, B, slots of the role, d) in `dtype`:
+        """The biases b(t) of `role`'s slots at `positions`, (T, B, slots of the role, d) in `dtype`:
         gathered once per forward pass and shared by q/k/v and the layers."""
         if in_backward():  # a recomputed layer (activation checkpointing) keeps its own graph
             return self._gather(table, role, positions, dtype)
         key = (role, id(positions), dtype)  # cross-attention: target positions (q), source positions (k, v)
         hit = self._pass_gathered.get(key)
         if hit is None or hit[0] is not table or hit[1] is not positions:
-            hit = self._pass_gathered[key] = (table, positions, self._gather(table, role, positions, dtype))
+            gathered = self._gather(table, role, positions, dtype)
+            hit = self._pass_gathered[key] = (table, positions, gathered)
+            start, end = self._role_start[role], self._role_end[role]
+            for (_, layer, which, _), bias in zip(self._slots[start:end], gathered.unbind(2)):
+                self._pass_biases[(role, layer, which, id(positions))] = (positions, bias)
         return hit[2]
 
     def _gather(self, table: Tensor, role: str, positions: Tensor, dtype: torch.dtype) -> Tensor:
         # index_select: its backward (index_add) is ~20x faster on CPU than advanced indexing's
         start, end = self._role_start[role], self._role_end[role]
         rows = table[:, start:end].reshape(table.size(0), -1).index_select(0, positions.reshape(-1))
-        return rows.view(*positions.shape, end - start, table.size(-1)).transpose(0, 1).to(dtype)
+        rows = rows.view(*positions.shape, end - start, table.size(-1)).transpose(0, 1).to(dtype)
+        # + the live b(0) (also in a K-window, whose table comes from the window's snapshot)
+        return rows + torch.stack([module.full_projection_bias(which) for _, _, which, module in self._slots[start:end]])
 
     # --- checkpoints: the window snapshot (K > 1), never a table -----------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):

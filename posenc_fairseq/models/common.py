@@ -96,8 +96,10 @@ class PositionalTransformerDecoder(TransformerDecoder):
         check_length(self.embed_positions, prev_output_tokens.size(1), self.max_target_positions)
         if self.encoding is not None:
             positions = token_positions(prev_output_tokens, self.padding_idx)
+            earlier = 0
             if incremental_state is not None:
                 positions = positions[:, -1:]
+                earlier = prev_output_tokens.size(1) - 1
             source = None
             if encoder_out is not None and len(encoder_out.get("encoder_padding_mask", [])) > 0:
                 source_mask = encoder_out["encoder_padding_mask"][0]
@@ -106,7 +108,7 @@ class PositionalTransformerDecoder(TransformerDecoder):
             elif encoder_out is not None and len(encoder_out.get("encoder_out", [])) > 0:
                 length, batch = encoder_out["encoder_out"][0].shape[:2]
                 source = torch.arange(length, device=positions.device).expand(batch, length)
-            self.encoding.begin("decoder", positions, source)
+            self.encoding.begin("decoder", positions, source, earlier)
         return super().extract_features(prev_output_tokens, encoder_out, incremental_state, **kwargs)
 
 
@@ -130,9 +132,9 @@ class PerStackEncoding(nn.Module):
     def for_role(self, role: str):
         return self.encoder if role == "encoder" else self.decoder
 
-    def begin(self, role, positions=None, source_positions=None):
+    def begin(self, role, positions=None, source_positions=None, earlier=0):
         for part in self.parts():
-            part.begin(role, positions, source_positions)
+            part.begin(role, positions, source_positions, earlier)
 
     def bind_model(self, model):
         # a part may freeze everything outside itself (FLOATER's --floater-train-dynamics-only):

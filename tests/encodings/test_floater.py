@@ -87,11 +87,10 @@ def check_against_reference(translation_data, method, reference_methods, toleran
     assert sorted(encoding._slot_index) == sorted(slots)
     src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=12, tgt_len=9)
     positions = 12
-    # through the project hook, for every slot, with x = 0: the added bias b(t_i) - b(0)
+    # through the projection_bias hook, for every slot: b(t_i) - b(0)
     index = torch.arange(positions)[None, :]
     encoding.begin("encoder", index)
-    added = {key: encoding.project(key[0], key[1], key[2], torch.zeros(positions, 1, 32, dtype=torch.float64), index)[:, 0]
-             for key in slots}
+    added = {key: encoding.projection_bias(*key, index)[:, 0] - slots[key].detach() for key in slots}
     h = make_h(encoding.dynamics)
     b0 = torch.stack([bias.detach() for bias in slots.values()])
     for reference_method in reference_methods:
