@@ -271,6 +271,31 @@ class _Run:
         return torch.addmm(y, self.b, k, alpha=self.dt)
 
 
+class GatherSlots(torch.autograd.Function):
+    """Rows `index` of each slot's table, (slots, rows, d) -> one (length, batch, d) per slot, with
+    one index_select; backward adds each slot's gradient into its own table (index_add: ~20x
+    faster on CPU than advanced indexing's backward), without stacking the slots' gradients."""
+
+    @staticmethod
+    def forward(ctx, group_table: Tensor, index: Tensor, batch: int, length: int):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(index)
+        ctx.table_shape = group_table.shape
+        biases = group_table.index_select(1, index).view(group_table.size(0), length, batch, group_table.size(-1))
+        return tuple(biases.unbind(0))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        index, = ctx.saved_tensors
+        grad_table = None
+        for slot, grad in enumerate(grads):
+            if grad is not None:
+                if grad_table is None:
+                    grad_table = grad.new_zeros(ctx.table_shape)
+                grad_table[slot].index_add_(0, index, grad.reshape(-1, grad.size(-1)))
+        return grad_table, None, None, None
+
+
 class Solved(NamedTuple):
     """A table and the first position whose bias the model's dtype cannot hold (len if none)."""
     values: Tensor
@@ -320,10 +345,11 @@ class Floater(PositionalEncoding):
         # plain attributes, not submodules: the model owns the attention modules and their biases
         self.__dict__["_slots"] = []  # [(role, layer, which, attention module)]
         self._slot_index = {}
-        self._role_start, self._role_end = {}, {}
+        self._groups = {}  # (role, which) -> the slots whose biases are gathered together (same positions)
         self._num_updates = 0
         self._window: Optional[dict] = None  # K > 1: {'index', 'parameters' (flat snapshot), 'table'}
         self._eval_cache: Optional[tuple] = None  # (what it was computed from, Solved)
+        self._eval_group_tables = {}
         self._reset_pass()
         self._last_begin: Optional[str] = None
         self.register_load_state_dict_post_hook(Floater._after_load)
@@ -371,9 +397,13 @@ class Floater(PositionalEncoding):
         slots.sort(key=lambda slot: (ROLES.index(slot[0]), slot[1], "qkv".index(slot[2])))
         self.__dict__["_slots"] = slots
         self._slot_index = {slot[:3]: index for index, slot in enumerate(slots)}
-        # slots are sorted by role: each role's slots are one contiguous range
-        self._role_start = {role: min((i for i, slot in enumerate(slots) if slot[0] == role), default=0) for role in ROLES}
-        self._role_end = {role: 1 + max((i for i, slot in enumerate(slots) if slot[0] == role), default=-1) for role in ROLES}
+        # the slots that see the same positions in a pass: each self-attention stack's q/k/v; the
+        # cross-attention queries (target positions) and its keys and values (source positions)
+        def group(role, which):
+            return "qkv" if role != "cross" else ("q" if which == "q" else "kv")
+        self._groups = {(role, which): tuple(i for i, slot in enumerate(slots) if slot[0] == role
+                                             and group(role, slot[2]) == group(role, which))
+                        for role in ROLES for which in "qkv"}
         self._forget_tables()
         if self.train_dynamics_only:
             dynamics = {id(p) for p in self.dynamics.parameters()}
@@ -402,18 +432,21 @@ class Floater(PositionalEncoding):
 
     def _forget_tables(self):
         self._window, self._eval_cache = None, None
+        self._eval_group_tables = {}  # (group, dtype) -> (eval table values, b(t) of the group's slots)
         self._reset_pass()
 
     def _reset_pass(self):
         self.__dict__.update(  # (plain attributes: once per decoding step, nn.Module's setattr is slow)
             _pass_tables={},  # (grad, layer key inside backward) -> Solved, this forward pass only
-            _pass_gathered={},  # (role, id(positions), dtype) -> (table, positions, biases there)
+            _pass_group_tables={},  # (group, dtype) -> (table values, b(t) of the group's slots)
+            _pass_gathered={},  # (group, id(positions), dtype) -> (table values, positions, biases there)
             _pass_biases={},  # (role, layer, which, id(positions)) -> (positions, that slot's biases there)
             _needed=0, _window_pass=False, _eval_checked=False)
 
     def __getstate__(self):  # copies (fairseq's EMA deep-copies the model) drop per-pass graphs
         state = super().__getstate__()
-        state.update(_pass_tables={}, _pass_gathered={}, _pass_biases={}, _eval_cache=None, _window=None)
+        state.update(_pass_tables={}, _pass_group_tables={}, _pass_gathered={}, _pass_biases={}, _eval_cache=None,
+                     _eval_group_tables={}, _window=None)
         return state
 
     # --- solving ------------------------------------------------------------------------------
@@ -607,31 +640,46 @@ class Floater(PositionalEncoding):
                 f"more than {self.dynamics.fc1.weight.dtype} holds) for an input of {rows} positions: the learned "
                 "dynamics grow without bound beyond the lengths seen in training. Train on longer inputs, use a "
                 "smaller --floater-delta, or shorten the input (docs/floater.md)")
-        start = self._role_start[role]
-        return self._gathered(solved.values, role, positions, dtype)[:, :, slot - start]
+        group = self._groups[(role, which)]
+        return self._gathered(solved.values, group, positions, dtype)[group.index(slot)]
 
-    def _gathered(self, table: Tensor, role: str, positions: Tensor, dtype: torch.dtype) -> Tensor:
-        """The biases b(t) of `role`'s slots at `positions`, (T, B, slots of the role, d) in `dtype`:
-        gathered once per forward pass and shared by q/k/v and the layers."""
+    def _gathered(self, table: Tensor, group: tuple, positions: Tensor, dtype: torch.dtype) -> tuple:
+        """b(t) of the `group`'s slots at `positions`, one (T, B, d) per slot in `dtype`: gathered
+        once per forward pass and shared by the layers."""
         if in_backward():  # a recomputed layer (activation checkpointing) keeps its own graph
-            return self._gather(table, role, positions, dtype)
-        key = (role, id(positions), dtype)  # cross-attention: target positions (q), source positions (k, v)
+            return self._gather(self._group_table(table, group, dtype), positions)
+        key = (group, id(positions), dtype)
         hit = self._pass_gathered.get(key)
         if hit is None or hit[0] is not table or hit[1] is not positions:
-            gathered = self._gather(table, role, positions, dtype)
-            hit = self._pass_gathered[key] = (table, positions, gathered)
-            start, end = self._role_start[role], self._role_end[role]
-            for (_, layer, which, _), bias in zip(self._slots[start:end], gathered.unbind(2)):
+            biases = self._gather(self._group_table(table, group, dtype), positions)
+            hit = self._pass_gathered[key] = (table, positions, biases)
+            for slot, bias in zip(group, biases):
+                role, layer, which, _ = self._slots[slot]
                 self._pass_biases[(role, layer, which, id(positions))] = (positions, bias)
         return hit[2]
 
-    def _gather(self, table: Tensor, role: str, positions: Tensor, dtype: torch.dtype) -> Tensor:
-        # index_select: its backward (index_add) is ~20x faster on CPU than advanced indexing's
-        start, end = self._role_start[role], self._role_end[role]
-        rows = table[:, start:end].reshape(table.size(0), -1).index_select(0, positions.reshape(-1))
-        rows = rows.view(*positions.shape, end - start, table.size(-1)).transpose(0, 1).to(dtype)
-        # + the live b(0) (also in a K-window, whose table comes from the window's snapshot)
-        return rows + torch.stack([module.full_projection_bias(which) for _, _, which, module in self._slots[start:end]])
+    def _group_table(self, table: Tensor, group: tuple, dtype: torch.dtype) -> Tensor:
+        """b(t) = b(0) + table of the group's slots at every position of the table, (slots, rows, d)
+        in `dtype`, with the live b(0) (also in a K-window, whose table is the window snapshot's):
+        once per pass; in evaluation kept as long as the evaluation table (which is tied to b(0))."""
+        if in_backward():
+            return self._with_initial_values(table, group, dtype)
+        cache = self._eval_group_tables if self._eval_cache is not None and table is self._eval_cache[1].values \
+            else self._pass_group_tables
+        hit = cache.get((group, dtype))
+        if hit is None or hit[0] is not table:
+            hit = cache[(group, dtype)] = (table, self._with_initial_values(table, group, dtype))
+        return hit[1]
+
+    def _with_initial_values(self, table: Tensor, group: tuple, dtype: torch.dtype) -> Tensor:
+        index = torch.tensor(group, device=table.device)
+        initial = torch.stack([self._slots[slot][3].full_projection_bias(self._slots[slot][2]) for slot in group])
+        # added in the solve dtype, rounded once to the model's (exactly b(0) where the table is 0)
+        return (table.index_select(1, index) + initial.to(table.dtype)).to(dtype).transpose(0, 1).contiguous()
+
+    @staticmethod
+    def _gather(group_table: Tensor, positions: Tensor) -> tuple:
+        return GatherSlots.apply(group_table, positions.t().reshape(-1), *positions.shape)
 
     # --- checkpoints: the window snapshot (K > 1), never a table -----------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
