@@ -44,7 +44,8 @@ from torch.utils.checkpoint import checkpoint
 from fairseq.modules import MultiheadAttention
 
 from .encodings.base import in_backward
-from .encodings.positions import position_range
+from . import flex_attention as flex
+from .encodings.positions import bounds, position_range
 
 
 def use_positional_attention(module: torch.nn.Module):
@@ -253,7 +254,8 @@ class PositionalAttention(MultiheadAttention):
         k_target = k[:, :, source_keys:] if source_keys else k
         q = q * self.scaling
         terms = dict(encoding=encoding, binding=binding, relative=relative, k_target=k_target, k_pos=k_pos,
-                     attn_mask=attn_mask, key_padding_mask=key_padding_mask, source_keys=source_keys)
+                     attn_mask=attn_mask, key_padding_mask=key_padding_mask, source_keys=source_keys,
+                     fused=not (need_weights or before_softmax))
         value_term = relative and encoding.has_relative_values(binding.role, binding.layer)
 
         # Shaw/LFHC/XL/GCDF: relative logits that need a gradient go through the explicit softmax:
@@ -309,10 +311,13 @@ class PositionalAttention(MultiheadAttention):
 
     def _additive(self, q: Tensor, q_pos: Tensor, rows: slice, encoding, binding, relative: bool, k_target: Tensor,
                   k_pos: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
-                  source_keys: int) -> Optional[Tensor]:
+                  source_keys: int, fused: bool = False) -> Optional[Tensor]:
         """Everything added to the scaled logits of the queries `q` (B, H, Tq, D) at positions
         `q_pos` (rows `rows` of the call): the position terms, the attention mask's finite part and
-        the blocked entries (mask and padding) as a large negative number; (B or 1, H or 1, Tq, S)."""
+        the blocked entries (mask and padding) as a large negative number; (B or 1, H or 1, Tq, S).
+        None where `_attend` takes the fused path, which reads them itself (`_flex_applies`)."""
+        if self._flex_applies(q, encoding, binding, relative, attn_mask, source_keys, fused):
+            return None
         kept = self._kept_heads()
         additive = None
         if relative:
@@ -350,9 +355,20 @@ class PositionalAttention(MultiheadAttention):
         return additive
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, additive: Optional[Tensor], value_term: bool, q_pos: Tensor,
-                encoding, binding, k_pos: Tensor, source_keys: int, explicit: bool = False, **_) -> Tuple[Tensor, Optional[Tensor]]:
+                encoding, binding, k_pos: Tensor, source_keys: int, explicit: bool = False, relative: bool = False,
+                attn_mask: Optional[Tensor] = None, key_padding_mask: Optional[Tensor] = None, fused: bool = False,
+                **_) -> Tuple[Tensor, Optional[Tensor]]:
         """Attention output (B, H, Tq, D) of the queries `q` and the probabilities where they are
-        computed explicitly (weights asked for, or a relative value term); otherwise fused SDPA."""
+        computed explicitly (weights asked for, or a relative value term); otherwise fused:
+        FlexAttention with the encoding's per-distance terms (`_flex_applies`), or SDPA."""
+        if not (explicit or value_term) and self._flex_applies(q, encoding, binding, relative, attn_mask,
+                                                                source_keys, fused):
+            distance = encoding.distance_logits(binding.role, binding.layer, q, k, q_pos, k_pos)
+            if attn_mask is not None:  # the rows of these queries: the last attn_mask.size(0) of the keys
+                first = bounds(q_pos)[0] - (len(k_pos) - attn_mask.size(0))
+                attn_mask = attn_mask[first: first + q.size(2)]
+            out = flex.attend(q, k, v, distance, attn_mask, key_padding_mask, blocked_fill_value(q.dtype))
+            return out, None
         if not (explicit or value_term):
             if additive is not None:
                 additive = additive.expand(q.size(0), q.size(1), q.size(2), k.size(2))
@@ -379,6 +395,18 @@ class PositionalAttention(MultiheadAttention):
             if term is not None:
                 out = out + term.to(out.dtype)
         return out, probs
+
+    def _flex_applies(self, q: Tensor, encoding, binding, relative: bool, attn_mask: Optional[Tensor],
+                      source_keys: int, fused: bool) -> bool:
+        """Whether the call of the queries `q` takes the FlexAttention path (flex_attention.py): the
+        caller asked for neither weights nor logits (`fused`), FlexAttention is on for the device,
+        the encoding gives its terms per distance, and nothing needs the explicit path: no
+        relative value term, attention dropout, head pruning or --cross-self-attention keys, and
+        a 2-D attn_mask (fairseq's)."""
+        return (fused and relative and flex.supports(encoding) and flex.available(q)
+                and not encoding.has_relative_values(binding.role, binding.layer)
+                and self._dropout_probability() == 0.0 and self._kept_heads() is None and not source_keys
+                and (attn_mask is None or attn_mask.dim() == 2))
 
     def _dropout_probability(self) -> float:
         """What the dropout module itself would apply now: in training, and at inference when

@@ -10,7 +10,7 @@ import math
 import torch
 from torch import Tensor
 
-from .base import PositionalEncoding, register_encoding
+from .base import DistanceLogits, PositionalEncoding, distance_range, register_encoding
 from .positions import bounds
 
 
@@ -42,7 +42,20 @@ class ALiBi(PositionalEncoding):
             return None
 
         def compute():
-            distance = (key_positions[None, :] - query_positions[:, None]).abs()
-            return -self.slopes[:, None, None] * distance
+            return self.penalty(key_positions[None, :] - query_positions[:, None])
         (q_low, _), (k_low, _) = bounds(query_positions), bounds(key_positions)  # no device sync
         return self.memoize((role, "alibi", q_low, len(query_positions), k_low, len(key_positions)), compute)
+
+    def penalty(self, distance: Tensor) -> Tensor:
+        """-m_h |d| of key - query distances `distance` (any shape) -> (heads, *distance.shape)."""
+        return -self.slopes.view(-1, *[1] * distance.dim()) * distance.abs()
+
+    def distance_logits(self, role, layer, query, key, query_positions, key_positions):
+        """The penalty per distance, (1, H, 1, Tq + Tk - 1), once per forward."""
+        if role == "cross":
+            return None
+        low, high = distance_range(query_positions, key_positions)
+
+        def compute():
+            return self.penalty(torch.arange(low, high + 1, device=self.slopes.device))[None, :, None, :]
+        return DistanceLogits(self.memoize((role, "alibi per distance", low, high), compute))

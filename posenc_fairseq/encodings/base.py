@@ -8,12 +8,36 @@ fairseq: encodings are plain torch and testable in milliseconds.
 """
 import argparse
 import contextlib
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
+from .positions import bounds
+
 ROLES = ("encoder", "decoder", "cross")
+
+
+class DistanceLogits(NamedTuple):
+    """The logit terms of one call as a fused kernel reads them (`distance_logits`,
+    flex_attention.py): for query i and key j of consecutive positions, c = j - i + Tq - 1 numbers
+    the Tq + Tk - 1 distances key - query in ascending order, and the term of (b, h, i, j) is
+
+        table[b, h, i, column[c]]  (+ key_bias[b, h, j])
+
+    `table` (B or 1, H, Tq or 1, R): a size-1 batch or query dimension is shared (read at 0);
+    `column` (Tq + Tk - 1,) long, the table column of each distance; None: column c itself;
+    `key_bias` (B, H, Tk): a term of the key alone (XL/GCDF's u.k_j), or None."""
+    table: Tensor
+    column: Optional[Tensor] = None
+    key_bias: Optional[Tensor] = None
+
+
+def distance_range(query_positions: Tensor, key_positions: Tensor) -> Tuple[int, int]:
+    """(lowest, highest) key - query distance of the pairs of 1-D positions (no device sync for a
+    `position_range`); for consecutive positions the distances `DistanceLogits` numbers."""
+    (q_low, q_high), (k_low, k_high) = bounds(query_positions), bounds(key_positions)
+    return k_low - q_high, k_high - q_low
 
 
 class PositionalEncoding(nn.Module):
@@ -106,6 +130,16 @@ class PositionalEncoding(nn.Module):
 
     def relative_values(self, role, layer, probs: Tensor, query_positions, key_positions) -> Optional[Tensor]:
         """(B, H, Tq, D) added to the attention output, from probabilities (B, H, Tq, Tk)."""
+        return None
+
+    # --- optional: the logit terms for a fused kernel (flex_attention.py) ------------------
+    def distance_logits(self, role, layer, query: Tensor, key: Tensor, query_positions: Tensor,
+                        key_positions: Tensor) -> Optional[DistanceLogits]:
+        """The terms `logit_bias` + `relative_logits` add in this layer, as a table per distance
+        (see `DistanceLogits`) instead of a (B, H, Tq, Tk) tensor; arguments as `relative_logits`,
+        positions consecutive (`position_range`). An encoding that overrides it promises exactly
+        those terms (the fused path calls neither of the two hooks) and returns None where the
+        layer has none. Not overridden: PositionalAttention never takes the fused path."""
         return None
 
     # --- warm start ------------------------------------------------------------------------

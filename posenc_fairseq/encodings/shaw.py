@@ -29,7 +29,7 @@ import argparse
 import torch
 from torch import Tensor, nn
 
-from .base import PositionalEncoding, register_encoding
+from .base import DistanceLogits, PositionalEncoding, register_encoding
 from .option_types import Checker, check_size, checked, one_of, option
 from .positions import bounds, is_range, relative_shift
 
@@ -154,13 +154,26 @@ class Shaw(PositionalEncoding):
         if query.size(2) > 1 and is_range(query_positions) and is_range(key_positions):
             # the attention's consecutive positions: query . row per distance, then a strided view
             rows, low, high = self.distance_rows(role, layer, query_positions, key_positions)  # (N,)
-            table = self.key_tables[f"{role}{layer}"][low: high + 1].to(query.dtype)
-            return relative_shift((query @ table.t()).index_select(-1, rows), key.size(2))
+            return relative_shift(self.key_scores(role, layer, query, low, high).index_select(-1, rows), key.size(2))
         index, low, high = self.buckets(role, layer, query_positions, key_positions)  # (Tq, Tk)
-        table = self.key_tables[f"{role}{layer}"][low: high + 1].to(query.dtype)
-        scores = query @ table.t()  # (B, H, Tq, #rows used); query is already scaled by 1/sqrt(d)
+        scores = self.key_scores(role, layer, query, low, high)  # (B, H, Tq, #rows used)
         batch, heads, tq, _ = scores.shape
         return scores.gather(-1, index.expand(batch, heads, tq, index.size(-1)))
+
+    def key_scores(self, role, layer, query, low, high):
+        """(B, H, Tq, high - low + 1): the query (already scaled by 1/sqrt(d)) against the key
+        embeddings w^K of the rows low..high."""
+        table = self.key_tables[f"{role}{layer}"][low: high + 1].to(query.dtype)
+        return query @ table.t()
+
+    def distance_logits(self, role, layer, query, key, query_positions, key_positions):
+        """The key term as the query against the rows the call uses, (B, H, Tq, #rows), and the
+        row of each distance (`distance_rows`); the value term has no such form (see
+        `has_relative_values`: the fused path is not taken with it)."""
+        if role not in SELF_ROLES:
+            return None
+        rows, low, high = self.distance_rows(role, layer, query_positions, key_positions)
+        return DistanceLogits(self.key_scores(role, layer, query, low, high), rows)
 
     def has_relative_values(self, role, layer):
         return self.values and role in SELF_ROLES

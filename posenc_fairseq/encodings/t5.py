@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .base import PositionalEncoding, layers_with_bias, register_encoding
+from .base import DistanceLogits, PositionalEncoding, distance_range, layers_with_bias, register_encoding
 from .option_types import OptionValueError, check_size, even_int_in_range, int_in_range, one_of, option
 from .positions import bounds, is_range, range_values, signature, use_kept_values
 
@@ -153,15 +153,18 @@ class ScalarBias(PositionalEncoding):
         if len(query_positions) == 1 and is_range(key_positions):
             # one query (a decoding step) and consecutive keys: key j is at distance low + j, so
             # the bias is the per-distance values themselves, kept across steps in inference
-            if use_kept_values(self):
-                values = range_values(self.__dict__.setdefault("_kept", {}), key, signature(self.parameters()),
-                                      low, high, lambda a, b: self.distance_bias(key, a, b), dim=1)
-            else:
-                values = self.distance_bias(key, low, high)
-            return values[:, None, :]
+            return self.distance_values(key, low, high)[:, None, :]
         relative = key_positions.long()[None, :] - query_positions.long()[:, None]
         values = self.distance_bias(key, low, high)  # over the distinct distances
         return values[:, relative - low]
+
+    def distance_values(self, key: str, low: int, high: int) -> Tensor:
+        """`distance_bias`, kept across calls in inference (positions.py: a decoding step reads a
+        slice of it)."""
+        if use_kept_values(self):
+            return range_values(self.__dict__.setdefault("_kept", {}), key, signature(self.parameters()),
+                                low, high, lambda a, b: self.distance_bias(key, a, b), dim=1)
+        return self.distance_bias(key, low, high)
 
     def logit_bias(self, role, layer, query_positions, key_positions):
         if not self.has_bias(role, layer):
@@ -170,6 +173,15 @@ class ScalarBias(PositionalEncoding):
         (q_low, _), (k_low, _) = bounds(query_positions), bounds(key_positions)
         memo = (role, self.name, key, q_low, len(query_positions), k_low, len(key_positions))
         return self.memoize(memo, lambda: self.bias(role, layer, query_positions, key_positions))
+
+    def distance_logits(self, role, layer, query, key, query_positions, key_positions):
+        """The bias per distance itself, (1, H, 1, Tq + Tk - 1), once per forward and table."""
+        if not self.has_bias(role, layer):
+            return None
+        name, (low, high) = self.table_key(role, layer), distance_range(query_positions, key_positions)
+        values = self.memoize((role, self.name, name, "per distance", low, high),
+                              lambda: self.distance_values(name, low, high))
+        return DistanceLogits(values[None, :, None, :])
 
 
 class _TableBias(ScalarBias):

@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .base import PositionalEncoding, register_encoding
+from .base import DistanceLogits, PositionalEncoding, register_encoding
 from .option_types import float_in_range, option
 from .positions import bounds, is_range, range_values, relative_shift, signature, use_kept_values
 
@@ -134,10 +134,10 @@ class TransformerXL(PositionalEncoding):
         """What the prior R depends on besides the distance (kept values are recomputed on change)."""
         return (self.dims.embed_dim,)
 
-    def relative_logits(self, role, layer, query, key, query_positions, key_positions):
-        if role not in SELF_ROLES:
-            return None
-        batch, heads, tq, head_dim = query.shape
+    def position_terms(self, role, layer, query, key, query_positions, key_positions):
+        """(rel, query + v, content) of a call: rel = W_r R_d (H, N, D) over d = i - j = low..high
+        (ascending), the query plus v, and u.k_j (B, H, 1, Tk); u and v scaled as the query."""
+        heads, tq, head_dim = query.shape[1:]
         (low, high), (span_low, span_high) = self.spans(query_positions, key_positions)
         if tq == 1:  # a decoding step
             rel = self.projected_step(role, layer, low, high)
@@ -148,18 +148,40 @@ class TransformerXL(PositionalEncoding):
         u = self.content_bias[role].to(query.dtype) * scale
         v = self.position_bias[role].to(query.dtype) * scale
         content = torch.einsum("hd,bhkd->bhk", u, key)[:, :, None, :]  # (B, H, 1, Tk)
+        return rel, query + v[None, :, None, :], content
+
+    def relative_logits(self, role, layer, query, key, query_positions, key_positions):
+        if role not in SELF_ROLES:
+            return None
+        batch, heads, tq, _ = query.shape
+        rel, query_v, content = self.position_terms(role, layer, query, key, query_positions, key_positions)
         if tq > 1 and is_range(query_positions) and is_range(key_positions):
-            return self.shifted(query + v[None, :, None, :], rel, key.size(2)) + content
+            return self.shifted(query_v, rel, key.size(2)) + content
+        low = self.spans(query_positions, key_positions)[0][0]
         index = self._index(role, query_positions, key_positions, low)  # (Tq, Tk)
-        position = (query + v[None, :, None, :]) @ rel.transpose(-1, -2)[None]  # (B, H, Tq, N)
+        position = query_v @ rel.transpose(-1, -2)[None]  # (B, H, Tq, N)
         position = position.gather(-1, index.expand(batch, heads, tq, index.size(-1)))
         return position + content
 
+    def distance_logits(self, role, layer, query, key, query_positions, key_positions):
+        """(query + v) against W_r R of every distance of the call, (B, H, Tq, Tq + Tk - 1): O(n^2)
+        like the logits (about twice their size at Tq = Tk), unlike the other encodings' tables; and u.k_j."""
+        if role not in SELF_ROLES:
+            return None
+        rel, query_v, content = self.position_terms(role, layer, query, key, query_positions, key_positions)
+        return DistanceLogits(self.per_distance(query_v, rel), key_bias=content[:, :, 0])
+
     @staticmethod
-    def shifted(query: Tensor, rel: Tensor, keys: int) -> Tensor:
+    def per_distance(query: Tensor, rel: Tensor) -> Tensor:
+        """(B, H, Tq, N) query_i . rel_d, rel (H, N, D) over d = i - j = low..high: columns in
+        descending d, i.e. ascending key - query."""
+        return query @ rel.flip(1).transpose(-1, -2)[None]
+
+    @classmethod
+    def shifted(cls, query: Tensor, rel: Tensor, keys: int) -> Tensor:
         """(B, H, Tq, Tk) query_i . rel_{i - j} for consecutive query and key positions, rel
-        (H, N, D) over d = low..high: `relative_shift` of query @ rel^T (distances descending)."""
-        return relative_shift(query @ rel.flip(1).transpose(-1, -2)[None], keys)
+        (H, N, D) over d = low..high: `relative_shift` of `per_distance` (distances descending)."""
+        return relative_shift(cls.per_distance(query, rel), keys)
 
     def reset_to_identity(self):
         with torch.no_grad():

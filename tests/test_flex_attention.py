@@ -1,0 +1,212 @@
+"""The FlexAttention path (flex_attention.py) against the existing paths, on CPU: FlexAttention's
+eager mode (MODE "on"), forward only, so every comparison runs without gradients. Calls that take
+the fused path are counted, so that a silent fallback cannot pass for equality."""
+import pytest
+import torch
+
+import posenc_fairseq  # noqa: F401
+from posenc_fairseq import attention as attention_module
+from posenc_fairseq import flex_attention
+from posenc_fairseq.encodings import ModelDims
+from posenc_fairseq.encodings.positions import position_range
+from util import TINY_TRANSFORMER, bound_attention, build_model, perturbed_encoding, random_batch
+
+EMBED, HEADS = 16, 4
+#: the encodings with a distance term, with options that give them one (Shaw: key term only)
+DISTANCE = [("t5", []), ("t5", ["--scalar-bias-layers", "all"]), ("t5_nob", []), ("at5", []), ("at5_nob", []),
+            ("alibi", []), ("shaw", ["--shaw-values", "off"]), ("lfhc", []), ("xl", []), ("gcdf", [])]
+IDS = [" ".join([name, *argv]) for name, argv in DISTANCE]
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """`fused(mode, call, grad=False)`: call() with flex_attention.MODE = mode, under torch.no_grad
+    unless `grad`; returns (its result, the number of calls that took the FlexAttention path)."""
+    calls = []
+    attend = flex_attention.attend
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return attend(*args)
+
+    monkeypatch.setattr(flex_attention, "attend", counted)
+
+    def run(mode, call, grad=False):
+        monkeypatch.setattr(flex_attention, "MODE", mode)
+        calls.clear()
+        with torch.set_grad_enabled(grad):
+            result = call()
+        return result, len(calls)
+
+    return run
+
+
+def tiny_model(data, name, argv):
+    torch.manual_seed(0)
+    model, task, _ = build_model(data, f"transformer_{name}", [*TINY_TRANSFORMER, *argv])
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # away from an identity initialisation
+        for parameter in model.positional_encoding.parameters():
+            parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
+    return model.eval(), task
+
+
+@pytest.mark.parametrize("name,argv", DISTANCE, ids=IDS)
+def test_model_full_pass_and_decoding_steps_equal_the_explicit_path(translation_data, fused, name, argv):
+    """Encoder self-attention over a left-padded source, causal decoder self-attention (one target
+    row left-padded: its first queries see only padding), and step-by-step decoding."""
+    model, task = tiny_model(translation_data, name, argv)
+    dictionary = task.source_dictionary
+    src, src_lengths, prev = random_batch(dictionary, batch=3, src_len=9, tgt_len=7)
+    padded_prev = prev.clone()
+    padded_prev[2, :2] = dictionary.pad()
+    for target in (prev, padded_prev):
+        expected, explicit_calls = fused("off", lambda: model(src, src_lengths, target)[0])
+        got, calls = fused("on", lambda: model(src, src_lengths, target)[0])
+        assert explicit_calls == 0 and calls == 4  # every self-attention layer of both stacks
+        assert (got - expected).abs().max() <= 1e-5
+
+    def steps():
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
+        state = {}
+        return torch.cat([model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)[0]
+                          for t in range(prev.size(1))], dim=1)
+
+    expected, _ = fused("off", lambda: model(src, src_lengths, prev)[0])
+    got, calls = fused("on", steps)
+    assert calls == 2 + 2 * prev.size(1)  # the encoder's layers, then the decoder's at every step
+    assert (got - expected).abs().max() <= 1e-5
+
+
+def attention_call(name, argv, role, length=11, batch=3):
+    """A bound self-attention (float32, eval) and a call on a padded batch whose last row is all
+    padding (fully masked rows), causal with one finite mask entry in the decoder."""
+    enc = perturbed_encoding(name, *argv, dims=ModelDims(EMBED, HEADS, 2, 2)).float()
+    module = bound_attention(enc, role, 0, EMBED, HEADS, torch.float32)
+    torch.manual_seed(3)
+    x = torch.randn(length, batch, EMBED)
+    padding = torch.zeros(batch, length, dtype=torch.bool)
+    padding[0, -3:] = True
+    padding[-1, :] = True
+    mask = None
+    if role == "decoder":
+        mask = torch.triu(torch.full((length, length), float("-inf")), 1)
+        mask[5, 2] = 0.7
+
+    def call(need_weights=False):
+        enc.begin(role)
+        return module(x, x, x, key_padding_mask=padding, attn_mask=mask, need_weights=need_weights)[0]
+
+    return module, call
+
+
+@pytest.mark.parametrize("role", ["encoder", "decoder"])
+@pytest.mark.parametrize("name,argv", DISTANCE, ids=IDS)
+def test_attention_equals_the_explicit_path_in_query_blocks_with_masks(monkeypatch, fused, name, argv, role):
+    """Padding, a fully padded row (finite: uniform weights as on the explicit path), fairseq's
+    causal mask with a finite entry, and the query blocks of Shaw/LFHC/XL/GCDF."""
+    _, call = attention_call(name, argv, role)
+    expected, _ = fused("off", call)
+    got, calls = fused("on", call)
+    assert calls == 1
+    assert torch.isfinite(got).all() and (got - expected).abs().max() <= 1e-5
+    monkeypatch.setattr(attention_module, "QUERY_BLOCK", 4)
+    monkeypatch.setattr(attention_module, "QUERY_BLOCK_ELEMENTS", 1)
+    blocked, calls = fused("on", call)
+    assert calls == (3 if name in ("shaw", "lfhc", "xl", "gcdf") else 1)
+    assert (blocked - expected).abs().max() <= 1e-5
+
+
+def test_fully_masked_rows_are_finite(fused):
+    """A left-padded causal row whose first queries see only padding, and a fully padded row: the
+    blocked entries get a finite minimum, so these rows average the values instead of giving NaN."""
+    module, call = attention_call("t5", [], "decoder")
+    got, calls = fused("on", call)
+    assert calls == 1 and torch.isfinite(got).all()
+    # the fully padded row attends uniformly to every key, as the explicit path does
+    expected, _ = fused("off", call)
+    assert (got[:, -1] - expected[:, -1]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("name,argv,role", [(name, argv, role) for name, argv in DISTANCE
+                                             for role in ("encoder", "decoder")])
+def test_distance_logits_are_the_logit_terms(name, argv, role):
+    """The hook's table and columns give exactly `logit_bias` + `relative_logits`: a whole call, a
+    block of queries in the middle and a decoding step (one query after the keys)."""
+    enc = perturbed_encoding(name, *argv, dims=ModelDims(EMBED, HEADS, 2, 2))
+    enc.eval()
+    torch.manual_seed(2)
+    keys = 9
+    key = torch.randn(2, HEADS, keys, EMBED // HEADS, dtype=torch.float64)
+    k_pos = position_range(0, keys)
+    for layer, (first, stop) in [(layer, span) for layer in (0, 1) for span in ((0, keys), (3, 7), (keys - 1, keys))]:
+        query = torch.randn(2, HEADS, stop - first, EMBED // HEADS, dtype=torch.float64)
+        q_pos = position_range(first, stop)
+        with torch.no_grad():
+            enc.begin(role)
+            terms = [enc.logit_bias(role, layer, q_pos, k_pos),
+                     enc.relative_logits(role, layer, query, key, q_pos, k_pos)]
+            terms = [term for term in terms if term is not None]
+            distance = enc.distance_logits(role, layer, query, key, q_pos, k_pos)
+        if distance is None:  # T5/AT5 --scalar-bias-layers first: nothing in the second layer
+            assert not terms and layer == 1
+            continue
+        expected = sum(terms)
+        table, column, key_bias = distance
+        i, j = torch.arange(stop - first)[:, None], torch.arange(keys)[None, :]
+        c = j - i + (stop - first) - 1
+        c = column[c] if column is not None else c
+        table = table.expand(2, HEADS, stop - first, table.size(-1))
+        got = table.gather(-1, c.expand(2, HEADS, -1, -1))
+        if key_bias is not None:
+            got = got + key_bias[:, :, None, :]
+        assert (got - expected).abs().max() <= 1e-12
+
+
+def test_no_distance_term_no_hook():
+    """Encodings without a distance term (rotary, FLOATER, the absolute ones) and cross-attention
+    never take the fused path."""
+    dims = ModelDims(EMBED, HEADS, 2, 2)
+    for name in ("rotary", "sinusoidal", "nope"):
+        assert not flex_attention.supports(perturbed_encoding(name, dims=dims))
+    assert flex_attention.supports(perturbed_encoding("t5", dims=dims))
+    q_pos, k_pos, query = position_range(0, 3), position_range(0, 4), torch.zeros(1, HEADS, 3, EMBED // HEADS)
+    for name in ("t5", "alibi", "shaw", "xl"):
+        enc = perturbed_encoding(name, dims=dims).float()
+        assert enc.distance_logits("cross", 0, query, query, q_pos, k_pos) is None
+
+
+FALLBACKS = ["weights", "shaw values", "lfhc values", "dropout", "retain dropout", "pruned heads", "gradient",
+             "auto on cpu", "off", "cross-attention"]
+
+
+@pytest.mark.parametrize("case", FALLBACKS)
+def test_fallbacks_take_the_existing_paths(fused, case):
+    name, argv = {"shaw values": ("shaw", []), "lfhc values": ("lfhc", ["--lfhc-values", "on"])}.get(case, ("xl", []))
+    module, call = attention_call(name, argv, "decoder")
+    mode = {"auto on cpu": "auto", "off": "off"}.get(case, "on")
+    options = {}
+    if case == "weights":
+        options["need_weights"] = True
+    elif case == "dropout":
+        module.dropout_module.p = 0.1
+        module.train()
+    elif case == "retain dropout":
+        module.dropout_module.p = 0.1
+        module.dropout_module.apply_during_inference = True
+    elif case == "pruned heads":
+        module._adaptive_prune_heads([(0, module.head_dim), (2 * module.head_dim, 3 * module.head_dim)])
+    elif case == "cross-attention":
+        module.encoder_decoder_attention, module.self_attention = True, False
+    # "gradient": eager FlexAttention on CPU has no backward
+    got, calls = fused(mode, lambda: call(**options), grad=case == "gradient")
+    assert calls == 0
+    if "dropout" not in case:  # the existing path's result
+        expected, _ = fused("off", lambda: call(**options))
+        assert got.requires_grad == (case == "gradient") and (got.detach() - expected).abs().max() <= 1e-6
+
+
+def test_unknown_mode_is_refused(fused):
+    _, call = attention_call("alibi", [], "encoder")
+    with pytest.raises(ValueError, match="POSENC_FLEX_ATTENTION='fast'"):
+        fused("fast", call)
