@@ -4,7 +4,8 @@
 incremental-state layout and beam handling) with a forward that asks a bound
 `PositionalEncoding` for four optional terms (see `encodings/base.py`):
 
-    project(q|k|v)      position-dependent change of the projected q/k/v    (FLOATER, rotary)
+    projection_bias     per-token bias of the q/k/v projections              (FLOATER)
+    project(q|k|v)      position-dependent change of the projected q/k/v    (rotary)
     logit_bias          (heads, q_len, k_len) added to the scaled logits     (T5, AT5, ALiBi)
     relative_logits     query against relative embeddings, (B, H, q, k)      (Shaw, LFHC, XL, GCDF)
     relative_values     probabilities mixed into relative value embeddings   (Shaw, LFHC)
@@ -196,7 +197,7 @@ class PositionalAttention(MultiheadAttention):
             source_keys = source_positions.size(1) if source_positions is not None else 0
             if key is not None and key.size(0) == source_keys + tgt_len and source_positions is not None:
                 key_positions = torch.cat([source_positions, key_positions], dim=1)
-        q = self._project("q", self.q_proj(query), query_positions)
+        q = self._project("q", query, query_positions)
         k = v = None
         if self.self_attention:
             key = value = query
@@ -208,8 +209,8 @@ class PositionalAttention(MultiheadAttention):
                     key_padding_mask = key_padding_mask.view(-1, self.beam_size, key_padding_mask.size(1))[:, 0, :]
                 if key_positions is not None:
                     key_positions = key_positions.view(-1, self.beam_size, key_positions.size(1))[:, 0, :]
-            k = self._project("k", self.k_proj(key), key_positions)
-            v = self._project("v", self.v_proj(value), key_positions)
+            k = self._project("k", key, key_positions)
+            v = self._project("v", value, key_positions)
 
         q = q.view(tgt_len, bsz, heads, head_dim).permute(1, 2, 0, 3)  # (B, H, T, D)
         if k is not None:
@@ -434,13 +435,27 @@ class PositionalAttention(MultiheadAttention):
         return encoding.token_positions.get(query_role), encoding.token_positions.get(key_role)
 
     def _project(self, which: str, x: Tensor, positions: Optional[Tensor]) -> Tensor:
+        """`{which}_proj(x)`, with the encoding's per-token bias and its project hook."""
+        projection = getattr(self, f"{which}_proj")
         binding = self.position_binding
         if binding is None:
-            return x
+            return projection(x)
         kept = self._kept_heads()
+        bias = binding.encoding.projection_bias(binding.role, binding.layer, which, positions)
+        if bias is None:
+            y = projection(x)
+        else:
+            if kept is not None:  # the encoding's bias covers all the original heads
+                bias = bias.index_select(-1, self._kept_channels())
+            if type(projection) is torch.nn.Linear and not (projection._forward_hooks or projection._forward_pre_hooks):
+                # one matrix product with the per-token bias (no separate add per projection)
+                y = torch.addmm(bias.reshape(-1, bias.size(-1)), x.reshape(-1, x.size(-1)),
+                                projection.weight.t()).view(*x.shape[:-1], -1)
+            else:  # e.g. fairseq's quant-noise hooks on the projection
+                y = projection(x) - projection.bias + bias
         if kept is None:
-            return binding.encoding.project(binding.role, binding.layer, which, x, positions)
-        length, batch, _ = x.shape
-        full = self._all_heads(x.view(length, batch, len(kept), self.head_dim), 2)
+            return binding.encoding.project(binding.role, binding.layer, which, y, positions)
+        length, batch, _ = y.shape
+        full = self._all_heads(y.view(length, batch, len(kept), self.head_dim), 2)
         full = binding.encoding.project(binding.role, binding.layer, which, full.view(length, batch, -1), positions)
         return full.view(length, batch, -1, self.head_dim)[:, :, kept].reshape(length, batch, -1)

@@ -62,8 +62,10 @@ class PositionalEncoding(nn.Module):
         """Command-line options of this encoding (names prefixed with the encoding name)."""
 
     # --- called by the stacks -------------------------------------------------------------
-    def begin(self, role: str, positions: Optional[Tensor] = None, source_positions: Optional[Tensor] = None):
-        """A stack ('encoder' or 'decoder') starts a forward pass: forget per-forward results."""
+    def begin(self, role: str, positions: Optional[Tensor] = None, source_positions: Optional[Tensor] = None,
+              earlier: int = 0):
+        """A stack ('encoder' or 'decoder') starts a forward pass: forget per-forward results.
+        `earlier`: target tokens before this call's (incremental decoding: the cached steps)."""
         self._memo = {key: value for key, value in self._memo.items() if key[0] != role}
         if positions is not None:
             self.token_positions[role] = positions
@@ -115,6 +117,11 @@ class PositionalEncoding(nn.Module):
     def project(self, role: str, layer: int, which: str, x: Tensor, positions: Optional[Tensor]) -> Tensor:
         """Projected q/k/v (T, B, E) of tokens at absolute `positions` (B, T) -> same shape."""
         return x
+
+    def projection_bias(self, role: str, layer: int, which: str, positions: Optional[Tensor]) -> Optional[Tensor]:
+        """The bias of each token's q/k/v projection (T, B, E), used in place of the projection's
+        own bias (FLOATER: b(t_i)); None keeps the projection as it is. Positions are (B, T)."""
+        return None
 
     def logit_bias(self, role: str, layer: int, query_positions: Tensor, key_positions: Tensor) -> Optional[Tensor]:
         """(H, Tq, Tk) added to the scaled logits; positions are 1-D."""
