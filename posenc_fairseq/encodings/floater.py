@@ -30,6 +30,7 @@ Tables. A table is b(t_i) - b(0) for positions 0..n-1, all slots. Which table a 
     not per decoding step), extended onward for longer inputs.
 Tables are never stored in checkpoints: they would be averaged by checkpoint averaging and EMA.
 """
+import contextlib
 import functools
 import math
 from typing import List, NamedTuple, Optional
@@ -123,6 +124,20 @@ def subdivided_grid(substeps: int):
         return torch.cat([inner.reshape(-1), t[-1:]])
 
     return construct
+
+
+@contextlib.contextmanager
+def single_thread(tensor: Tensor):
+    """One CPU thread inside (see `one_cpu_thread`); nothing for CUDA tensors."""
+    threads = torch.get_num_threads()
+    if threads == 1 or tensor.is_cuda:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def one_cpu_thread(function):
@@ -231,6 +246,122 @@ class FixedGridSolve(torch.autograd.Function):
                 grad_w1, grad_bias1.sum((0, 1)), grad_w2, grad_bias2.sum((0, 1)))
 
 
+class HiddenSpaceSolve(torch.autograd.Function):
+    """`FixedGridSolve`'s result with one matrix product per stage instead of two (used when h's
+    hidden width is at most twice the state's, the default being equal).
+
+    h(t, b) = W2_b relu(W1_b b + bias1(t)) + bias2(t) only enters the next stage through
+    W1_b b, so within an interval [t_i, t_i+1] the solve tracks z = W1_b b (N, hidden):
+
+        pre_j = z + bias1 + dt sum_l a_jl kz_l,   r_j = relu(pre_j),   kz_j = M r_j + W1_b bias2,
+        z <- z + dt sum_j b_j kz_j                                        with M = W1_b W2_b,
+
+    starting from z = W1_b b(t_i); b itself is linear in the relu outputs:
+    b(t_i+1) = b(t_i) + dt W2_b (sum over the interval's stages of b_j r_j) + dt sum b_j bias2.
+    The same Runge-Kutta steps as `FixedGridSolve` in exact arithmetic, and each interval depends
+    on b(t_i) alone (as there), so a table extended from its last row equals a fresh solve.
+    Backward is the exact discrete adjoint of these operations, also one product per stage. The
+    loops index precomputed views (`_HiddenRun`): at this size a stage's product takes ~25 us and
+    Python's indexing would otherwise cost as much again.
+    """
+
+    @staticmethod
+    @one_cpu_thread
+    def forward(ctx, tableau: Tableau, first: int, last: int, delta: float, substeps: int,
+                y0: Tensor, w1: Tensor, c1: Tensor, w2: Tensor, c2: Tensor) -> Tensor:
+        run = _HiddenRun(tableau, first, last, delta, substeps, y0, w1, c1, w2, c2)
+        count, hidden, stages = y0.size(0), w1.size(0), len(tableau.b)
+        states = y0.new_empty(last - first + 1, *y0.shape)
+        states[0] = y0
+        keep = any(ctx.needs_input_grad) and run.steps * stages * count * hidden * y0.element_size() <= KEEP_STAGES_BYTES
+        relus = y0.new_empty(run.steps, stages, count * hidden) if keep else None
+        for interval in range(last - first):
+            acc = run.interval(interval, states[interval], relus[interval * substeps:(interval + 1) * substeps] if keep else None)
+            torch.addmm(states[interval] + run.b2_sums[interval], acc.view(count, hidden), run.w2h_t, alpha=run.dt,
+                        out=states[interval + 1])
+        ctx.save_for_backward(states, w1, c1, w2, c2, *((relus,) if keep else ()))
+        ctx.settings = (tableau, first, last, delta, substeps)
+        return states
+
+    @staticmethod
+    def backward(ctx, grad_states: Tensor):
+        states, w1, c1, w2, c2, *kept = ctx.saved_tensors
+        tableau, first, last, delta, substeps = ctx.settings
+        run = _HiddenRun(tableau, first, last, delta, substeps, states[0], w1, c1, w2, c2)
+        count, dim, hidden = states.size(1), states.size(2), w1.size(0)
+        stages, dt, intervals = len(tableau.b), run.dt, last - first
+        # relu outputs, d loss / d kz and d loss / d pre (= d / d bias1 per row) of every stage; when
+        # the forward did not keep the relus, of one interval at a time
+        steps = run.steps if kept else substeps
+        R = kept[0] if kept else states.new_empty(substeps, stages, count * hidden)
+        GK = states.new_empty(steps, stages, count, hidden)
+        GP = states.new_empty(run.steps, stages, count, hidden)
+        relu_mats = R.view(-1, count, hidden).unbind(0)
+        gk_rows, gk_mats = GK.view(-1, 1, count * hidden).unbind(0), GK.view(-1, count, hidden).unbind(0)
+        gp_mats, gp_steps = GP.view(-1, count, hidden).unbind(0), GP.view(run.steps, stages, -1).unbind(0)
+        later = [states.new_tensor([[tableau.a[l][i] for l in range(i + 1, stages)]]) for i in range(stages)]
+        ones, beta = states.new_ones(1, stages), [dt * b for b in tableau.b]
+        b_repeated = run.b.repeat(1, substeps)
+        sums = states.new_empty(intervals, count, hidden)  # per interval: sum of b_j r_j over its stages
+        after = states.new_empty(intervals, count, dim)  # d loss / d b(t_i+1)
+        starts = states.new_empty(intervals, count, hidden)  # d loss / d z at each interval's start
+        grad_m = states.new_zeros(hidden, hidden)
+        grad_cz = states.new_empty(run.steps, stages, hidden)
+        gy = grad_states[-1].clone()  # d loss / d b(t) of the current grid point
+        a = states.new_empty(1, count * hidden)  # d loss / d z
+        with single_thread(states):
+            for interval in reversed(range(intervals)):
+                interval_steps = slice(interval * substeps, (interval + 1) * substeps)
+                if not kept:
+                    run.interval(interval, states[interval], R)
+                relus = R[interval_steps] if kept else R
+                torch.mm(b_repeated, relus.view(substeps * stages, -1), out=sums[interval].view(1, -1))
+                after[interval] = gy
+                # d loss / d relu through b(t_i+1): the same for every stage of the interval (times b_j)
+                through_b = (dt * gy) @ run.w2h  # (count, hidden)
+                a.zero_()  # z at the interval's end is not used (the next interval starts from b)
+                for j in reversed(range(substeps)):
+                    step = interval * substeps + j
+                    pre_grads = gp_steps[step]  # (stages, count * hidden)
+                    for i in reversed(range(stages)):
+                        at = (step if kept else j) * stages + i  # in R and GK
+                        if i + 1 < stages:
+                            torch.addmm(a, later[i], pre_grads[i + 1:], beta=beta[i], alpha=dt, out=gk_rows[at])
+                        else:
+                            torch.mul(a, beta[i], out=gk_rows[at])
+                        g_relu = torch.addmm(through_b, gk_mats[at], run.m, beta=tableau.b[i])
+                        torch.ops.aten.threshold_backward.grad_input(g_relu, relu_mats[at], 0,
+                                                                    grad_input=gp_mats[step * stages + i])
+                    a.addmm_(ones, pre_grads)
+                starts[interval] = a.view(count, hidden)
+                # b(t_i) reaches the loss directly, through b(t_i+1) and through z = W1_b b(t_i)
+                gy = grad_states[interval] + gy + starts[interval] @ run.w1b
+                if not kept:
+                    grad_m.addmm_(GK.view(-1, hidden).T, R.view(-1, hidden))
+                    torch.sum(GK, dim=2, out=grad_cz[interval_steps])
+        if kept:  # the weight gradients of every stage in one product (all threads)
+            grad_m = GK.view(-1, hidden).T @ R.view(-1, hidden)
+            torch.sum(GK, dim=2, out=grad_cz)
+        # z = W1_b b(t_i), cz = W1_b bias2, M = W1_b W2_b, b(t_i+1) = b(t_i) + dt W2_b sums + b2 sums
+        grad_w1b = (starts.view(-1, hidden).T @ states[:-1].reshape(-1, dim) + grad_m @ run.w2h.T
+                    + grad_cz.view(-1, hidden).T @ run.bias2.view(-1, dim))
+        grad_w2h = run.w1b.T @ grad_m + dt * after.view(-1, dim).T @ sums.view(-1, hidden)
+        grad_bias1 = GP.sum(2)  # (steps, stages, hidden)
+        grad_bias2 = (grad_cz @ run.w1b  # through cz, and through the b path's bias sums:
+                      + dt * run.b.view(1, -1, 1) * after.sum(1).repeat_interleave(substeps, 0)[:, None, :])
+        tau = run.tau.reshape(-1)
+        grad_w1 = torch.cat([grad_w1b, (tau @ grad_bias1.view(-1, hidden))[:, None]], dim=1)
+        grad_w2 = torch.cat([grad_w2h, (tau @ grad_bias2.view(-1, dim))[:, None]], dim=1)
+        return (None, None, None, None, None, gy, grad_w1, grad_bias1.sum((0, 1)), grad_w2, grad_bias2.sum((0, 1)))
+
+
+def fixed_grid_solve(tableau, first, last, delta, substeps, y0, *weights) -> Tensor:
+    """States b(t_i), i = first..last (see `FixedGridSolve`): in h's hidden space when that is
+    cheaper (one (N, hidden) x (hidden, hidden) product per stage instead of two with (hidden, d))."""
+    solve = HiddenSpaceSolve if weights[0].size(0) <= 2 * y0.size(-1) else FixedGridSolve
+    return solve.apply(tableau, first, last, delta, substeps, y0, *weights)
+
+
 class _Run:
     """One solve's precomputed pieces: the time of every stage of every step, the folded biases,
     the weights split into state and time parts, the tableau as tensors."""
@@ -294,6 +425,57 @@ class GatherSlots(torch.autograd.Function):
                     grad_table = grad.new_zeros(ctx.table_shape)
                 grad_table[slot].index_add_(0, index, grad.reshape(-1, grad.size(-1)))
         return grad_table, None, None, None
+
+
+class _HiddenRun:
+    """`HiddenSpaceSolve`'s precomputed pieces (see `_Run`): also M = W1_b W2_b, the stages'
+    W1_b bias2, each interval's sum of dt b_i bias2, and the views the loop indexes."""
+
+    def __init__(self, tableau, first, last, delta, substeps, y0, w1, c1, w2, c2):
+        base = _Run(tableau, first, last, delta, substeps, y0, w1, c1, w2, c2)
+        self.dt, self.steps, self.tau, self.substeps = base.dt, base.steps, base.tau, substeps
+        self.a, self.b = base.a, base.b
+        self.w1b, self.w2h, self.w2h_t, self.w1b_t = base.w1b, base.w2h, base.w2h_t, base.w1b_t
+        self.bias2 = base.bias2
+        self.m = self.w1b @ self.w2h  # (hidden, hidden)
+        self.m_t = self.m.T.contiguous()
+        per_step = self.dt * torch.einsum("i,sid->sd", self.b.view(-1), self.bias2)
+        self.b2_sums = per_step.view(last - first, substeps, -1).sum(1)  # (intervals, dim)
+        count, hidden, stages = y0.size(0), w1.size(0), len(tableau.b)
+        self.count, self.stages = count, stages
+        self.bias1 = base.bias1.view(self.steps, stages, 1, hidden)
+        self.cz_rows = (self.bias2 @ self.w1b.T).view(-1, hidden).unbind(0)  # W1_b bias2 per stage
+        self.kz = y0.new_empty(stages, count * hidden)
+        self.kz_mats, self.kz_before = self.kz.view(stages, count, hidden).unbind(0), [self.kz[:i] for i in range(stages)]
+        self.pre = y0.new_empty(stages, count, hidden)  # z + bias1 of each stage of a step
+        self.pre_rows = self.pre.view(stages, 1, -1).unbind(0)
+        self.acc = y0.new_empty(1, count * hidden)
+        self.scratch = y0.new_empty(substeps, stages, count * hidden)
+
+    def interval(self, interval: int, state: Tensor, relus: Optional[Tensor] = None) -> Tensor:
+        """The `substeps` steps of one interval from b(t_i) = `state` (N, d): the sum of b_j times
+        the relu outputs over its stages (1, N*hidden). Records the relu outputs
+        (substeps, stages, N*hidden) in `relus` if given."""
+        record = relus if relus is not None else self.scratch
+        relu_rows = record.view(-1, 1, record.size(-1)).unbind(0)
+        relu_mats = record.view(-1, self.count, self.m.size(0)).unbind(0)
+        kz, stages, dt = self.kz, self.stages, self.dt
+        z = (state @ self.w1b_t).view(1, -1)
+        acc = self.acc.zero_()
+        for j in range(self.substeps):
+            step = interval * self.substeps + j
+            torch.add(z.view(1, self.count, -1), self.bias1[step], out=self.pre)  # every stage's z + bias1
+            for i in range(stages):
+                at = j * stages + i
+                if i == 0:
+                    torch.clamp_min(self.pre_rows[0], 0, out=relu_rows[at])
+                else:
+                    torch.addmm(self.pre_rows[i], self.a[i], self.kz_before[i], alpha=dt, out=relu_rows[at])
+                    relu_rows[at].clamp_min_(0)
+                torch.addmm(self.cz_rows[step * stages + i], relu_mats[at], self.m_t, out=self.kz_mats[i])
+            z = torch.addmm(z, self.b, kz, alpha=dt)
+            acc.addmm_(self.b, record[j])
+        return acc
 
 
 class Solved(NamedTuple):
@@ -461,7 +643,7 @@ class Floater(PositionalEncoding):
     def _odeint(self, y0: Tensor, first: int, last: int, weights) -> Tensor:
         """States b(t_i) for positions i = first..last, shape (last - first + 1, N, d)."""
         if self.method in FIXED_GRID and not self.adjoint:
-            return FixedGridSolve.apply(TABLEAUS[self.method], first, last, self.delta, self.substeps, y0, *weights)
+            return fixed_grid_solve(TABLEAUS[self.method], first, last, self.delta, self.substeps, y0, *weights)
         import torchdiffeq
 
         times = grid_times(first, last, self.delta).to(y0.device)

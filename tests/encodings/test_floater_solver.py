@@ -5,8 +5,8 @@ import torch
 import torchdiffeq
 
 from posenc_fairseq.encodings import floater
-from posenc_fairseq.encodings.floater import (TABLEAUS, Dynamics, FixedGridSolve, dynamics_function, grid_times,
-                                              subdivided_grid)
+from posenc_fairseq.encodings.floater import (TABLEAUS, Dynamics, FixedGridSolve, HiddenSpaceSolve, dynamics_function,
+                                              grid_times, subdivided_grid)
 from test_floater import floater_model, perturb
 from util import random_batch
 
@@ -20,16 +20,17 @@ def random_dynamics(dim, hidden, dtype, seed=0):
     return dynamics.weights(dtype)
 
 
+@pytest.mark.parametrize("solve", [FixedGridSolve, HiddenSpaceSolve])
 @pytest.mark.parametrize("keep_stages", [True, False], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("method", sorted(TABLEAUS))
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
-def test_fast_solve_equals_torchdiffeq_on_the_same_grid(method, dtype, tolerance, keep_stages, monkeypatch):
+def test_fast_solve_equals_torchdiffeq_on_the_same_grid(method, dtype, tolerance, keep_stages, solve, monkeypatch):
     if not keep_stages:  # backward recomputes each interval instead of reading kept stages
         monkeypatch.setattr(floater, "KEEP_STAGES_BYTES", 0)
     weights = [w.detach().requires_grad_() for w in random_dynamics(8, 6, dtype)]
     y0 = torch.randn(5, 8, dtype=dtype, requires_grad=True)
     first, last, delta, substeps = 3, 11, 0.1, 4  # starting beyond 0: how tables are extended
-    ours = FixedGridSolve.apply(TABLEAUS[method], first, last, delta, substeps, y0, *weights)
+    ours = solve.apply(TABLEAUS[method], first, last, delta, substeps, y0, *weights)
     reference = torchdiffeq.odeint(dynamics_function(*weights), y0, grid_times(first, last, delta), method=method,
                                    options=dict(grid_constructor=subdivided_grid(substeps)))
     scale = reference.abs().max()
@@ -42,10 +43,22 @@ def test_fast_solve_equals_torchdiffeq_on_the_same_grid(method, dtype, tolerance
         assert (got - expected).abs().max() <= tolerance * expected.abs().max(), name
 
 
-def test_fast_solve_gradients_match_finite_differences():
+@pytest.mark.parametrize("solve", [FixedGridSolve, HiddenSpaceSolve])
+def test_fast_solve_gradients_match_finite_differences(solve):
     weights = [w.detach().requires_grad_() for w in random_dynamics(4, 3, torch.float64, seed=2)]
     y0 = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda y, *w: FixedGridSolve.apply(TABLEAUS["rk4"], 0, 4, 0.3, 2, y, *w), (y0, *weights))
+    torch.autograd.gradcheck(lambda y, *w: solve.apply(TABLEAUS["rk4"], 0, 4, 0.3, 2, y, *w), (y0, *weights))
+
+
+@pytest.mark.parametrize("hidden,expected", [(6, HiddenSpaceSolve), (16, HiddenSpaceSolve), (17, FixedGridSolve)])
+def test_the_solve_in_hidden_space_where_it_is_cheaper(hidden, expected, monkeypatch):
+    """fixed_grid_solve takes the hidden-space form up to twice the state's width (one hidden x
+    hidden product per stage instead of two hidden x state ones)."""
+    used = []
+    for solve in (FixedGridSolve, HiddenSpaceSolve):
+        monkeypatch.setattr(solve, "apply", lambda *args, solve=solve: used.append(solve))
+    floater.fixed_grid_solve(TABLEAUS["rk4"], 0, 3, 0.1, 2, torch.zeros(2, 8), *random_dynamics(8, hidden, torch.float32))
+    assert used == [expected]
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float16, 0.02), (torch.bfloat16, 0.05)])
