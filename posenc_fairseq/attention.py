@@ -436,7 +436,7 @@ class PositionalAttention(MultiheadAttention):
 
     def _project(self, which: str, x: Tensor, positions: Optional[Tensor]) -> Tensor:
         """`{which}_proj(x)`, with the encoding's per-token bias and its project hook."""
-        projection = getattr(self, f"{which}_proj")
+        projection = self._modules[which + "_proj"]  # (once per projection of every decoding step)
         binding = self.position_binding
         if binding is None:
             return projection(x)
@@ -448,9 +448,7 @@ class PositionalAttention(MultiheadAttention):
             if kept is not None:  # the encoding's bias covers all the original heads
                 bias = bias.index_select(-1, self._kept_channels())
             if type(projection) is torch.nn.Linear and not (projection._forward_hooks or projection._forward_pre_hooks):
-                # one matrix product with the per-token bias (no separate add per projection)
-                y = torch.addmm(bias.reshape(-1, bias.size(-1)), x.reshape(-1, x.size(-1)),
-                                projection.weight.t()).view(*x.shape[:-1], -1)
+                y = F.linear(x, projection.weight) + bias
             else:  # e.g. fairseq's quant-noise hooks on the projection
                 y = projection(x) - projection.bias + bias
         if kept is None:

@@ -290,15 +290,16 @@ class HiddenSpaceSolve(torch.autograd.Function):
         run = _HiddenRun(tableau, first, last, delta, substeps, states[0], w1, c1, w2, c2)
         count, dim, hidden = states.size(1), states.size(2), w1.size(0)
         stages, dt, intervals = len(tableau.b), run.dt, last - first
-        # relu outputs, d loss / d kz and d loss / d pre (= d / d bias1 per row) of every stage; when
-        # the forward did not keep the relus, of one interval at a time
+        # relu outputs and d loss / d kz of every stage (when the forward kept the relus; else of one
+        # interval at a time), d loss / d pre of one interval's stages
         steps = run.steps if kept else substeps
         R = kept[0] if kept else states.new_empty(substeps, stages, count * hidden)
         GK = states.new_empty(steps, stages, count, hidden)
-        GP = states.new_empty(run.steps, stages, count, hidden)
+        GP = states.new_empty(substeps, stages, count, hidden)
         relu_mats = R.view(-1, count, hidden).unbind(0)
         gk_rows, gk_mats = GK.view(-1, 1, count * hidden).unbind(0), GK.view(-1, count, hidden).unbind(0)
-        gp_mats, gp_steps = GP.view(-1, count, hidden).unbind(0), GP.view(run.steps, stages, -1).unbind(0)
+        gp_mats, gp_steps = GP.view(-1, count, hidden).unbind(0), GP.view(substeps, stages, -1).unbind(0)
+        grad_bias1 = states.new_empty(run.steps, stages, hidden)
         later = [states.new_tensor([[tableau.a[l][i] for l in range(i + 1, stages)]]) for i in range(stages)]
         ones, beta = states.new_ones(1, stages), [dt * b for b in tableau.b]
         b_repeated = run.b.repeat(1, substeps)
@@ -322,7 +323,7 @@ class HiddenSpaceSolve(torch.autograd.Function):
                 a.zero_()  # z at the interval's end is not used (the next interval starts from b)
                 for j in reversed(range(substeps)):
                     step = interval * substeps + j
-                    pre_grads = gp_steps[step]  # (stages, count * hidden)
+                    pre_grads = gp_steps[j]  # (stages, count * hidden)
                     for i in reversed(range(stages)):
                         at = (step if kept else j) * stages + i  # in R and GK
                         if i + 1 < stages:
@@ -331,8 +332,9 @@ class HiddenSpaceSolve(torch.autograd.Function):
                             torch.mul(a, beta[i], out=gk_rows[at])
                         g_relu = torch.addmm(through_b, gk_mats[at], run.m, beta=tableau.b[i])
                         torch.ops.aten.threshold_backward.grad_input(g_relu, relu_mats[at], 0,
-                                                                    grad_input=gp_mats[step * stages + i])
+                                                                    grad_input=gp_mats[j * stages + i])
                     a.addmm_(ones, pre_grads)
+                torch.sum(GP, dim=2, out=grad_bias1[interval_steps])
                 starts[interval] = a.view(count, hidden)
                 # b(t_i) reaches the loss directly, through b(t_i+1) and through z = W1_b b(t_i)
                 gy = grad_states[interval] + gy + starts[interval] @ run.w1b
@@ -346,7 +348,6 @@ class HiddenSpaceSolve(torch.autograd.Function):
         grad_w1b = (starts.view(-1, hidden).T @ states[:-1].reshape(-1, dim) + grad_m @ run.w2h.T
                     + grad_cz.view(-1, hidden).T @ run.bias2.view(-1, dim))
         grad_w2h = run.w1b.T @ grad_m + dt * after.view(-1, dim).T @ sums.view(-1, hidden)
-        grad_bias1 = GP.sum(2)  # (steps, stages, hidden)
         grad_bias2 = (grad_cz @ run.w1b  # through cz, and through the b path's bias sums:
                       + dt * run.b.view(1, -1, 1) * after.sum(1).repeat_interleave(substeps, 0)[:, None, :])
         tau = run.tau.reshape(-1)
@@ -412,8 +413,13 @@ class GatherSlots(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(index)
         ctx.table_shape = group_table.shape
+        return GatherSlots.gather(group_table, index, batch, length)
+
+    @staticmethod
+    def gather(group_table: Tensor, index: Tensor, batch: int, length: int) -> tuple:
+        """The forward alone (no autograd node: decoding steps)."""
         biases = group_table.index_select(1, index).view(group_table.size(0), length, batch, group_table.size(-1))
-        return tuple(biases.unbind(0))
+        return biases.unbind(0)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -861,7 +867,8 @@ class Floater(PositionalEncoding):
 
     @staticmethod
     def _gather(group_table: Tensor, positions: Tensor) -> tuple:
-        return GatherSlots.apply(group_table, positions.t().reshape(-1), *positions.shape)
+        gather = GatherSlots.apply if group_table.requires_grad and torch.is_grad_enabled() else GatherSlots.gather
+        return gather(group_table, positions.t().reshape(-1), *positions.shape)
 
     # --- checkpoints: the window snapshot (K > 1), never a table -----------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):

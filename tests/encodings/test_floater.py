@@ -364,3 +364,25 @@ def test_fairseq_train_roberta_floater(masked_lm_data, tmp_path):
                *TINY_ROBERTA, *QUICK_TRAIN, "--max-update", "3", "--save-dir", tmp_path,
                "--floater-recompute-every", "3", "--disable-validation"])
     assert "num_updates 3" in out
+
+
+def test_projections_with_hooks_get_the_same_biases(translation_data):
+    """A projection carrying forward hooks (fairseq's quant-noise wraps q/k/v_proj so) is called
+    as a module, with b(t) swapped in for its bias afterwards: the same output as the direct path."""
+    model, task, _ = floater_model(translation_data)
+    model.eval()
+    perturb(model)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=9, tgt_len=7)
+    with torch.no_grad():
+        direct, _ = model(src, src_lengths, prev)
+        called = []
+        for module in model.modules():
+            if isinstance(module, PositionalAttention):
+                for which in "qkv":
+                    getattr(module, f"{which}_proj").register_forward_pre_hook(lambda *_: called.append(1))
+        hooked, _ = model(src, src_lengths, prev)
+    assert len(called) == 3 * (2 + 2 + 2)  # every q/k/v projection of the tiny model went through its hooks
+    assert (hooked - direct).abs().max() <= 1e-5 * direct.abs().max()
+    model.positional_encoding.reset_to_identity()  # the biases matter: without them the output moves
+    with torch.no_grad():
+        assert (model(src, src_lengths, prev)[0] - direct).abs().max() > 1e-3
