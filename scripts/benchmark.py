@@ -75,7 +75,8 @@ def measure(arch, args):
             torch.cuda.synchronize()
 
     model.train()
-    step()  # warm-up (and first allocation of optimizer state)
+    for _ in range(args.warmup):  # first allocations (optimizer state; FLOATER K > 1: the window's solve)
+        step()
     sync()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -192,7 +193,10 @@ def main():
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=1000)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="timed training steps")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed training steps first: the allocator and caches settle, and with "
+                             "--floater-recompute-every K > 1 the window's solve (1 step in K) is among them")
     parser.add_argument("--gen-length", type=int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each measuring process")

@@ -66,7 +66,8 @@ class PositionalEncoding(nn.Module):
               earlier: int = 0):
         """A stack ('encoder' or 'decoder') starts a forward pass: forget per-forward results.
         `earlier`: target tokens before this call's (incremental decoding: the cached steps)."""
-        self._memo = {key: value for key, value in self._memo.items() if key[0] != role}
+        if self._memo:  # (plain attribute: once per decoding step, nn.Module's setattr is slow)
+            self.__dict__["_memo"] = {key: value for key, value in self._memo.items() if key[0] != role}
         if positions is not None:
             self.token_positions[role] = positions
         if source_positions is not None:

@@ -532,7 +532,7 @@ class Floater(PositionalEncoding):
                 parameter.optim_overrides = {"optimizer": {"lr_scale": self.dynamics_lr_scale}}
         # plain attributes, not submodules: the model owns the attention modules and their biases
         self.__dict__["_slots"] = []  # [(role, layer, which, attention module)]
-        self._slot_index = {}
+        self._slot_index, self._slot_keys = {}, []
         self._groups = {}  # (role, which) -> the slots whose biases are gathered together (same positions)
         self._num_updates = 0
         self._window: Optional[dict] = None  # K > 1: {'index', 'parameters' (flat snapshot), 'table'}
@@ -584,13 +584,16 @@ class Floater(PositionalEncoding):
                 slots.append((binding.role, binding.layer, which, module))
         slots.sort(key=lambda slot: (ROLES.index(slot[0]), slot[1], "qkv".index(slot[2])))
         self.__dict__["_slots"] = slots
-        self._slot_index = {slot[:3]: index for index, slot in enumerate(slots)}
-        # the slots that see the same positions in a pass: each self-attention stack's q/k/v; the
-        # cross-attention queries (target positions) and its keys and values (source positions)
+        self._slot_keys = [slot[:3] for slot in slots]  # (role, layer, which)
+        self._slot_index = {key: index for index, key in enumerate(self._slot_keys)}
+        # the slots that see the same positions in a pass, gathered together: the encoder's q/k/v
+        # (source tokens); the decoder's q/k/v with the cross-attention queries (target tokens:
+        # one gather per decoding step); the cross-attention keys and values (source positions)
         def group(role, which):
-            return "qkv" if role != "cross" else ("q" if which == "q" else "kv")
-        self._groups = {(role, which): tuple(i for i, slot in enumerate(slots) if slot[0] == role
-                                             and group(role, slot[2]) == group(role, which))
+            if role == "encoder":
+                return "encoder"
+            return "source" if role == "cross" and which != "q" else "target"
+        self._groups = {(role, which): tuple(i for i, slot in enumerate(slots) if group(slot[0], slot[2]) == group(role, which))
                         for role in ROLES for which in "qkv"}
         self._forget_tables()
         if self.train_dynamics_only:
@@ -628,7 +631,7 @@ class Floater(PositionalEncoding):
             _pass_tables={},  # (grad, layer key inside backward) -> Solved, this forward pass only
             _pass_group_tables={},  # (group, dtype) -> (table values, b(t) of the group's slots)
             _pass_gathered={},  # (group, id(positions), dtype) -> (table values, positions, biases there)
-            _pass_biases={},  # (role, layer, which, id(positions)) -> (positions, that slot's biases there)
+            _pass_biases={},  # (role, layer, which) -> (positions, that slot's biases there)
             _needed=0, _window_pass=False, _eval_checked=False)
 
     def __getstate__(self):  # copies (fairseq's EMA deep-copies the model) drop per-pass graphs
@@ -810,10 +813,9 @@ class Floater(PositionalEncoding):
 
     def projection_bias(self, role, layer, which, positions):
         """b(t_i) = b(0) + table[i] for each token of the call, (T, B, E): the projection's bias."""
-        if not in_backward():  # gathered for these positions earlier in the pass (every slot of the role)
-            hit = self._pass_biases.get((role, layer, which, id(positions)))
-            if hit is not None and hit[0] is positions:
-                return hit[1]
+        hit = self._pass_biases.get((role, layer, which))  # gathered with its group earlier in the pass
+        if hit is not None and hit[0] is positions and not in_backward():
+            return hit[1]
         slot = self._slot_index.get((role, layer, which))
         if slot is None or positions is None:
             return None
@@ -842,8 +844,7 @@ class Floater(PositionalEncoding):
             biases = self._gather(self._group_table(table, group, dtype), positions)
             hit = self._pass_gathered[key] = (table, positions, biases)
             for slot, bias in zip(group, biases):
-                role, layer, which, _ = self._slots[slot]
-                self._pass_biases[(role, layer, which, id(positions))] = (positions, bias)
+                self._pass_biases[self._slot_keys[slot]] = (positions, bias)
         return hit[2]
 
     def _group_table(self, table: Tensor, group: tuple, dtype: torch.dtype) -> Tensor:
