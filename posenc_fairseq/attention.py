@@ -448,9 +448,11 @@ class PositionalAttention(MultiheadAttention):
             if kept is not None:  # the encoding's bias covers all the original heads
                 bias = bias.index_select(-1, self._kept_channels())
             if type(projection) is torch.nn.Linear and not (projection._forward_hooks or projection._forward_pre_hooks):
-                # the per-token bias is the product's input: one addmm, no separate pass over (T, B, E)
-                y = torch.addmm(bias.reshape(-1, bias.size(-1)), x.reshape(-1, x.size(-1)),
-                                projection.weight.t()).view(*x.shape[:-1], -1)
+                if x.size(0) == 1:  # a decoding step: the fewest calls
+                    y = F.linear(x, projection.weight) + bias
+                else:  # the per-token bias is the product's input: no separate pass over (T, B, E)
+                    y = torch.addmm(bias.reshape(-1, bias.size(-1)), x.reshape(-1, x.size(-1)),
+                                    projection.weight.t()).view(*x.shape[:-1], -1)
             else:  # e.g. fairseq's quant-noise hooks on the projection
                 y = projection(x) - projection.bias + bias
         if kept is None:
