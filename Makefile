@@ -14,15 +14,15 @@ venv: $(STAMP)
 # Order matters: torch pinned first (an open torch requirement pulls a multi-GB CUDA build),
 # then fairseq-fixed's build needs (it imports torch, numpy and Cython while compiling),
 # then fairseq-fixed without its deps (its torchaudio requirement has no CPU build),
-# then fairseq's runtime needs and ours.
-$(STAMP): setup.py
+# then fairseq's runtime needs and ours; this package last (it compiles FLOATER's solve loops against torch).
+$(STAMP): setup.py posenc_fairseq/csrc/floater_solve.cpp
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
 	$(PIP) install torch==2.13.0
 	$(PIP) install Cython "numpy<2.4"
 	$(PIP) install --no-build-isolation --no-deps fairseq-fixed==0.12.3.1
 	$(PIP) install hydra-core==1.3.2 omegaconf==2.3.0 regex tqdm bitarray scikit-learn packaging cffi
-	$(PIP) install torchdiffeq sacrebleu sentencepiece matplotlib tensorboardX pytest pytest-xdist
+	$(PIP) install torchdiffeq sacrebleu sentencepiece matplotlib tensorboardX pytest pytest-xdist ninja
 	$(PIP) install --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 

@@ -13,9 +13,10 @@ shared by every layer, by q/k/v and by encoder and decoder; all initial vectors 
 together, state shape (num_vectors, d).
 
 Solving. The fixed-grid methods (rk4, midpoint, euler: torchdiffeq's coefficients) run in
-`FixedGridSolve`: a tight loop over the subdivided grid with h's time input folded into
-per-step biases, and a discrete adjoint (backpropagation through the same steps, recomputed one
-interval at a time) instead of thousands of autograd nodes. torchdiffeq does `dopri5` and the
+`HiddenSpaceSolve` (or `FixedGridSolve` for a wide h): a tight loop over the subdivided grid with
+h's time input folded into per-step biases, and a discrete adjoint (backpropagation through the
+same steps) instead of thousands of autograd nodes; on CPU the loops are compiled and split the
+rows over the threads. torchdiffeq does `dopri5` and the
 continuous adjoint (`--floater-adjoint`). The ODE is always solved in float32 or better with a
 float64 time grid, whatever the model's dtype.
 
@@ -53,6 +54,15 @@ LR_SCALE = float_in_range(0.0, 1e4, low_open=True)
 EVAL_CHUNK = 64  # evaluation extends the table in chunks of this many positions
 MAX_SUBSTEPS = 1000  # steps per position above this are a typo (e.g. --floater-step-size 1e-7)
 KEEP_STAGES_BYTES = 256 * 2**20  # a solve keeps its stages for backward up to this size, else recomputes
+# The compiled loops split a CPU solve's rows over the torch threads when rows * hidden * d reaches this
+# (27 x 256 x 256 at the benchmark's size: a stage's product then takes ~22 us, far more than a thread costs)
+PARALLEL_MIN_WORK = 2**20
+PARALLEL_MIN_ROWS = 4
+
+try:  # HiddenSpaceSolve's loops compiled (csrc/floater_solve.cpp, built by setup.py)
+    from .. import _floater_solve as floater_solve
+except ImportError:  # not built: the same loops in Python
+    floater_solve = None
 
 
 class Tableau(NamedTuple):
@@ -260,27 +270,35 @@ class HiddenSpaceSolve(torch.autograd.Function):
     b(t_i+1) = b(t_i) + dt W2_b (sum over the interval's stages of b_j r_j) + dt sum b_j bias2.
     The same Runge-Kutta steps as `FixedGridSolve` in exact arithmetic, and each interval depends
     on b(t_i) alone (as there), so a table extended from its last row equals a fresh solve.
-    Backward is the exact discrete adjoint of these operations, also one product per stage. The
-    loops index precomputed views (`_HiddenRun`): at this size a stage's product takes ~25 us and
-    Python's indexing would otherwise cost as much again.
+    Backward is the exact discrete adjoint of these operations, also one product per stage.
+
+    The loops run compiled on CPU (csrc/floater_solve.cpp, the same operations as
+    `_hidden_forward_loops` / `_hidden_backward_loops`, which serve CUDA and installs without the
+    extension), with the rows split into parts integrated side by side on their own threads
+    (`compiled_parts`): the rows are independent ODEs sharing h, so each part is the same solve of
+    its own rows and the weights' gradients add up over the parts. At the benchmark's size a stage's
+    product takes ~22 us on 27 rows and ~11 us on 14, and the operations around it cost about as much
+    again from Python.
     """
 
     @staticmethod
-    @one_cpu_thread
     def forward(ctx, tableau: Tableau, first: int, last: int, delta: float, substeps: int,
                 y0: Tensor, w1: Tensor, c1: Tensor, w2: Tensor, c2: Tensor) -> Tensor:
         run = _HiddenRun(tableau, first, last, delta, substeps, y0, w1, c1, w2, c2)
         count, hidden, stages = y0.size(0), w1.size(0), len(tableau.b)
-        states = y0.new_empty(last - first + 1, *y0.shape)
-        states[0] = y0
         keep = any(ctx.needs_input_grad) and run.steps * stages * count * hidden * y0.element_size() <= KEEP_STAGES_BYTES
-        relus = y0.new_empty(run.steps, stages, count * hidden) if keep else None
-        for interval in range(last - first):
-            acc = run.interval(interval, states[interval], relus[interval * substeps:(interval + 1) * substeps] if keep else None)
-            torch.addmm(states[interval] + run.b2_sums[interval], acc.view(count, hidden), run.w2h_t, alpha=run.dt,
-                        out=states[interval + 1])
-        ctx.save_for_backward(states, w1, c1, w2, c2, *((relus,) if keep else ()))
-        ctx.settings = (tableau, first, last, delta, substeps)
+        parts = compiled_parts(y0, hidden)  # (read before the loops take one thread)
+        with single_thread(y0):
+            if parts is None:
+                states, relus = _hidden_forward_loops(run, y0, keep)
+                relus = [relus] if keep else []
+            else:
+                results = floater_solve.forward(run.pieces(), tableau.a, tableau.b, run.dt, substeps,
+                                                [y0[rows] for rows in parts], keep)
+                states = torch.cat([result[0] for result in results], dim=1)
+                relus = [result[1] for result in results] if keep else []
+        ctx.save_for_backward(states, w1, c1, w2, c2, *relus)
+        ctx.settings, ctx.parts = (tableau, first, last, delta, substeps), parts
         return states
 
     @staticmethod
@@ -288,72 +306,121 @@ class HiddenSpaceSolve(torch.autograd.Function):
         states, w1, c1, w2, c2, *kept = ctx.saved_tensors
         tableau, first, last, delta, substeps = ctx.settings
         run = _HiddenRun(tableau, first, last, delta, substeps, states[0], w1, c1, w2, c2)
-        count, dim, hidden = states.size(1), states.size(2), w1.size(0)
-        stages, dt, intervals = len(tableau.b), run.dt, last - first
-        # relu outputs and d loss / d kz of every stage (when the forward kept the relus; else of one
-        # interval at a time), d loss / d pre of one interval's stages
-        steps = run.steps if kept else substeps
-        R = kept[0] if kept else states.new_empty(substeps, stages, count * hidden)
-        GK = states.new_empty(steps, stages, count, hidden)
-        GP = states.new_empty(substeps, stages, count, hidden)
-        relu_mats = R.view(-1, count, hidden).unbind(0)
-        gk_rows, gk_mats = GK.view(-1, 1, count * hidden).unbind(0), GK.view(-1, count, hidden).unbind(0)
-        gp_mats, gp_steps = GP.view(-1, count, hidden).unbind(0), GP.view(substeps, stages, -1).unbind(0)
-        grad_bias1 = states.new_empty(run.steps, stages, hidden)
-        later = [states.new_tensor([[tableau.a[l][i] for l in range(i + 1, stages)]]) for i in range(stages)]
-        ones, beta = states.new_ones(1, stages), [dt * b for b in tableau.b]
-        b_repeated = run.b.repeat(1, substeps)
-        sums = states.new_empty(intervals, count, hidden)  # per interval: sum of b_j r_j over its stages
-        after = states.new_empty(intervals, count, dim)  # d loss / d b(t_i+1)
-        starts = states.new_empty(intervals, count, hidden)  # d loss / d z at each interval's start
-        grad_m = states.new_zeros(hidden, hidden)
-        grad_cz = states.new_empty(run.steps, stages, hidden)
-        gy = grad_states[-1].clone()  # d loss / d b(t) of the current grid point
-        a = states.new_empty(1, count * hidden)  # d loss / d z
+        dim, hidden = states.size(2), w1.size(0)
+        dt = run.dt
         with single_thread(states):
-            for interval in reversed(range(intervals)):
-                interval_steps = slice(interval * substeps, (interval + 1) * substeps)
-                if not kept:
-                    run.interval(interval, states[interval], R)
-                relus = R[interval_steps] if kept else R
-                torch.mm(b_repeated, relus.view(substeps * stages, -1), out=sums[interval].view(1, -1))
-                after[interval] = gy
-                # d loss / d relu through b(t_i+1): the same for every stage of the interval (times b_j)
-                through_b = (dt * gy) @ run.w2h  # (count, hidden)
-                a.zero_()  # z at the interval's end is not used (the next interval starts from b)
-                for j in reversed(range(substeps)):
-                    step = interval * substeps + j
-                    pre_grads = gp_steps[j]  # (stages, count * hidden)
-                    for i in reversed(range(stages)):
-                        at = (step if kept else j) * stages + i  # in R and GK
-                        if i + 1 < stages:
-                            torch.addmm(a, later[i], pre_grads[i + 1:], beta=beta[i], alpha=dt, out=gk_rows[at])
-                        else:
-                            torch.mul(a, beta[i], out=gk_rows[at])
-                        g_relu = torch.addmm(through_b, gk_mats[at], run.m, beta=tableau.b[i])
-                        torch.ops.aten.threshold_backward.grad_input(g_relu, relu_mats[at], 0,
-                                                                    grad_input=gp_mats[j * stages + i])
-                    a.addmm_(ones, pre_grads)
-                torch.sum(GP, dim=2, out=grad_bias1[interval_steps])
-                starts[interval] = a.view(count, hidden)
-                # b(t_i) reaches the loss directly, through b(t_i+1) and through z = W1_b b(t_i)
-                gy = grad_states[interval] + gy + starts[interval] @ run.w1b
-                if not kept:
-                    grad_m.addmm_(GK.view(-1, hidden).T, R.view(-1, hidden))
-                    torch.sum(GK, dim=2, out=grad_cz[interval_steps])
-        if kept:  # the weight gradients of every stage in one product (all threads)
-            grad_m = GK.view(-1, hidden).T @ R.view(-1, hidden)
-            torch.sum(GK, dim=2, out=grad_cz)
+            if ctx.parts is None:
+                gy, grad_bias1, sums, after, starts, grad_m, grad_cz = _hidden_backward_loops(
+                    run, states, grad_states, kept[0] if kept else None)
+            else:
+                results = floater_solve.backward(run.pieces(), tableau.a, tableau.b, dt, substeps,
+                                                 [states[:, rows].contiguous() for rows in ctx.parts],
+                                                 [grad_states[:, rows].contiguous() for rows in ctx.parts], kept)
+                gy, grad_bias1, sums, after, starts, grad_m, grad_cz = (
+                    torch.cat([r[k] for r in results], dim=0 if k == 0 else 1) if k in (0, 2, 3, 4)
+                    else sum(r[k] for r in results) for k in range(7))
         # z = W1_b b(t_i), cz = W1_b bias2, M = W1_b W2_b, b(t_i+1) = b(t_i) + dt W2_b sums + b2 sums
-        grad_w1b = (starts.view(-1, hidden).T @ states[:-1].reshape(-1, dim) + grad_m @ run.w2h.T
+        grad_w1b = (starts.reshape(-1, hidden).T @ states[:-1].reshape(-1, dim) + grad_m @ run.w2h.T
                     + grad_cz.view(-1, hidden).T @ run.bias2.view(-1, dim))
-        grad_w2h = run.w1b.T @ grad_m + dt * after.view(-1, dim).T @ sums.view(-1, hidden)
+        grad_w2h = run.w1b.T @ grad_m + dt * after.reshape(-1, dim).T @ sums.reshape(-1, hidden)
         grad_bias2 = (grad_cz @ run.w1b  # through cz, and through the b path's bias sums:
                       + dt * run.b.view(1, -1, 1) * after.sum(1).repeat_interleave(substeps, 0)[:, None, :])
         tau = run.tau.reshape(-1)
         grad_w1 = torch.cat([grad_w1b, (tau @ grad_bias1.view(-1, hidden))[:, None]], dim=1)
         grad_w2 = torch.cat([grad_w2h, (tau @ grad_bias2.view(-1, dim))[:, None]], dim=1)
         return (None, None, None, None, None, gy, grad_w1, grad_bias1.sum((0, 1)), grad_w2, grad_bias2.sum((0, 1)))
+
+
+def _hidden_forward_loops(run: "_HiddenRun", y0: Tensor, keep: bool):
+    """`HiddenSpaceSolve`'s forward loops in Python: states (intervals + 1, N, d) and, if `keep`, the
+    relu output of every stage (steps, stages, N * hidden). (`csrc/floater_solve.cpp` compiles the same.)"""
+    count, hidden, stages, substeps = y0.size(0), run.m.size(0), run.stages, run.substeps
+    states = y0.new_empty(run.intervals + 1, *y0.shape)
+    states[0] = y0
+    relus = y0.new_empty(run.steps, stages, count * hidden) if keep else None
+    for interval in range(run.intervals):
+        acc = run.interval(interval, states[interval], relus[interval * substeps:(interval + 1) * substeps] if keep else None)
+        torch.addmm(states[interval] + run.b2_sums[interval], acc.view(count, hidden), run.w2h_t, alpha=run.dt,
+                    out=states[interval + 1])
+    return states, relus
+
+
+def _hidden_backward_loops(run: "_HiddenRun", states: Tensor, grad_states: Tensor, kept: Optional[Tensor]):
+    """`HiddenSpaceSolve`'s backward loops in Python (the exact discrete adjoint), returning
+    d loss / d b(t_first) (N, d), d loss / d bias1 (steps, stages, hidden), each interval's sum of b_j r_j
+    (intervals, N, hidden), d loss / d b(t_i+1) (intervals, N, d), d loss / d z at each interval's start
+    (intervals, N, hidden), d loss / d M (hidden, hidden) and d loss / d cz (steps, stages, hidden)."""
+    count, dim, hidden = states.size(1), states.size(2), run.m.size(0)
+    tableau, stages, substeps, dt, intervals = run.tableau, run.stages, run.substeps, run.dt, run.intervals
+    # relu outputs and d loss / d kz of every stage (when the forward kept the relus; else of one
+    # interval at a time), d loss / d pre of one interval's stages
+    steps = run.steps if kept is not None else substeps
+    R = kept if kept is not None else states.new_empty(substeps, stages, count * hidden)
+    GK = states.new_empty(steps, stages, count, hidden)
+    GP = states.new_empty(substeps, stages, count, hidden)
+    relu_mats = R.view(-1, count, hidden).unbind(0)
+    gk_rows, gk_mats = GK.view(-1, 1, count * hidden).unbind(0), GK.view(-1, count, hidden).unbind(0)
+    gp_mats, gp_steps = GP.view(-1, count, hidden).unbind(0), GP.view(substeps, stages, -1).unbind(0)
+    grad_bias1 = states.new_empty(run.steps, stages, hidden)
+    later = [states.new_tensor([[tableau.a[l][i] for l in range(i + 1, stages)]]) for i in range(stages)]
+    ones, beta = states.new_ones(1, stages), [dt * b for b in tableau.b]
+    b_repeated = run.b.repeat(1, substeps)
+    sums = states.new_empty(intervals, count, hidden)  # per interval: sum of b_j r_j over its stages
+    after = states.new_empty(intervals, count, dim)  # d loss / d b(t_i+1)
+    starts = states.new_empty(intervals, count, hidden)  # d loss / d z at each interval's start
+    grad_m = states.new_zeros(hidden, hidden)
+    grad_cz = states.new_empty(run.steps, stages, hidden)
+    gy = grad_states[-1].clone()  # d loss / d b(t) of the current grid point
+    a = states.new_empty(1, count * hidden)  # d loss / d z
+    for interval in reversed(range(intervals)):
+        interval_steps = slice(interval * substeps, (interval + 1) * substeps)
+        if kept is None:
+            run.interval(interval, states[interval], R)
+        relus = R[interval_steps] if kept is not None else R
+        torch.mm(b_repeated, relus.view(substeps * stages, -1), out=sums[interval].view(1, -1))
+        after[interval] = gy
+        # d loss / d relu through b(t_i+1): the same for every stage of the interval (times b_j)
+        through_b = (dt * gy) @ run.w2h  # (count, hidden)
+        a.zero_()  # z at the interval's end is not used (the next interval starts from b)
+        for j in reversed(range(substeps)):
+            step = interval * substeps + j
+            pre_grads = gp_steps[j]  # (stages, count * hidden)
+            for i in reversed(range(stages)):
+                at = (step if kept is not None else j) * stages + i  # in R and GK
+                if i + 1 < stages:
+                    torch.addmm(a, later[i], pre_grads[i + 1:], beta=beta[i], alpha=dt, out=gk_rows[at])
+                else:
+                    torch.mul(a, beta[i], out=gk_rows[at])
+                g_relu = torch.addmm(through_b, gk_mats[at], run.m, beta=tableau.b[i])
+                torch.ops.aten.threshold_backward.grad_input(g_relu, relu_mats[at], 0,
+                                                            grad_input=gp_mats[j * stages + i])
+            a.addmm_(ones, pre_grads)
+        torch.sum(GP, dim=2, out=grad_bias1[interval_steps])
+        starts[interval] = a.view(count, hidden)
+        # b(t_i) reaches the loss directly, through b(t_i+1) and through z = W1_b b(t_i)
+        gy = grad_states[interval] + gy + starts[interval] @ run.w1b
+        if kept is None:
+            grad_m.addmm_(GK.view(-1, hidden).T, R.view(-1, hidden))
+            torch.sum(GK, dim=2, out=grad_cz[interval_steps])
+    if kept is not None:  # the weight gradients of every stage in one product
+        grad_m = GK.view(-1, hidden).T @ R.view(-1, hidden)
+        torch.sum(GK, dim=2, out=grad_cz)
+    return gy, grad_bias1, sums, after, starts, grad_m, grad_cz
+
+
+def compiled_parts(y0: Tensor, hidden: int) -> Optional[List[slice]]:
+    """How the compiled loops split a CPU solve's rows over threads (one part per torch thread, at
+    most one per PARALLEL_MIN_ROWS rows, and only when a stage's product reaches PARALLEL_MIN_WORK
+    multiply-adds, so that running parts side by side gains more than a thread costs); None: the
+    Python loops (CUDA, or the extension not built)."""
+    if floater_solve is None or y0.is_cuda:
+        return None
+    count = y0.size(0)
+    parts = 1
+    if count * hidden * y0.size(-1) >= PARALLEL_MIN_WORK:
+        parts = max(1, min(torch.get_num_threads(), count // PARALLEL_MIN_ROWS))
+    bounds = [round(count * i / parts) for i in range(parts + 1)]
+    return [slice(start, end) for start, end in zip(bounds[:-1], bounds[1:])]
 
 
 def fixed_grid_solve(tableau, first, last, delta, substeps, y0, *weights) -> Tensor:
@@ -439,6 +506,7 @@ class _HiddenRun:
 
     def __init__(self, tableau, first, last, delta, substeps, y0, w1, c1, w2, c2):
         base = _Run(tableau, first, last, delta, substeps, y0, w1, c1, w2, c2)
+        self.tableau, self.intervals = tableau, last - first
         self.dt, self.steps, self.tau, self.substeps = base.dt, base.steps, base.tau, substeps
         self.a, self.b = base.a, base.b
         self.w1b, self.w2h, self.w2h_t, self.w1b_t = base.w1b, base.w2h, base.w2h_t, base.w1b_t
@@ -450,13 +518,19 @@ class _HiddenRun:
         count, hidden, stages = y0.size(0), w1.size(0), len(tableau.b)
         self.count, self.stages = count, stages
         self.bias1 = base.bias1.view(self.steps, stages, 1, hidden)
-        self.cz_rows = (self.bias2 @ self.w1b.T).view(-1, hidden).unbind(0)  # W1_b bias2 per stage
+        self.cz = self.bias2 @ self.w1b.T  # W1_b bias2 per stage (steps, stages, hidden)
+        self.cz_rows = self.cz.view(-1, hidden).unbind(0)
         self.kz = y0.new_empty(stages, count * hidden)
         self.kz_mats, self.kz_before = self.kz.view(stages, count, hidden).unbind(0), [self.kz[:i] for i in range(stages)]
         self.pre = y0.new_empty(stages, count, hidden)  # z + bias1 of each stage of a step
         self.pre_rows = self.pre.view(stages, 1, -1).unbind(0)
         self.acc = y0.new_empty(1, count * hidden)
         self.scratch = y0.new_empty(substeps, stages, count * hidden)
+
+    def pieces(self) -> List[Tensor]:
+        """What the compiled loops read, in csrc/floater_solve.cpp's order."""
+        return [self.w1b, self.w1b_t, self.w2h, self.w2h_t, self.m, self.m_t, self.bias1.squeeze(2), self.cz,
+                self.b2_sums, self.b.repeat(1, self.substeps)]
 
     def interval(self, interval: int, state: Tensor, relus: Optional[Tensor] = None) -> Tensor:
         """The `substeps` steps of one interval from b(t_i) = `state` (N, d): the sum of b_j times

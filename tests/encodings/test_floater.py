@@ -386,3 +386,28 @@ def test_projections_with_hooks_get_the_same_biases(translation_data):
     model.positional_encoding.reset_to_identity()  # the biases matter: without them the output moves
     with torch.no_grad():
         assert (model(src, src_lengths, prev)[0] - direct).abs().max() > 1e-3
+
+
+def test_a_decoding_step_gathers_the_target_biases_once_for_all_layers(translation_data, monkeypatch):
+    """One decoding step: a single gather serves the decoder's q/k/v and the cross-attention queries
+    of every layer (all at the step's target position), and the step equals the full forward pass."""
+    model, task, _ = floater_model(translation_data)
+    model.eval()
+    perturb(model)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=7, tgt_len=5)
+    gathered = []
+    original = floater_module.GatherSlots.gather
+    monkeypatch.setattr(floater_module.GatherSlots, "gather",
+                        staticmethod(lambda table, *args: gathered.append(table.size(0)) or original(table, *args)))
+    with torch.no_grad():
+        full, _ = model(src, src_lengths, prev)
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
+        state, steps = {}, []
+        for t in range(prev.size(1)):
+            gathered.clear()
+            step, _ = model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+            steps.append(step)
+            if t > 0:  # (the first step also gathers the cross-attention keys/values at source positions)
+                layers = len(model.decoder.layers)
+                assert gathered == [4 * layers]  # q, k, v and the cross-attention query of each layer
+    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)

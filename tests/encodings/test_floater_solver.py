@@ -61,6 +61,60 @@ def test_the_solve_in_hidden_space_where_it_is_cheaper(hidden, expected, monkeyp
     assert used == [expected]
 
 
+def test_the_compiled_loops_are_built():
+    """setup.py builds csrc/floater_solve.cpp (the Makefile's install); without it every solve would
+    silently take the slower Python loops."""
+    assert floater.floater_solve is not None
+
+
+@pytest.mark.parametrize("keep_stages", [True, False], ids=["kept", "recomputed"])
+@pytest.mark.parametrize("parts", [1, 2, 3])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_compiled_loops_in_parts_equal_the_python_loops(parts, keep_stages, dtype, tolerance, monkeypatch):
+    """The compiled loops (rows split into parts, one thread each: the rows are independent ODEs
+    sharing h) give the Python loops' states and every gradient; the thread count is restored."""
+    if not keep_stages:
+        monkeypatch.setattr(floater, "KEEP_STAGES_BYTES", 0)
+    weights = [w.detach().requires_grad_() for w in random_dynamics(8, 6, dtype)]
+    y0 = torch.randn(9, 8, dtype=dtype, requires_grad=True)
+    settings = (TABLEAUS["rk4"], 2, 9, 0.1, 3)
+    upstream = torch.randn(8, 9, 8, dtype=dtype)
+    monkeypatch.setattr(floater, "floater_solve", None)
+    python = HiddenSpaceSolve.apply(*settings, y0, *weights)
+    python_grads = torch.autograd.grad(python, [y0, *weights], upstream)
+    monkeypatch.undo()
+    if not keep_stages:
+        monkeypatch.setattr(floater, "KEEP_STAGES_BYTES", 0)
+    bounds = [round(9 * i / parts) for i in range(parts + 1)]
+    monkeypatch.setattr(floater, "compiled_parts", lambda y, hidden: [slice(a, b) for a, b in zip(bounds, bounds[1:])])
+    threads = torch.get_num_threads()
+    compiled = HiddenSpaceSolve.apply(*settings, y0, *weights)
+    compiled_grads = torch.autograd.grad(compiled, [y0, *weights], upstream)
+    assert torch.get_num_threads() == threads
+    assert (compiled - python).abs().max() <= tolerance * python.abs().max()
+    for name, got, expected in zip(("y0", "W1", "c1", "W2", "c2"), compiled_grads, python_grads):
+        assert (got - expected).abs().max() <= tolerance * expected.abs().max(), name
+    if dtype == torch.float64:
+        small = [w.detach().requires_grad_() for w in random_dynamics(4, 3, torch.float64, seed=3)]
+        torch.autograd.gradcheck(lambda y, *w: HiddenSpaceSolve.apply(TABLEAUS["rk4"], 0, 4, 0.3, 2, y, *w),
+                                 (torch.randn(9, 4, dtype=torch.float64, requires_grad=True), *small))
+
+
+@pytest.mark.parametrize("threads,work,expected", [(2, 1, 2), (4, 1, 3), (1, 1, 1), (2, 10 ** 9, 1)])
+def test_rows_are_split_over_the_threads_when_the_products_are_large(threads, work, expected, monkeypatch):
+    """One part per torch thread (at most one per PARALLEL_MIN_ROWS rows), only when a stage's
+    product reaches PARALLEL_MIN_WORK; the parts cover the rows in order."""
+    monkeypatch.setattr(floater, "PARALLEL_MIN_WORK", work)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        parts = floater.compiled_parts(torch.zeros(13, 8), 8)
+    finally:
+        torch.set_num_threads(previous)
+    assert len(parts) == expected and parts[0].start == 0 and parts[-1].stop == 13
+    assert all(a.stop == b.start for a, b in zip(parts, parts[1:]))
+
+
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float16, 0.02), (torch.bfloat16, 0.05)])
 def test_half_precision_model_at_2048_tokens_is_close_to_fp32(translation_data, dtype, tolerance):
     model, task, encoding = floater_model(translation_data, ["--max-source-positions", "4096",
