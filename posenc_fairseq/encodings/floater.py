@@ -310,21 +310,26 @@ class HiddenSpaceSolve(torch.autograd.Function):
         dt = run.dt
         with single_thread(states):
             if ctx.parts is None:
-                gy, grad_bias1, sums, after, starts, grad_m, grad_cz = _hidden_backward_loops(
-                    run, states, grad_states, kept[0] if kept else None)
-            else:
-                results = floater_solve.backward(run.pieces(), tableau.a, tableau.b, dt, substeps,
-                                                 [states[:, rows].contiguous() for rows in ctx.parts],
-                                                 [grad_states[:, rows].contiguous() for rows in ctx.parts], kept)
-                gy, grad_bias1, sums, after, starts, grad_m, grad_cz = (
-                    torch.cat([r[k] for r in results], dim=0 if k == 0 else 1) if k in (0, 2, 3, 4)
-                    else sum(r[k] for r in results) for k in range(7))
+                parts = [(states, _hidden_backward_loops(run, states, grad_states, kept[0] if kept else None))]
+            else:  # each part's states are contiguous rows of every time slice: views, no copies
+                part_states = [states[:, rows] for rows in ctx.parts]
+                parts = list(zip(part_states, floater_solve.backward(
+                    run.pieces(), tableau.a, tableau.b, dt, substeps, part_states,
+                    [grad_states[:, rows].contiguous() for rows in ctx.parts], kept)))
+        # per part: d loss / d b(t_first), d bias1, each interval's relu sums, d b(t_i+1), d z at the
+        # intervals' starts, d M, d cz; the weights' gradients add up over the parts
+        gy = torch.cat([result[0] for _, result in parts]) if len(parts) > 1 else parts[0][1][0]
+        grad_bias1, grad_m, grad_cz = (functools.reduce(torch.add, [result[k] for _, result in parts]) for k in (1, 5, 6))
+        starts_by_states = functools.reduce(torch.add, [
+            result[4].reshape(-1, hidden).T @ part[:-1].reshape(-1, dim) for part, result in parts])
+        after_by_sums = functools.reduce(torch.add, [
+            result[3].reshape(-1, dim).T @ result[2].reshape(-1, hidden) for _, result in parts])
+        after_total = functools.reduce(torch.add, [result[3].sum(1) for _, result in parts])  # (intervals, d)
         # z = W1_b b(t_i), cz = W1_b bias2, M = W1_b W2_b, b(t_i+1) = b(t_i) + dt W2_b sums + b2 sums
-        grad_w1b = (starts.reshape(-1, hidden).T @ states[:-1].reshape(-1, dim) + grad_m @ run.w2h.T
-                    + grad_cz.view(-1, hidden).T @ run.bias2.view(-1, dim))
-        grad_w2h = run.w1b.T @ grad_m + dt * after.reshape(-1, dim).T @ sums.reshape(-1, hidden)
+        grad_w1b = starts_by_states + grad_m @ run.w2h.T + grad_cz.view(-1, hidden).T @ run.bias2.view(-1, dim)
+        grad_w2h = run.w1b.T @ grad_m + dt * after_by_sums
         grad_bias2 = (grad_cz @ run.w1b  # through cz, and through the b path's bias sums:
-                      + dt * run.b.view(1, -1, 1) * after.sum(1).repeat_interleave(substeps, 0)[:, None, :])
+                      + dt * run.b.view(1, -1, 1) * after_total.repeat_interleave(substeps, 0)[:, None, :])
         tau = run.tau.reshape(-1)
         grad_w1 = torch.cat([grad_w1b, (tau @ grad_bias1.view(-1, hidden))[:, None]], dim=1)
         grad_w2 = torch.cat([grad_w2h, (tau @ grad_bias2.view(-1, dim))[:, None]], dim=1)
@@ -417,7 +422,9 @@ def compiled_parts(y0: Tensor, hidden: int) -> Optional[List[slice]]:
         return None
     count = y0.size(0)
     parts = 1
-    if count * hidden * y0.size(-1) >= PARALLEL_MIN_WORK:
+    # under a Python dispatch mode (e.g. a memory sampler) every operation of part 0 calls into Python
+    # while the other parts run: measured 3x slower than one part
+    if count * hidden * y0.size(-1) >= PARALLEL_MIN_WORK and torch._C._len_torch_dispatch_stack() == 0:
         parts = max(1, min(torch.get_num_threads(), count // PARALLEL_MIN_ROWS))
     bounds = [round(count * i / parts) for i in range(parts + 1)]
     return [slice(start, end) for start, end in zip(bounds[:-1], bounds[1:])]

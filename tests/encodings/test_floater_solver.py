@@ -115,6 +115,26 @@ def test_rows_are_split_over_the_threads_when_the_products_are_large(threads, wo
     assert all(a.stop == b.start for a, b in zip(parts, parts[1:]))
 
 
+def test_one_part_under_a_python_dispatch_mode(monkeypatch):
+    """Under a Python dispatch mode (a memory sampler, a tracer) part 0's operations call into Python
+    while other parts run: the solve then keeps to one part."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(floater, "PARALLEL_MIN_WORK", 1)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert len(floater.compiled_parts(torch.zeros(13, 8), 8)) == 2
+        with Passthrough():
+            assert len(floater.compiled_parts(torch.zeros(13, 8), 8)) == 1
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float16, 0.02), (torch.bfloat16, 0.05)])
 def test_half_precision_model_at_2048_tokens_is_close_to_fp32(translation_data, dtype, tolerance):
     model, task, encoding = floater_model(translation_data, ["--max-source-positions", "4096",
