@@ -369,7 +369,6 @@ def _hidden_backward_loops(run: "_HiddenRun", states: Tensor, grad_states: Tenso
     grad_bias1 = states.new_empty(run.steps, stages, hidden)
     later = [states.new_tensor([[tableau.a[l][i] for l in range(i + 1, stages)]]) for i in range(stages)]
     ones, beta = states.new_ones(1, stages), [dt * b for b in tableau.b]
-    b_repeated = run.b.repeat(1, substeps)
     sums = states.new_empty(intervals, count, hidden)  # per interval: sum of b_j r_j over its stages
     after = states.new_empty(intervals, count, dim)  # d loss / d b(t_i+1)
     starts = states.new_empty(intervals, count, hidden)  # d loss / d z at each interval's start
@@ -382,7 +381,7 @@ def _hidden_backward_loops(run: "_HiddenRun", states: Tensor, grad_states: Tenso
         if kept is None:
             run.interval(interval, states[interval], R)
         relus = R[interval_steps] if kept is not None else R
-        torch.mm(b_repeated, relus.view(substeps * stages, -1), out=sums[interval].view(1, -1))
+        torch.mm(run.b_repeated, relus.view(substeps * stages, -1), out=sums[interval].view(1, -1))
         after[interval] = gy
         # d loss / d relu through b(t_i+1): the same for every stage of the interval (times b_j)
         through_b = (dt * gy) @ run.w2h  # (count, hidden)
@@ -516,6 +515,7 @@ class _HiddenRun:
         self.tableau, self.intervals = tableau, last - first
         self.dt, self.steps, self.tau, self.substeps = base.dt, base.steps, base.tau, substeps
         self.a, self.b = base.a, base.b
+        self.b_repeated = self.b.repeat(1, substeps)  # b_j of every stage of an interval's steps
         self.w1b, self.w2h, self.w2h_t, self.w1b_t = base.w1b, base.w2h, base.w2h_t, base.w1b_t
         self.bias2 = base.bias2
         self.m = self.w1b @ self.w2h  # (hidden, hidden)
@@ -526,7 +526,6 @@ class _HiddenRun:
         self.count, self.stages = count, stages
         self.bias1 = base.bias1.view(self.steps, stages, 1, hidden)
         self.cz = self.bias2 @ self.w1b.T  # W1_b bias2 per stage (steps, stages, hidden)
-        self.cz_rows = self.cz.view(-1, hidden).unbind(0)
         self.kz = y0.new_empty(stages, count * hidden)
         self.kz_mats, self.kz_before = self.kz.view(stages, count, hidden).unbind(0), [self.kz[:i] for i in range(stages)]
         self.pre = y0.new_empty(stages, count, hidden)  # z + bias1 of each stage of a step
@@ -534,10 +533,15 @@ class _HiddenRun:
         self.acc = y0.new_empty(1, count * hidden)
         self.scratch = y0.new_empty(substeps, stages, count * hidden)
 
+    @functools.cached_property
+    def cz_rows(self) -> tuple:
+        """`cz` as one row per stage of every step, for the Python loops (built only where they run)."""
+        return self.cz.view(-1, self.cz.size(-1)).unbind(0)
+
     def pieces(self) -> List[Tensor]:
         """What the compiled loops read, in csrc/floater_solve.cpp's order."""
         return [self.w1b, self.w1b_t, self.w2h, self.w2h_t, self.m, self.m_t, self.bias1.squeeze(2), self.cz,
-                self.b2_sums, self.b.repeat(1, self.substeps)]
+                self.b2_sums, self.b_repeated]
 
     def interval(self, interval: int, state: Tensor, relus: Optional[Tensor] = None) -> Tensor:
         """The `substeps` steps of one interval from b(t_i) = `state` (N, d): the sum of b_j times
