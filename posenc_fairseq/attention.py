@@ -382,7 +382,7 @@ class PositionalAttention(MultiheadAttention):
         if additive is not None:
             logits = logits + additive
         probs = torch.softmax(logits.float(), dim=-1).type_as(logits)
-        dropped = self.dropout_module(probs)
+        dropped = self.dropout_module(probs) if self._dropout_probability() > 0 else probs
         out = dropped @ v
         if value_term:
             kept = self._kept_heads()

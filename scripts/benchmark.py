@@ -184,8 +184,8 @@ def rss_bytes():
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--archs", nargs="+", default=[
-        "transformer_sinusoidal", "transformer_alibi", "transformer_rotary", "transformer_t5",
-        "transformer_at5", "transformer_shaw", "transformer_lfhc", "transformer_xl", "transformer_gcdf",
+        "transformer_sinusoidal", "transformer_alibi", "transformer_rotary", "transformer_t5", "transformer_t5_nob",
+        "transformer_at5", "transformer_at5_nob", "transformer_shaw", "transformer_lfhc", "transformer_xl", "transformer_gcdf",
         "transformer_floater"])
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)

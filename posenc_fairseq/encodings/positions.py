@@ -11,7 +11,7 @@ computing it again for every distance of every step: a step costs O(1) amortised
 layer beyond the slice. The kept values are recomputed when a parameter they depend on changes
 (new tensor, in-place update, dtype or device) and are never used with gradients or in training.
 """
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -48,11 +48,12 @@ def signature(parameters: Iterable[Tensor], *extra) -> tuple:
 
 
 def range_values(cache: Dict, key, depends_on: tuple, low: int, high: int,
-                 compute: Callable[[int, int], Tensor], dim: int) -> Tensor:
-    """compute(low, high) (values of the distances low..high along `dim`), kept in `cache[key]`
-    while `depends_on` holds: a request inside the kept range is a slice (a view) of it. A request
-    outside it computes a range that also doubles the kept one on the missing side, so a decoding
-    step that needs one more distance than the last recomputes only O(log n) times in n steps."""
+                 compute: Callable[[int, int], Tensor], dim: int, descending: bool = False) -> Tensor:
+    """compute(low, high) (values of the distances low..high along `dim`; with `descending`,
+    high..low), kept in `cache[key]` while `depends_on` holds: a request inside the kept range is a
+    slice (a view) of it. A request outside it computes a range that also doubles the kept one on
+    the missing side, so a decoding step that needs one more distance than the last recomputes
+    only O(log n) times in n steps."""
     entry: Optional[tuple] = cache.get(key)
     if entry is None or entry[0] != depends_on:
         kept_low, kept_high = low, high
@@ -65,7 +66,7 @@ def range_values(cache: Dict, key, depends_on: tuple, low: int, high: int,
     if entry is None or (entry[0], entry[1], entry[2]) != (depends_on, kept_low, kept_high):
         entry = (depends_on, kept_low, kept_high, compute(kept_low, kept_high))
         cache[key] = entry
-    return entry[3].narrow(dim, low - entry[1], high - low + 1)
+    return entry[3].narrow(dim, entry[2] - high if descending else low - entry[1], high - low + 1)
 
 
 def relative_shift(per_distance: Tensor, keys: int) -> Tensor:
@@ -80,3 +81,36 @@ def relative_shift(per_distance: Tensor, keys: int) -> Tensor:
     assert n == queries + keys - 1, (per_distance.shape, keys)
     return per_distance.as_strided((batch, heads, queries, keys), (heads * queries * n, queries * n, n - 1, 1),
                                    per_distance.storage_offset() + queries - 1)
+
+
+def row_runs(rows: List[int]) -> List[Tuple[int, int, int]]:
+    """`rows` (a Python list of table rows, one per column) as pieces (first, count, step): step
+    +1 or -1 is a slice of `count` consecutive rows from `first`, step 0 is row `first` repeated
+    `count` times. Clipped relative buckets (Shaw, LFHC) give few pieces: the two clipped ends and
+    the band between them."""
+    pieces: List[List[int]] = []
+    for row in rows:
+        if pieces:
+            first, count, step = pieces[-1]
+            direction = row - (first + step * (count - 1))  # from the piece's last row
+            if count == 1 and abs(direction) <= 1 or count > 1 and direction == step:
+                pieces[-1] = [first, count + 1, direction]
+                continue
+        pieces.append([row, 1, 0])
+    return [tuple(piece) for piece in pieces]
+
+
+def take_runs(values: Tensor, runs: List[Tuple[int, int, int]]) -> Tensor:
+    """values[..., rows] for the rows that `row_runs` describes: slices and expanded single rows
+    joined by one cat, i.e. no index tensor, and a backward pass of copies and sums (index_select
+    along the last dimension, and its index_add backward, cost several times more on CPU)."""
+    shape = values.shape[:-1]
+    pieces = []
+    for first, count, step in runs:
+        if step == 0:
+            pieces.append(values[..., first: first + 1].expand(*shape, count))
+        elif step == 1:
+            pieces.append(values[..., first: first + count])
+        else:
+            pieces.append(values[..., first - count + 1: first + 1].flip(-1))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)

@@ -8,6 +8,8 @@ Cross-attention is left alone (source and target positions are not comparable). 
 (cos, sin) of the positions a stack announces is computed once per pass and shared by the queries
 and keys of every layer (a decoding step: once per step).
 """
+from typing import Tuple
+
 import torch
 from torch import Tensor
 
@@ -19,23 +21,38 @@ from .option_types import float_in_range, option
 base_type = float_in_range(0.0, 3.0e38, low_open=True)
 
 
-def rotation(positions: Tensor, head_dim: int, base: float = 10000.0):
-    """cos and sin (T, B, 1, D/2) of the angles p * base^(-2m/D) of positions (B, T)."""
+def rotation(positions: Tensor, head_dim: int, base: float = 10000.0, constants=None):
+    """cos and signed sin (T, B, 1, D) of the angles p * base^(-2m/D) of positions (B, T), laid out
+    as `apply_rotation` reads them: dimension m and m + D/2 both get pair m's angle, the sin is
+    negative in the first half (an odd D's last dimension: cos 1, sin 0, it is not rotated).
+    `constants`: `rotation_constants` of the same head_dim, base and device, if kept."""
+    frequencies, sign = constants or rotation_constants(head_dim, base, positions.device)
+    angles = positions.t().float()[..., None] * frequencies  # (T, B, D)
+    return angles.cos()[:, :, None, :], (angles.sin() * sign)[:, :, None, :]
+
+
+def rotation_constants(head_dim: int, base: float, device) -> Tuple[Tensor, Tensor]:
+    """The frequency (D,) of each dimension, base^(-2m/D) for m and m + D/2, and the sign of its sin."""
     half = head_dim // 2
-    frequencies = base ** (-torch.arange(half, device=positions.device, dtype=torch.float32) * 2 / head_dim)
-    angles = positions.t().float()[..., None] * frequencies  # (T, B, half)
-    return angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+    frequencies = base ** (-torch.arange(half, device=device, dtype=torch.float32) * 2 / head_dim)
+    odd = torch.zeros(head_dim - 2 * half, device=device)
+    ones = torch.ones(half, device=device)
+    return torch.cat([frequencies, frequencies, odd]), torch.cat([-ones, ones, odd])
 
 
 def apply_rotation(x: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
-    """x (T, B, heads * D) rotated by `rotation`'s cos and sin, in float32."""
+    """x (T, B, heads * D) rotated by `rotation`'s cos and sin, in float32: pair m of a head,
+    (x_m, x_{m + D/2}), becomes (x_m cos - x_{m + D/2} sin, x_{m + D/2} cos + x_m sin), i.e.
+    x * cos + swapped(x) * signed sin in three operations (a decoding step pays per operation)."""
     length, batch, embed = x.shape
     head_dim = embed // heads
     half = head_dim // 2
     x = x.view(length, batch, heads, head_dim).float()
-    first, second = x[..., :half], x[..., half: 2 * half]
-    rotated = torch.cat([first * cos - second * sin, second * cos + first * sin, x[..., 2 * half:]], dim=-1)
-    return rotated.reshape(length, batch, embed)
+    if head_dim % 2 == 0:
+        swapped = x.roll(half, dims=-1)
+    else:
+        swapped = torch.cat([x[..., half: 2 * half], x[..., :half], x[..., 2 * half:]], dim=-1)
+    return torch.addcmul(x * cos, swapped, sin).reshape(length, batch, embed)
 
 
 def rotate(x: Tensor, positions: Tensor, heads: int, base: float = 10000.0) -> Tensor:
@@ -66,7 +83,16 @@ class Rotary(PositionalEncoding):
             # the positions the stack announced for this pass (a decoding step: the current one):
             # one rotation for the queries and keys of every layer
             cos, sin = self.memoize((role, "rotary", positions.shape, head_dim, str(x.device)),
-                                    lambda: rotation(positions.to(x.device), head_dim, self.base))
+                                    lambda: rotation(positions.to(x.device), head_dim, self.base,
+                                                     self._constants(head_dim, x.device)))
         else:  # e.g. --cross-self-attention's keys cat(source, target)
             cos, sin = rotation(positions.to(x.device), head_dim, self.base)
         return apply_rotation(x, cos, sin, self.dims.heads).to(x.dtype)
+
+    def _constants(self, head_dim: int, device) -> Tuple[Tensor, Tensor]:
+        """`rotation_constants`, kept (a decoding step computes one rotation; these never change)."""
+        key = (head_dim, self.base, device, torch.is_inference_mode_enabled())
+        kept = self.__dict__.setdefault("_kept_constants", {})
+        if key not in kept:
+            kept[key] = rotation_constants(head_dim, self.base, device)
+        return kept[key]

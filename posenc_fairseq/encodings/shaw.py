@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from .base import DistanceLogits, PositionalEncoding, register_encoding
 from .option_types import Checker, check_size, checked, one_of, option
-from .positions import bounds, is_range, relative_shift
+from .positions import bounds, is_range, relative_shift, row_runs, take_runs
 
 SELF_ROLES = ("encoder", "decoder")
 #: parse-time bound of k (2k+1 table rows per layer); build time checks the exact table size
@@ -122,8 +122,8 @@ class Shaw(PositionalEncoding):
             rows = self.bucket_of(query_positions, key_positions, layer)
             low, high = self.bucket_bounds(q_low, q_high, k_low, k_high, layer)
             return rows - low, low, high
-        return self.memoize((role, self.name, self._layer_key(layer), q_low, len(query_positions),
-                             k_low, len(key_positions)), compute)
+        return self.memoize((role, self.name, self._layer_key(layer), *self._call_key(query_positions, key_positions)),
+                            compute)
 
     def bucket_bounds(self, q_low, q_high, k_low, k_high, layer):
         """Lowest and highest row of the pairs of queries q_low..q_high and keys k_low..k_high, in
@@ -138,23 +138,38 @@ class Shaw(PositionalEncoding):
     def distance_rows(self, role, layer, query_positions, key_positions):
         """(rows, low, high) for consecutive positions: the row - low of each query - key distance
         of the call, descending from last query - first key (the order `relative_shift` reads)."""
-        (q_low, q_high), (k_low, k_high) = bounds(query_positions), bounds(key_positions)
+        return self.memoize((role, self.name, "distance rows", self._layer_key(layer), *self._call_key(
+            query_positions, key_positions)), lambda: self._distance_rows(layer, query_positions, key_positions,
+                                                                          query_positions.device))
 
+    def distance_runs(self, role, layer, query_positions, key_positions):
+        """`distance_rows` as `row_runs` pieces (Python integers, computed on the host: no device
+        synchronisation), with low and high."""
         def compute():
-            x = torch.arange(q_high - k_low, q_low - k_high - 1, -1, device=query_positions.device)  # query - key
-            rows = self.bucket_of(x, torch.zeros(1, dtype=x.dtype, device=x.device), layer)[:, 0]
-            low, high = self.bucket_bounds(q_low, q_high, k_low, k_high, layer)
-            return rows - low, low, high
-        return self.memoize((role, self.name, "distance rows", self._layer_key(layer), q_low, len(query_positions),
-                             k_low, len(key_positions)), compute)
+            rows, low, high = self._distance_rows(layer, query_positions, key_positions, "cpu")
+            return row_runs(rows.tolist()), low, high
+        return self.memoize((role, self.name, "distance runs", self._layer_key(layer), *self._call_key(
+            query_positions, key_positions)), compute)
+
+    def _distance_rows(self, layer, query_positions, key_positions, device):
+        (q_low, q_high), (k_low, k_high) = bounds(query_positions), bounds(key_positions)
+        x = torch.arange(q_high - k_low, q_low - k_high - 1, -1, device=device)  # query - key
+        rows = self.bucket_of(x, torch.zeros(1, dtype=x.dtype, device=x.device), layer)[:, 0]
+        low, high = self.bucket_bounds(q_low, q_high, k_low, k_high, layer)
+        return rows - low, low, high
+
+    @staticmethod
+    def _call_key(query_positions, key_positions):
+        (q_low, _), (k_low, _) = bounds(query_positions), bounds(key_positions)
+        return q_low, len(query_positions), k_low, len(key_positions)
 
     def relative_logits(self, role, layer, query, key, query_positions, key_positions):
         if role not in SELF_ROLES:
             return None
         if query.size(2) > 1 and is_range(query_positions) and is_range(key_positions):
             # the attention's consecutive positions: query . row per distance, then a strided view
-            rows, low, high = self.distance_rows(role, layer, query_positions, key_positions)  # (N,)
-            return relative_shift(self.key_scores(role, layer, query, low, high).index_select(-1, rows), key.size(2))
+            runs, low, high = self.distance_runs(role, layer, query_positions, key_positions)
+            return relative_shift(take_runs(self.key_scores(role, layer, query, low, high), runs), key.size(2))
         index, low, high = self.buckets(role, layer, query_positions, key_positions)  # (Tq, Tk)
         scores = self.key_scores(role, layer, query, low, high)  # (B, H, Tq, #rows used)
         batch, heads, tq, _ = scores.shape

@@ -117,45 +117,63 @@ class TransformerXL(PositionalEncoding):
             return projection(self._prior(role, low, high).to(projection.weight.dtype))
         return self.memoize((role, self.name, "projected", layer, low, high), compute)
 
-    def projected_step(self, role, layer, low, high):
+    def projected_step(self, role, layer, low, high, descending=False):
         """`projected` for a decoding step (one query): in inference, a slice of W_r R_d kept
-        across steps (positions.py), so a step projects no distance again; else as `projected`."""
+        across steps (positions.py), so a step projects no distance again; else as `projected`.
+        `descending`: distances high..low, i.e. the keys' order (no flip per step)."""
         if not use_kept_values(self):
-            return self.projected(role, layer, low, high)
+            rel = self.projected(role, layer, low, high)
+            return rel.flip(0) if descending else rel
         projection = self.projections[f"{role}{layer}"]
 
         def compute(first, last):
-            prior = self.prior(torch.arange(first, last + 1, device=projection.weight.device))
+            distances = torch.arange(last, first - 1, -1) if descending else torch.arange(first, last + 1)
+            prior = self.prior(distances.to(projection.weight.device))
             return projection(prior.to(projection.weight.dtype))
-        return range_values(self.__dict__.setdefault("_kept", {}), (role, layer),
-                            signature([projection.weight], self.prior_key()), low, high, compute, dim=0)
+        return range_values(self.__dict__.setdefault("_kept", {}), (role, layer, descending),
+                            signature([projection.weight], self.prior_key()), low, high, compute, dim=0,
+                            descending=descending)
 
     def prior_key(self):
         """What the prior R depends on besides the distance (kept values are recomputed on change)."""
         return (self.dims.embed_dim,)
 
-    def position_terms(self, role, layer, query, key, query_positions, key_positions):
+    def position_terms(self, role, layer, query, key, query_positions, key_positions, descending=False):
         """(rel, query + v, content) of a call: rel = W_r R_d (H, N, D) over d = i - j = low..high
-        (ascending), the query plus v, and u.k_j (B, H, 1, Tk); u and v scaled as the query."""
+        (ascending; high..low with `descending`), the query plus v, and u.k_j (B, H, 1, Tk); u and v
+        scaled as the query."""
         heads, tq, head_dim = query.shape[1:]
         (low, high), (span_low, span_high) = self.spans(query_positions, key_positions)
         if tq == 1:  # a decoding step
-            rel = self.projected_step(role, layer, low, high)
+            rel = self.projected_step(role, layer, low, high, descending)
         else:
             rel = self.projected(role, layer, span_low, span_high)[low - span_low: high - span_low + 1]
+            rel = rel.flip(0) if descending else rel
         rel = rel.to(query.dtype).view(-1, heads, head_dim).transpose(0, 1)  # (H, N, D) = W_r R_d, d = low..high
-        scale = head_dim ** -0.5  # query arrives already scaled; u and v are scaled here
-        u = self.content_bias[role].to(query.dtype) * scale
-        v = self.position_bias[role].to(query.dtype) * scale
-        content = torch.einsum("hd,bhkd->bhk", u, key)[:, :, None, :]  # (B, H, 1, Tk)
-        return rel, query + v[None, :, None, :], content
+        u, v = self.scaled_biases(role, query.dtype)
+        content = (key @ u).transpose(-1, -2)  # (B, H, 1, Tk)
+        return rel, query + v, content
+
+    def scaled_biases(self, role, dtype):
+        """u as (H, D, 1) and v as (1, H, 1, D), scaled by 1/sqrt(D) as the query arrives: once per
+        forward (a decoding step: once per step, not per layer)."""
+        def compute():
+            scale = self.dims.head_dim ** -0.5
+            u = self.content_bias[role].to(dtype) * scale
+            v = self.position_bias[role].to(dtype) * scale
+            return u[:, :, None], v[None, :, None, :]
+        return self.memoize((role, self.name, "u v", dtype), compute)
 
     def relative_logits(self, role, layer, query, key, query_positions, key_positions):
         if role not in SELF_ROLES:
             return None
         batch, heads, tq, _ = query.shape
+        if tq == 1 and is_range(key_positions):  # a decoding step: descending distances are the keys' order
+            rel, query_v, content = self.position_terms(role, layer, query, key, query_positions, key_positions,
+                                                        descending=True)
+            return query_v @ rel.transpose(-1, -2)[None] + content
         rel, query_v, content = self.position_terms(role, layer, query, key, query_positions, key_positions)
-        if tq > 1 and is_range(query_positions) and is_range(key_positions):
+        if is_range(query_positions) and is_range(key_positions):
             return self.shifted(query_v, rel, key.size(2)) + content
         low = self.spans(query_positions, key_positions)[0][0]
         index = self._index(role, query_positions, key_positions, low)  # (Tq, Tk)
