@@ -1,0 +1,50 @@
+"""positions.py helpers against plain indexing."""
+import random
+
+import pytest
+import torch
+
+from posenc_fairseq.encodings.positions import position_range, range_values, row_runs, take_runs
+
+
+@pytest.mark.parametrize("rows, pieces", [
+    ([0, 0, 0, 1, 2, 3, 4, 4, 4], [(0, 3, 0), (1, 4, 1), (4, 2, 0)]),  # Shaw: clipped ends, band
+    ([5, 4, 3, 2, 1, 1, 1], [(5, 5, -1), (1, 2, 0)]),  # descending band (LFHC at layer 1)
+    ([3, 3, 2, 2, 1, 1], [(3, 2, 0), (2, 2, 0), (1, 2, 0)]),  # LFHC at layer 2: each row twice
+    ([7], [(7, 1, 0)]),
+])
+def test_row_runs_hand_computed(rows, pieces):
+    assert row_runs(rows) == pieces
+
+
+def test_take_runs_equals_index_select_with_gradients():
+    generator = random.Random(0)
+    for _ in range(200):
+        width = generator.randint(1, 6)
+        rows = [generator.randrange(width) for _ in range(generator.randint(1, 15))]
+        values = torch.randn(2, 3, width, dtype=torch.float64, requires_grad=True)
+        expected = values.index_select(-1, torch.tensor(rows))
+        got = take_runs(values, row_runs(rows))
+        assert torch.equal(got, expected), rows
+        weights = torch.randn_like(expected)
+        (grad,) = torch.autograd.grad((got * weights).sum(), values)
+        (expected_grad,) = torch.autograd.grad((expected * weights).sum(), values)
+        assert torch.allclose(grad, expected_grad, rtol=0, atol=1e-12), rows
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_range_values_slices_in_either_order(descending):
+    calls = []
+
+    def compute(first, last):
+        calls.append((first, last))
+        distances = torch.arange(last, first - 1, -1) if descending else torch.arange(first, last + 1)
+        return distances.double() ** 2
+
+    cache = {}
+    for low, high in [(0, 3), (0, 4), (-2, 4), (1, 2), (0, 9)]:
+        got = range_values(cache, "key", ("same",), low, high, compute, dim=0, descending=descending)
+        wanted = torch.arange(low, high + 1).double() ** 2
+        assert torch.equal(got, wanted.flip(0) if descending else wanted), (low, high)
+    assert len(calls) < 5  # (1, 2) and some growth steps were slices of what was kept
+    assert position_range(3, 7).bounds == (3, 6)
