@@ -26,7 +26,9 @@ def rotation(positions: Tensor, head_dim: int, base: float = 10000.0, constants=
     as `apply_rotation` reads them: dimension m and m + D/2 both get pair m's angle, the sin is
     negative in the first half (an odd D's last dimension: cos 1, sin 0, it is not rotated).
     `constants`: `rotation_constants` of the same head_dim, base and device, if kept."""
-    frequencies, sign = constants or rotation_constants(head_dim, base, positions.device)
+    if constants is None:
+        constants = rotation_constants(head_dim, base, positions.device)
+    frequencies, sign = constants
     angles = positions.t().float()[..., None] * frequencies  # (T, B, D)
     return angles.cos()[:, :, None, :], (angles.sin() * sign)[:, :, None, :]
 

@@ -47,4 +47,8 @@ def test_range_values_slices_in_either_order(descending):
         wanted = torch.arange(low, high + 1).double() ** 2
         assert torch.equal(got, wanted.flip(0) if descending else wanted), (low, high)
     assert len(calls) < 5  # (1, 2) and some growth steps were slices of what was kept
-    assert position_range(3, 7).bounds == (3, 6)
+
+
+def test_position_range_knows_its_bounds():
+    positions = position_range(3, 7)
+    assert positions.tolist() == [3, 4, 5, 6] and positions.bounds == (3, 6)
