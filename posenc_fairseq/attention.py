@@ -46,7 +46,7 @@ from fairseq.modules import MultiheadAttention
 
 from .encodings.base import in_backward
 from . import flex_attention as flex
-from .encodings.positions import bounds, position_range
+from .encodings.positions import position_range
 
 
 def use_positional_attention(module: torch.nn.Module):
@@ -82,6 +82,56 @@ def blocked_fill_value(dtype: torch.dtype) -> float:
     """Finite 'minus infinity' for masks: exp() of it underflows to 0 in softmax, and unlike -inf
     a fully masked row gives uniform weights instead of NaN, in fp16/bf16 as in fp32."""
     return torch.finfo(dtype).min
+
+
+def _flushing_subnormals() -> bool:
+    """Whether this thread already flushes subnormal floats to zero (PyTorch has a setter only)."""
+    return (torch.tensor(1e-39) * 2).item() == 0.0
+
+
+def flush_subnormals_in_backward(last: Tensor, first: Tensor) -> None:
+    """CPU: flush subnormal floats to zero while autograd runs the backward of one attention,
+    from `last` (its output) down to `first` (q.k), unless the thread already does.
+
+    Why: position terms of wide range (ALiBi's slope times distance, T5's far buckets, XL's
+    relative logits) put many probabilities at exp(-87..-103), the subnormal range, and CPU
+    arithmetic on subnormals is tens of times slower: one SDPA backward at n = 1024 with ALiBi's
+    bias took 58 ms, 12 ms flushed. What is flushed is below 1.2e-38, far below what fp32 resolves
+    in the sums it enters (the probabilities sum to 1). The thread's setting is restored at `first`,
+    and at the end of the backward pass whatever happens in between."""
+    if last.grad_fn is None or first.grad_fn is None or last.device.type != "cpu":
+        return
+    state = {}
+
+    def stop(*_):
+        if state.pop("set", False):
+            torch.set_flush_denormal(False)
+
+    def start(_):
+        if "set" not in state and not _flushing_subnormals():
+            state["set"] = torch.set_flush_denormal(True)
+            torch.autograd.Variable._execution_engine.queue_callback(stop)
+
+    last.grad_fn.register_prehook(start)
+    first.grad_fn.register_hook(stop)
+
+
+def blocks_future(attn_mask: Optional[Tensor], queries: int, keys: int) -> bool:
+    """Whether the 2-D `attn_mask` (queries, keys) blocks (-inf or True) every key after its query,
+    the queries being the last `queries` of the keys: fairseq's future mask. Checked once per mask
+    tensor and in-place version (one device sync) and remembered on the tensor's storage owner
+    (fairseq slices its buffered mask anew each call)."""
+    if attn_mask is None or attn_mask.dim() != 2 or tuple(attn_mask.shape) != (queries, keys) or queries < 2:
+        return False
+    owner = attn_mask if attn_mask._base is None else attn_mask._base
+    version = None if owner.is_inference() else owner._version  # inference tensors have no version
+    geometry = (attn_mask.storage_offset(), tuple(attn_mask.stride()), queries, keys, attn_mask.dtype, version)
+    checked = owner.__dict__.setdefault("_posenc_blocks_future", {}) if version is not None else {}
+    if geometry not in checked:
+        blocked = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
+        future = torch.ones(queries, keys, dtype=torch.bool, device=attn_mask.device).triu(keys - queries + 1)
+        checked[geometry] = bool(blocked[future].all())
+    return checked[geometry]
 
 
 #: queries per block when relative terms are computed a block at a time (see `query_block_size`)
@@ -254,9 +304,11 @@ class PositionalAttention(MultiheadAttention):
         k_pos = position_range(0, target_len, q.device)
         k_target = k[:, :, source_keys:] if source_keys else k
         q = q * self.scaling
+        # fairseq's future mask (checked): keys after a query are blocked, their terms may be skipped
+        future_blocked = relative and not source_keys and blocks_future(attn_mask, tgt_len, src_len)
         terms = dict(encoding=encoding, binding=binding, relative=relative, k_target=k_target, k_pos=k_pos,
                      attn_mask=attn_mask, key_padding_mask=key_padding_mask, source_keys=source_keys,
-                     fused=not (need_weights or before_softmax))
+                     fused=not (need_weights or before_softmax), future_blocked=future_blocked)
         value_term = relative and encoding.has_relative_values(binding.role, binding.layer)
 
         # Shaw/LFHC/XL/GCDF: relative logits that need a gradient go through the explicit softmax:
@@ -266,17 +318,26 @@ class PositionalAttention(MultiheadAttention):
         block = query_block_size(bsz * heads, src_len)
         if query_blocks and not (need_weights or before_softmax) and tgt_len > block:
             # Long input, relative terms: one block of queries at a time, so that the relative terms
-            # (and their distances) of one block only exist at once; exactly the same result.
+            # (and their distances) of one block only exist at once; exactly the same result. Under
+            # the future mask a block leaves out the keys after its last query (all blocked).
             probs = None
             parts = []
             for start in range(0, tgt_len, block):
                 rows = slice(start, min(start + block, tgt_len))
-                rows_pos = position_range(target_len - tgt_len + rows.start, target_len - tgt_len + rows.stop, q.device)
+                first = target_len - tgt_len  # position of the first query
+                rows_pos = position_range(first + rows.start, first + rows.stop, q.device)
+                target_keys = first + rows.stop if future_blocked else target_len
+                keys = source_keys + target_keys
+                block_terms = dict(
+                    terms, k_target=k_target[:, :, :target_keys], k_pos=position_range(0, target_keys, q.device),
+                    attn_mask=attn_mask[..., rows, :keys] if attn_mask is not None else None,
+                    key_padding_mask=key_padding_mask[:, :keys] if key_padding_mask is not None else None)
 
-                def block_output(q_rows, rows=rows, rows_pos=rows_pos):
-                    additive = self._additive(q_rows, rows_pos, rows, **terms)
+                def block_output(q_rows, rows_pos=rows_pos, keys=keys, block_terms=block_terms):
+                    additive = self._additive(q_rows, rows_pos, **block_terms)
                     explicit = additive is not None and additive.requires_grad
-                    return self._attend(q_rows, k, v, additive, value_term, rows_pos, explicit=explicit, **terms)[0]
+                    return self._attend(q_rows, k[:, :, :keys], v[:, :, :keys], additive, value_term, rows_pos,
+                                        explicit=explicit, **block_terms)[0]
 
                 if torch.is_grad_enabled() and not in_backward():
                     # Keep only the block's inputs for backward and recompute its relative terms and
@@ -288,7 +349,7 @@ class PositionalAttention(MultiheadAttention):
                     parts.append(block_output(q[:, :, rows]))
             out = torch.cat(parts, dim=2)
         else:
-            additive = self._additive(q, q_pos, slice(None), **terms)
+            additive = self._additive(q, q_pos, **terms)
             if need_weights or before_softmax or value_term:
                 if before_softmax:
                     logits = q @ k.transpose(-1, -2)
@@ -310,12 +371,14 @@ class PositionalAttention(MultiheadAttention):
                 weights = weights.mean(dim=0)
         return out, weights
 
-    def _additive(self, q: Tensor, q_pos: Tensor, rows: slice, encoding, binding, relative: bool, k_target: Tensor,
+    def _additive(self, q: Tensor, q_pos: Tensor, encoding, binding, relative: bool, k_target: Tensor,
                   k_pos: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
-                  source_keys: int, fused: bool = False) -> Optional[Tensor]:
+                  source_keys: int, fused: bool = False, future_blocked: bool = False) -> Optional[Tensor]:
         """Everything added to the scaled logits of the queries `q` (B, H, Tq, D) at positions
-        `q_pos` (rows `rows` of the call): the position terms, the attention mask's finite part and
+        `q_pos` (the rows of `attn_mask`): the position terms, the attention mask's finite part and
         the blocked entries (mask and padding) as a large negative number; (B or 1, H or 1, Tq, S).
+        `future_blocked`: the mask blocks every key after its query (the encoding may leave any
+        finite value there).
         None where `_attend` takes the fused path, which reads them itself (`_flex_applies`)."""
         if self._flex_applies(q, encoding, binding, relative, attn_mask, source_keys, fused):
             return None
@@ -326,10 +389,12 @@ class PositionalAttention(MultiheadAttention):
             if bias is not None and kept is not None:
                 bias = bias[kept]
             if kept is None:
-                rel = encoding.relative_logits(binding.role, binding.layer, q, k_target, q_pos, k_pos)
+                rel = encoding.relative_logits(binding.role, binding.layer, q, k_target, q_pos, k_pos,
+                                               future_blocked=future_blocked)
             else:
                 rel = encoding.relative_logits(binding.role, binding.layer, self._all_heads(q, 1),
-                                               self._all_heads(k_target, 1), q_pos, k_pos)
+                                               self._all_heads(k_target, 1), q_pos, k_pos,
+                                               future_blocked=future_blocked)
                 rel = rel[:, kept] if rel is not None else None
             for term in (bias, rel):
                 if term is not None:
@@ -339,7 +404,6 @@ class PositionalAttention(MultiheadAttention):
                     additive = term if additive is None else additive + term
         blocked = None
         if attn_mask is not None:
-            attn_mask = attn_mask[..., rows, :]
             if attn_mask.dtype == torch.bool:
                 blocked = attn_mask
             else:
@@ -365,9 +429,6 @@ class PositionalAttention(MultiheadAttention):
         if not (explicit or value_term) and self._flex_applies(q, encoding, binding, relative, attn_mask,
                                                                 source_keys, fused):
             distance = encoding.distance_logits(binding.role, binding.layer, q, k, q_pos, k_pos)
-            if attn_mask is not None:  # the rows of these queries: the last attn_mask.size(0) of the keys
-                first = bounds(q_pos)[0] - (len(k_pos) - attn_mask.size(0))
-                attn_mask = attn_mask[first: first + q.size(2)]
             out = flex.attend(q, k, v, distance, attn_mask, key_padding_mask, blocked_fill_value(q.dtype))
             return out, None
         if not (explicit or value_term):
@@ -377,10 +438,11 @@ class PositionalAttention(MultiheadAttention):
                 q, k, v, attn_mask=additive, scale=1.0,  # q is already scaled
                 dropout_p=self._dropout_probability(),
             )
+            if relative and additive is not None:
+                flush_subnormals_in_backward(out, out)
             return out, None
-        logits = q @ k.transpose(-1, -2)
-        if additive is not None:
-            logits = logits + additive
+        products = q @ k.transpose(-1, -2)
+        logits = products if additive is None else products + additive
         probs = torch.softmax(logits.float(), dim=-1).type_as(logits)
         dropped = self.dropout_module(probs) if self._dropout_probability() > 0 else probs
         out = dropped @ v
@@ -395,6 +457,8 @@ class PositionalAttention(MultiheadAttention):
                 term = term[:, kept] if term is not None else None
             if term is not None:
                 out = out + term.to(out.dtype)
+        if relative and additive is not None:
+            flush_subnormals_in_backward(out, products)
         return out, probs
 
     def _flex_applies(self, q: Tensor, encoding, binding, relative: bool, attn_mask: Optional[Tensor],

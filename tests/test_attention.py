@@ -226,3 +226,25 @@ def test_torchscript_is_refused_with_one_message():
     _, ours = pair("self")
     with pytest.raises(RuntimeError, match="cannot be compiled with TorchScript"):
         torch.jit.script(ours)
+
+
+def test_blocks_future_recognises_fairseq_future_mask_only():
+    """The future-mask check: fairseq's mask (a slice of its buffered -inf mask, or a bool mask)
+    blocks every key after its query; anything else (a future key let through, other shapes, a
+    cached step's queries) does not count; the remembered answer follows in-place changes."""
+    from posenc_fairseq.attention import blocks_future
+    buffered = torch.triu(utils.fill_with_neg_inf(torch.zeros(10, 10)), 1)
+    assert blocks_future(buffered[:6, :6], 6, 6)
+    assert blocks_future(torch.ones(5, 5, dtype=torch.bool).triu(1), 5, 5)
+    assert blocks_future(buffered[:6, :6].clone(), 6, 6)
+    assert blocks_future(torch.triu(utils.fill_with_neg_inf(torch.zeros(4, 7)), 4), 4, 7)  # the last 4 queries
+    assert not blocks_future(torch.triu(utils.fill_with_neg_inf(torch.zeros(4, 7)), 5), 4, 7)  # key 4 open to query 3
+    assert not blocks_future(None, 6, 6)
+    assert not blocks_future(buffered[:6, :6], 6, 7)
+    assert not blocks_future(torch.zeros(6, 6), 6, 6)
+    view = buffered[:6, :6]
+    assert blocks_future(view, 6, 6)
+    buffered[2, 4] = 0.0  # a future key let through, in place: the check is made again
+    assert not blocks_future(buffered[:6, :6], 6, 6)
+    assert not blocks_future(view, 6, 6)
+    assert blocks_future(buffered[:2, :2], 2, 2)

@@ -27,9 +27,9 @@ def run_both(monkeypatch, enc, call, queries, size=4):
     calls = []
     original = enc.relative_logits
 
-    def counted(role, layer, query, *rest):
+    def counted(role, layer, query, *rest, **options):
         calls.append(query.size(2))
-        return original(role, layer, query, *rest)
+        return original(role, layer, query, *rest, **options)
 
     for block in (None, size):
         monkeypatch.undo()

@@ -128,9 +128,11 @@ class PositionalEncoding(nn.Module):
         """(H, Tq, Tk) added to the scaled logits; positions are 1-D."""
         return None
 
-    def relative_logits(self, role, layer, query: Tensor, key: Tensor, query_positions, key_positions) -> Optional[Tensor]:
+    def relative_logits(self, role, layer, query: Tensor, key: Tensor, query_positions, key_positions,
+                        future_blocked: bool = False) -> Optional[Tensor]:
         """(B, H, Tq, Tk) added to the scaled logits; `query` (B, H, Tq, D) is already scaled by
-        1/sqrt(D), `key` is (B, H, Tk, D)."""
+        1/sqrt(D), `key` is (B, H, Tk, D). `future_blocked`: the attention mask blocks every key
+        after its query (fairseq's future mask, checked), so those entries may hold any finite value."""
         return None
 
     def has_relative_values(self, role: str, layer: int) -> bool:

@@ -70,15 +70,20 @@ def range_values(cache: Dict, key, depends_on: tuple, low: int, high: int,
 
 
 def relative_shift(per_distance: Tensor, keys: int) -> Tensor:
-    """(B, H, Tq, Tk) view of `per_distance` (B, H, Tq, N), N = Tq + Tk - 1, whose column c holds
-    the value of query - key distance high - c (descending; high = last query - first key), for
-    consecutive query and key positions: pair (i, j) has distance high - (Tq - 1 - i + j), so the
-    result is a strided view at flat offset i * (N - 1) + j + Tq - 1 of each (B, H) slab (rows of
-    Tk that do not overlap). No (Tq, Tk) index tensor, and unlike gather the view keeps nothing
-    for the backward pass (gather keeps its whole (B, H, Tq, N) input)."""
+    """(B, H, Tq, Tk) view of `per_distance` (B, H, Tq, N), whose column c holds the value of query -
+    key distance high - c (descending; high = last query - first key), for consecutive query and
+    key positions: pair (i, j) has distance high - (Tq - 1 - i + j), so the result is a strided
+    view at flat offset i * (N - 1) + j + Tq - 1 of each (B, H) slab (rows of Tk that do not
+    overlap). No (Tq, Tk) index tensor, and unlike gather the view keeps nothing for the backward
+    pass (gather keeps its whole (B, H, Tq, N) input).
+
+    N = Tq + Tk - 1 covers every distance. Under a future mask (the queries the last Tq of the
+    keys, each key after its query blocked) N = Tk + 1 columns, distances high..-1, are enough:
+    a blocked pair (j - i > N - Tq) reads a column of the next row, a finite value the mask
+    replaces."""
     per_distance = per_distance.contiguous()
     batch, heads, queries, n = per_distance.shape
-    assert n == queries + keys - 1, (per_distance.shape, keys)
+    assert n == queries + keys - 1 or keys < n < queries + keys - 1, (per_distance.shape, keys)
     return per_distance.as_strided((batch, heads, queries, keys), (heads * queries * n, queries * n, n - 1, 1),
                                    per_distance.storage_offset() + queries - 1)
 
@@ -98,6 +103,17 @@ def row_runs(rows: List[int]) -> List[Tuple[int, int, int]]:
                 continue
         pieces.append([row, 1, 0])
     return [tuple(piece) for piece in pieces]
+
+
+def first_of_runs(runs: List[Tuple[int, int, int]], count: int) -> List[Tuple[int, int, int]]:
+    """The pieces of the first `count` columns of `runs` (`row_runs`)."""
+    kept = []
+    for first, length, step in runs:
+        if count <= 0:
+            break
+        kept.append((first, min(length, count), step))
+        count -= length
+    return kept
 
 
 def take_runs(values: Tensor, runs: List[Tuple[int, int, int]]) -> Tensor:

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from .base import DistanceLogits, PositionalEncoding, register_encoding
 from .option_types import Checker, check_size, checked, one_of, option
-from .positions import bounds, is_range, relative_shift, row_runs, take_runs
+from .positions import bounds, first_of_runs, is_range, relative_shift, row_runs, take_runs
 
 SELF_ROLES = ("encoder", "decoder")
 #: parse-time bound of k (2k+1 table rows per layer); build time checks the exact table size
@@ -163,12 +163,14 @@ class Shaw(PositionalEncoding):
         (q_low, _), (k_low, _) = bounds(query_positions), bounds(key_positions)
         return q_low, len(query_positions), k_low, len(key_positions)
 
-    def relative_logits(self, role, layer, query, key, query_positions, key_positions):
+    def relative_logits(self, role, layer, query, key, query_positions, key_positions, future_blocked=False):
         if role not in SELF_ROLES:
             return None
         if query.size(2) > 1 and is_range(query_positions) and is_range(key_positions):
             # the attention's consecutive positions: query . row per distance, then a strided view
             runs, low, high = self.distance_runs(role, layer, query_positions, key_positions)
+            if future_blocked:  # distances high..-1 (relative_shift): the rest is blocked
+                runs = first_of_runs(runs, key.size(2) + 1)
             return relative_shift(take_runs(self.key_scores(role, layer, query, low, high), runs), key.size(2))
         index, low, high = self.buckets(role, layer, query_positions, key_positions)  # (Tq, Tk)
         scores = self.key_scores(role, layer, query, low, high)  # (B, H, Tq, #rows used)

@@ -80,9 +80,8 @@ class TransformerXL(PositionalEncoding):
         projection W_r R is computed once per layer and shared by the calls of a forward pass.
         A call with several queries may be one block of a longer call (PositionalAttention splits
         long inputs): its span is every distance between the keys, the same for every block. A
-        single query (a decoding step) needs only its own distances. (The causal decoder could skip
-        d < 0, but then a decoder call without the future mask, e.g. fairseq's full-context
-        alignment, would be silently wrong.)"""
+        single query (a decoding step) needs only its own distances. (Under the future mask,
+        `relative_logits` reads d >= -1 only.)"""
         (q_first, q_last), (k_first, k_last) = bounds(query_positions), bounds(key_positions)
         need = (q_first - k_last, q_last - k_first)
         if len(query_positions) == 1:
@@ -164,7 +163,7 @@ class TransformerXL(PositionalEncoding):
             return u[:, :, None], v[None, :, None, :]
         return self.memoize((role, self.name, "u v", dtype), compute)
 
-    def relative_logits(self, role, layer, query, key, query_positions, key_positions):
+    def relative_logits(self, role, layer, query, key, query_positions, key_positions, future_blocked=False):
         if role not in SELF_ROLES:
             return None
         batch, heads, tq, _ = query.shape
@@ -174,6 +173,8 @@ class TransformerXL(PositionalEncoding):
             return query_v @ rel.transpose(-1, -2)[None] + content
         rel, query_v, content = self.position_terms(role, layer, query, key, query_positions, key_positions)
         if is_range(query_positions) and is_range(key_positions):
+            if future_blocked and rel.size(1) > key.size(2) + 1:
+                rel = rel[:, -(key.size(2) + 1):]  # distances -1..high: under the future mask the rest is blocked
             return self.shifted(query_v, rel, key.size(2)) + content
         low = self.spans(query_positions, key_positions)[0][0]
         index = self._index(role, query_positions, key_positions, low)  # (Tq, Tk)

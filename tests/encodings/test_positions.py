@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from posenc_fairseq.encodings.positions import position_range, range_values, row_runs, take_runs
+from posenc_fairseq.encodings.positions import first_of_runs, position_range, range_values, row_runs, take_runs
 
 
 @pytest.mark.parametrize("rows, pieces", [
@@ -30,6 +30,16 @@ def test_take_runs_equals_index_select_with_gradients():
         (grad,) = torch.autograd.grad((got * weights).sum(), values)
         (expected_grad,) = torch.autograd.grad((expected * weights).sum(), values)
         assert torch.allclose(grad, expected_grad, rtol=0, atol=1e-12), rows
+
+
+def test_first_of_runs_takes_the_first_columns():
+    generator = random.Random(1)
+    values = torch.randn(2, 7)
+    for _ in range(200):
+        rows = [generator.randrange(7) for _ in range(generator.randint(1, 15))]
+        count = generator.randint(1, len(rows))
+        assert torch.equal(take_runs(values, first_of_runs(row_runs(rows), count)), values[:, rows[:count]]), rows
+    assert first_of_runs([(5, 3, -1), (2, 4, 0)], 4) == [(5, 3, -1), (2, 1, 0)]
 
 
 @pytest.mark.parametrize("descending", [False, True])

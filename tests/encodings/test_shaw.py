@@ -276,3 +276,27 @@ def test_strided_relative_shift_equals_gather_with_gradients(name, argv, tq, tk,
     assert (a - b).abs().max() <= 1e-12
     for x, y in zip(grads_a, grads_b):
         assert (x - y).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("name,argv", [("shaw", []), ("lfhc", [])])
+@pytest.mark.parametrize("tq,tk", [(6, 6), (4, 9), (2, 5)])
+def test_future_blocked_logits_agree_where_not_blocked(name, argv, tq, tk):
+    """Under the future mask (queries the last of the keys) only the distances high..-1 are taken:
+    the same logits and gradients for every key up to its query."""
+    from posenc_fairseq.encodings.positions import position_range
+
+    enc = encoding(name, f"--{name}-k", "2", *argv)
+    torch.manual_seed(8)
+    q = torch.randn(2, HEADS, tq, EMBED // HEADS, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, HEADS, tk, EMBED // HEADS, dtype=torch.float64)
+    seen = torch.arange(tk - tq, tk)[:, None] >= torch.arange(tk)[None, :]
+    results = []
+    for future_blocked in (False, True):
+        enc.begin("decoder")
+        logits = enc.relative_logits("decoder", 1, q, k, position_range(tk - tq, tk), position_range(0, tk),
+                                     future_blocked=future_blocked)
+        assert torch.isfinite(logits).all()
+        results.append((logits.detach(), torch.autograd.grad(logits[..., seen].pow(2).sum(), q)[0]))
+    (full, full_grad), (cut, cut_grad) = results
+    assert (full - cut).abs()[..., seen].max() <= 1e-12
+    assert (full_grad - cut_grad).abs().max() <= 1e-12

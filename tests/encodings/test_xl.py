@@ -7,6 +7,7 @@ import torch
 import posenc_fairseq  # noqa: F401
 from posenc_fairseq import attention as attention_module
 from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
+from posenc_fairseq.encodings.positions import position_range
 from posenc_fairseq.encodings.xl import gcdf_prior, sinusoidal_prior
 from util import assert_attention_runs_on, bound_attention, encoding_options, perturbed_encoding, QUICK_TRAIN, TINY_TRANSFORMER, USER_DIR, run
 
@@ -56,8 +57,9 @@ def gcdf_r(d, d_model, lam=4.0):
     return torch.tensor(out, dtype=torch.float64)
 
 
-def naive(module, enc, role, layer, x, padding, causal, prior):
-    """P_ij = (q_i.k_j + q_i.W_r R_{i-j} + u.k_j + v.W_r R_{i-j}) / sqrt(d), softmax, sum alpha v."""
+def naive(module, enc, role, layer, x, padding, causal, prior, blocked=None):
+    """P_ij = (q_i.k_j + q_i.W_r R_{i-j} + u.k_j + v.W_r R_{i-j}) / sqrt(d), softmax, sum alpha v.
+    `blocked` (T, T) bool: the mask's blocked pairs, in place of the causal ones."""
     length, batch, embed = x.shape
     heads = module.num_heads
     d = embed // heads
@@ -73,7 +75,7 @@ def naive(module, enc, role, layer, x, padding, causal, prior):
                 for j in range(length):
                     r = (w_r @ prior(i - j))[part]
                     p = (q[i, b, part] @ k[j, b, part] + q[i, b, part] @ r + u[h] @ k[j, b, part] + v_bias[h] @ r) / math.sqrt(d)
-                    if padding[b, j] or (causal and j > i):
+                    if padding[b, j] or (bool(blocked[i, j]) if blocked is not None else causal and j > i):
                         p = torch.tensor(float("-inf"), dtype=x.dtype)
                     scores.append(p)
                 alpha = torch.softmax(torch.stack(scores), dim=0)
@@ -105,6 +107,48 @@ def test_attention_output_equals_naive_loops(name, role, layer, block, monkeypat
     assert (got - expected).abs().max() <= 1e-5
     baseline, _ = attention(None, role, layer)(x, x, x, key_padding_mask=padding, attn_mask=mask)
     assert (got - baseline).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["xl", "gcdf"])
+@pytest.mark.parametrize("block", [None, 3], ids=["whole", "query-blocks"])
+@pytest.mark.parametrize("future", ["blocked", "one key open"])
+def test_decoder_mask_other_than_the_future_mask(name, block, future, monkeypatch):
+    """Under fairseq's future mask the attention skips the distances d < -1 (and a block the keys
+    after its last query); a decoder mask that lets one future key through must see its term."""
+    if block is not None:
+        monkeypatch.setattr(attention_module, "QUERY_BLOCK", block)
+        monkeypatch.setattr(attention_module, "QUERY_BLOCK_ELEMENTS", 1)
+    enc = encoding(name)
+    prior = (lambda d: xl_r(d, EMBED)) if name == "xl" else (lambda d: gcdf_r(d, EMBED))
+    module = attention(enc, "decoder", 1)
+    x, padding = inputs(length=8, left=False)
+    mask = causal_mask(len(x))
+    if future == "one key open":
+        mask[1, 6] = 0.0
+    enc.begin("decoder")
+    got, _ = module(x, x, x, key_padding_mask=padding, attn_mask=mask, need_weights=False)
+    with torch.no_grad():
+        expected = naive(module, enc, "decoder", 1, x, padding, True, prior, blocked=torch.isneginf(mask))
+    assert (got - expected).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["xl", "gcdf"])
+def test_future_blocked_logits_agree_where_not_blocked(name):
+    """`future_blocked` reads distances -1..high only: the same logits for every key up to its
+    query, for the whole call and a block of queries (the last of its keys)."""
+    enc = encoding(name)
+    torch.manual_seed(4)
+    q, k = torch.randn(2, HEADS, 9, 4, dtype=torch.float64), torch.randn(2, HEADS, 9, 4, dtype=torch.float64)
+    for first, stop in ((0, 9), (3, 7)):
+        enc.begin("decoder")
+        q_pos, k_pos = position_range(first, stop), position_range(0, stop)
+        full = enc.relative_logits("decoder", 1, q[:, :, first:stop], k[:, :, :stop], q_pos, k_pos)
+        cut = enc.relative_logits("decoder", 1, q[:, :, first:stop], k[:, :, :stop], q_pos, k_pos,
+                                  future_blocked=True)
+        seen = torch.arange(first, stop)[:, None] >= torch.arange(stop)[None, :]
+        assert torch.isfinite(cut).all()
+        assert (full - cut).abs()[..., seen].max() <= 1e-12
+        assert (full - cut).abs()[..., ~seen].max() > 1e-3  # the blocked entries were not computed
 
 
 @pytest.mark.parametrize("name", ["xl", "gcdf"])
