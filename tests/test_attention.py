@@ -248,3 +248,46 @@ def test_blocks_future_recognises_fairseq_future_mask_only():
     assert not blocks_future(buffered[:6, :6], 6, 6)
     assert not blocks_future(view, 6, 6)
     assert blocks_future(buffered[:2, :2], 2, 2)
+
+
+@pytest.mark.parametrize("name,need_weights", [("alibi", False), ("xl", False), ("xl", True)])
+@pytest.mark.parametrize("already_flushing", [False, True])
+def test_subnormals_flushed_during_attention_backward_only(monkeypatch, name, need_weights, already_flushing):
+    """Biased attention's backward on CPU runs with subnormals flushed (SDPA and explicit paths):
+    switched on at the attention's output and off again when its backward is done, never left on,
+    never switched off when the thread already flushed them; gradients as without flushing (what is
+    flushed is below 1.2e-38)."""
+    from posenc_fairseq import attention as attention_module
+    from util import bound_attention, perturbed_encoding
+
+    enc = perturbed_encoding(name, dims=ModelDims(32, 4, 1, 1))
+    module = bound_attention(enc, "encoder", 0, 32, 4, torch.float32)
+    x = torch.randn(40, 2, 32) * 30  # wide logits: many probabilities underflow
+    switched = []
+    set_flush = torch.set_flush_denormal
+
+    def recording(on):
+        switched.append(on)
+        return set_flush(on)
+
+    def gradients(flush):
+        enc.begin("encoder")
+        monkeypatch.setattr(torch, "set_flush_denormal", recording if flush else lambda on: True)
+        inputs = x.clone().requires_grad_()
+        out, _ = module(inputs, inputs, inputs, need_weights=need_weights)
+        seen = []
+        inputs.register_hook(lambda grad: seen.append(attention_module._flushing_subnormals()))
+        out.pow(2).sum().backward()
+        monkeypatch.setattr(torch, "set_flush_denormal", set_flush)
+        return inputs.grad, seen
+
+    set_flush(already_flushing)
+    try:
+        expected, _ = gradients(flush=False)
+        got, seen = gradients(flush=True)
+        assert seen == [already_flushing]  # off again by the time the input's gradient arrives
+        assert attention_module._flushing_subnormals() == already_flushing
+        assert switched == ([] if already_flushing else [True, False])
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6 * expected.abs().max())
+    finally:
+        set_flush(False)

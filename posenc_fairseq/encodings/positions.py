@@ -88,6 +88,35 @@ def relative_shift(per_distance: Tensor, keys: int) -> Tensor:
                                    per_distance.storage_offset() + queries - 1)
 
 
+class _Toeplitz(torch.autograd.Function):
+    """See `toeplitz`. Backward: the gradient's diagonals summed through the same strided layout
+    (a zero buffer, one strided copy, one sum); index_put's accumulation, the backward of an index,
+    is several times slower on CPU."""
+
+    @staticmethod
+    def forward(ctx, values: Tensor, queries: int) -> Tensor:
+        keys = values.size(-1) - queries + 1
+        ctx.queries = queries
+        return values.unfold(-1, keys, 1).flip(-2)  # row r = values[r: r + Tk]; rows reversed (a copy)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        queries, keys = grad.shape[-2:]
+        n = queries + keys - 1
+        flat = grad.reshape(-1, queries, keys)
+        skewed = flat.new_zeros(flat.size(0), queries, n)
+        skewed.as_strided(flat.shape, (queries * n, n - 1, 1), queries - 1).copy_(flat)
+        return skewed.sum(1).view(*grad.shape[:-2], n), None
+
+
+def toeplitz(values: Tensor, queries: int) -> Tensor:
+    """(..., Tq, Tk) with [..., i, j] = values[..., j - i + Tq - 1], from `values` (..., Tq + Tk - 1)
+    over the key - query distances of consecutive positions in ascending order: a bias per distance
+    (T5, AT5) spread over the pairs, as values[..., distance index] would, with a cheaper backward."""
+    return _Toeplitz.apply(values, queries)
+
+
 def row_runs(rows: List[int]) -> List[Tuple[int, int, int]]:
     """`rows` (a Python list of table rows, one per column) as pieces (first, count, step): step
     +1 or -1 is a slice of `count` consecutive rows from `first`, step 0 is row `first` repeated

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from .base import DistanceLogits, PositionalEncoding, distance_range, layers_with_bias, register_encoding
 from .option_types import OptionValueError, check_size, even_int_in_range, int_in_range, one_of, option
-from .positions import bounds, is_range, range_values, signature, use_kept_values
+from .positions import bounds, is_range, range_values, signature, toeplitz, use_kept_values
 
 #: parse-time bounds; beyond them a table would be absurdly large (build time checks the exact size)
 MAX_BUCKETS = 2 ** 20
@@ -154,8 +154,10 @@ class ScalarBias(PositionalEncoding):
             # one query (a decoding step) and consecutive keys: key j is at distance low + j, so
             # the bias is the per-distance values themselves, kept across steps in inference
             return self.distance_values(key, low, high)[:, None, :]
-        relative = key_positions.long()[None, :] - query_positions.long()[:, None]
         values = self.distance_bias(key, low, high)  # over the distinct distances
+        if is_range(query_positions) and is_range(key_positions):
+            return toeplitz(values, len(query_positions))
+        relative = key_positions.long()[None, :] - query_positions.long()[:, None]
         return values[:, relative - low]
 
     def distance_values(self, key: str, low: int, high: int) -> Tensor:

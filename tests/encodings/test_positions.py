@@ -62,3 +62,18 @@ def test_range_values_slices_in_either_order(descending):
 def test_position_range_knows_its_bounds():
     positions = position_range(3, 7)
     assert positions.tolist() == [3, 4, 5, 6] and positions.bounds == (3, 6)
+
+
+@pytest.mark.parametrize("queries,keys", [(1, 5), (5, 1), (4, 4), (3, 7), (7, 3)])
+def test_toeplitz_equals_index_by_distance_with_gradients(queries, keys):
+    from posenc_fairseq.encodings.positions import toeplitz
+
+    values = torch.randn(2, 3, queries + keys - 1, dtype=torch.float64, requires_grad=True)
+    distance = torch.arange(keys)[None, :] - torch.arange(queries)[:, None]  # key - query
+    expected = values[..., distance + queries - 1]
+    got = toeplitz(values, queries)
+    assert torch.equal(got, expected)
+    weights = torch.randn_like(expected)
+    (grad,) = torch.autograd.grad((got * weights).sum(), values)
+    (expected_grad,) = torch.autograd.grad((expected * weights).sum(), values)
+    assert torch.allclose(grad, expected_grad, rtol=0, atol=1e-12)
