@@ -512,7 +512,9 @@ class PositionalAttention(MultiheadAttention):
             if kept is not None:  # the encoding's bias covers all the original heads
                 bias = bias.index_select(-1, self._kept_channels())
             if type(projection) is torch.nn.Linear and not (projection._forward_hooks or projection._forward_pre_hooks):
-                if x.size(0) == 1:  # a decoding step: the fewest calls
+                if bias.dim() == 1:  # one bias for every token (a decoding step)
+                    y = F.linear(x, projection.weight, bias)
+                elif x.size(0) == 1:  # a decoding step: the fewest calls
                     y = F.linear(x, projection.weight) + bias
                 else:  # the per-token bias is the product's input: no separate pass over (T, B, E)
                     y = torch.addmm(bias.reshape(-1, bias.size(-1)), x.reshape(-1, x.size(-1)),

@@ -120,8 +120,9 @@ class PositionalEncoding(nn.Module):
         return x
 
     def projection_bias(self, role: str, layer: int, which: str, positions: Optional[Tensor]) -> Optional[Tensor]:
-        """The bias of each token's q/k/v projection (T, B, E), used in place of the projection's
-        own bias (FLOATER: b(t_i)); None keeps the projection as it is. Positions are (B, T)."""
+        """The bias of each token's q/k/v projection (T, B, E), or (E,) for every token alike, used
+        in place of the projection's own bias (FLOATER: b(t_i)); None keeps the projection as it
+        is. Positions are (B, T)."""
         return None
 
     def logit_bias(self, role: str, layer: int, query_positions: Tensor, key_positions: Tensor) -> Optional[Tensor]:

@@ -926,7 +926,13 @@ class Floater(PositionalEncoding):
         key = (group, id(positions), dtype)
         hit = self._pass_gathered.get(key)
         if hit is None or hit[0] is not table or hit[1] is not positions:
-            biases = self._gather(self._group_table(table, group, dtype), positions)
+            known = getattr(positions, "bounds", None)
+            if known is not None and known[0] == known[1] and not torch.is_grad_enabled():
+                # one position for every token (a decoding step): one row per slot, the (d,) bias of
+                # the projection itself
+                biases = self._group_table(table, group, dtype)[:, known[0]].unbind(0)
+            else:
+                biases = self._gather(self._group_table(table, group, dtype), positions)
             hit = self._pass_gathered[key] = (table, positions, biases)
             for slot, bias in zip(group, biases):
                 self._pass_biases[self._slot_keys[slot]] = (positions, bias)

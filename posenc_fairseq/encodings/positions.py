@@ -24,6 +24,14 @@ def position_range(start: int, stop: int, device=None) -> Tensor:
     return positions
 
 
+def same_position(batch: int, position: int, device=None) -> Tensor:
+    """(batch, 1) token positions, all `position` (a decoding step whose rows hold no padding),
+    with its bounds known: an encoding may use one bias row for the whole batch."""
+    positions = torch.full((batch, 1), position, dtype=torch.long, device=device)
+    positions.bounds = (position, position)
+    return positions
+
+
 def bounds(positions: Tensor) -> Tuple[int, int]:
     """(min, max) of 1-D `positions`: known for a `position_range`, computed otherwise."""
     known = getattr(positions, "bounds", None)

@@ -12,6 +12,7 @@ from fairseq.modules import LearnedPositionalEmbedding
 
 from ..attention import use_positional_attention
 from ..encodings import ENCODINGS, ModelDims, build_encoding
+from ..encodings.positions import same_position
 
 INPUT_POSITIONS = ("none", "sinusoidal", "learned", "stock")
 
@@ -95,11 +96,15 @@ class PositionalTransformerDecoder(TransformerDecoder):
     def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None, **kwargs):
         check_length(self.embed_positions, prev_output_tokens.size(1), self.max_target_positions)
         if self.encoding is not None:
-            positions = token_positions(prev_output_tokens, self.padding_idx)
             earlier = 0
-            if incremental_state is not None:
-                positions = positions[:, -1:]
+            if incremental_state is None:
+                positions = token_positions(prev_output_tokens, self.padding_idx)
+            else:
                 earlier = prev_output_tokens.size(1) - 1
+                if prev_output_tokens.eq(self.padding_idx).any():  # (fairseq's decoder asks the same each step)
+                    positions = token_positions(prev_output_tokens, self.padding_idx)[:, -1:]
+                else:  # no padding: this step's token is at `earlier` in every row
+                    positions = same_position(prev_output_tokens.size(0), earlier, prev_output_tokens.device)
             source = None
             if encoder_out is not None and len(encoder_out.get("encoder_padding_mask", [])) > 0:
                 source_mask = encoder_out["encoder_padding_mask"][0]

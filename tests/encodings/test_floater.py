@@ -2,6 +2,7 @@
 stock model (h == 0), a fresh solve (extension of a table), and fairseq's own training.
 The fast integrator against torchdiffeq, precision, long inputs and checkpoint workflows are in
 test_floater_solver.py and test_floater_workflows.py."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -388,13 +389,19 @@ def test_projections_with_hooks_get_the_same_biases(translation_data):
         assert (model(src, src_lengths, prev)[0] - direct).abs().max() > 1e-3
 
 
-def test_a_decoding_step_gathers_the_target_biases_once_for_all_layers(translation_data, monkeypatch):
+@pytest.mark.parametrize("padded", [False, True], ids=["same position", "left-padded row"])
+def test_a_decoding_step_gathers_the_target_biases_once_for_all_layers(translation_data, monkeypatch, padded):
     """One decoding step: a single gather serves the decoder's q/k/v and the cross-attention queries
-    of every layer (all at the step's target position), and the step equals the full forward pass."""
-    model, task, _ = floater_model(translation_data)
+    of every layer (all at the step's target position), and the step equals the full forward pass.
+    Without padding every row's token is at the same position: no gather at all, one bias row per
+    projection. (No input embedding: fairseq's sinusoidal one numbers a left-padded row's decoding
+    steps differently from its full pass.)"""
+    model, task, _ = floater_model(translation_data, ["--input-positions", "none"])
     model.eval()
     perturb(model)
     src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=7, tgt_len=5)
+    if padded:
+        prev[1, 0] = task.target_dictionary.pad()
     gathered = []
     original = floater_module.GatherSlots.gather
     monkeypatch.setattr(floater_module.GatherSlots, "gather",
@@ -409,5 +416,7 @@ def test_a_decoding_step_gathers_the_target_biases_once_for_all_layers(translati
             steps.append(step)
             if t > 0:  # (the first step also gathers the cross-attention keys/values at source positions)
                 layers = len(model.decoder.layers)
-                assert gathered == [4 * layers]  # q, k, v and the cross-attention query of each layer
-    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
+                # q, k, v and the cross-attention query of each layer
+                assert gathered == ([4 * layers] if padded else [])
+    seen = slice(1, None) if padded else slice(None)  # (the padded row's first output is at a pad)
+    assert torch.allclose(torch.cat(steps, dim=1)[:, seen], full[:, seen], atol=1e-5)
