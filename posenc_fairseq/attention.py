@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fairseq.modules import MultiheadAttention
 
-from .encodings.base import in_backward
+from .encodings.base import PositionalEncoding, in_backward
 from . import flex_attention as flex
 from .encodings.positions import position_range
 
@@ -87,6 +87,13 @@ def blocked_fill_value(dtype: torch.dtype) -> float:
 def _flushing_subnormals() -> bool:
     """Whether this thread already flushes subnormal floats to zero (PyTorch has a setter only)."""
     return (torch.tensor(1e-39) * 2).item() == 0.0
+
+
+def adds_logit_terms(encoding) -> bool:
+    """Whether `encoding` adds anything to the logits (a `logit_bias` or `relative_logits` of its own)."""
+    kind = type(encoding)
+    return kind.logit_bias is not PositionalEncoding.logit_bias or \
+        kind.relative_logits is not PositionalEncoding.relative_logits
 
 
 def flush_subnormals_in_backward(last: Tensor, first: Tensor) -> None:
@@ -438,7 +445,7 @@ class PositionalAttention(MultiheadAttention):
                 q, k, v, attn_mask=additive, scale=1.0,  # q is already scaled
                 dropout_p=self._dropout_probability(),
             )
-            if relative and additive is not None:
+            if relative and additive is not None and adds_logit_terms(encoding):
                 flush_subnormals_in_backward(out, out)
             return out, None
         products = q @ k.transpose(-1, -2)
@@ -457,7 +464,7 @@ class PositionalAttention(MultiheadAttention):
                 term = term[:, kept] if term is not None else None
             if term is not None:
                 out = out + term.to(out.dtype)
-        if relative and additive is not None:
+        if relative and additive is not None and adds_logit_terms(encoding):
             flush_subnormals_in_backward(out, products)
         return out, probs
 
