@@ -106,7 +106,7 @@ def flush_subnormals_in_backward(last: Tensor, first: Tensor) -> None:
     bias took 58 ms, 12 ms flushed. What is flushed is below 1.2e-38, far below what fp32 resolves
     in the sums it enters (the probabilities sum to 1). The thread's setting is restored at `first`,
     and at the end of the backward pass whatever happens in between."""
-    if last.grad_fn is None or first.grad_fn is None or last.device.type != "cpu":
+    if torch.compiler.is_compiling() or last.grad_fn is None or first.grad_fn is None or last.device.type != "cpu":
         return
     state = {}
 
@@ -123,6 +123,7 @@ def flush_subnormals_in_backward(last: Tensor, first: Tensor) -> None:
     first.grad_fn.register_hook(stop)
 
 
+@torch.compiler.disable  # (the remembered answer lives on the tensor, which torch.compile cannot trace)
 def blocks_future(attn_mask: Optional[Tensor], queries: int, keys: int) -> bool:
     """Whether the 2-D `attn_mask` (queries, keys) blocks (-inf or True) every key after its query,
     the queries being the last `queries` of the keys: fairseq's future mask. Checked once per mask
