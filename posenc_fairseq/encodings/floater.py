@@ -477,9 +477,10 @@ class _Run:
 
 
 class GatherSlots(torch.autograd.Function):
-    """Rows `index` of each slot's table, (slots, rows, d) -> one (length, batch, d) per slot, with
-    one index_select; backward adds each slot's gradient into its own table (index_add: ~20x
-    faster on CPU than advanced indexing's backward), without stacking the slots' gradients."""
+    """Rows `index` of the group's table, (rows, slots, d) -> one (length, batch, d) per slot (views
+    of one gather), with one index_select along the rows; backward adds the slots' gradients into
+    the table with one index_add (per-slot index_add along an inner dimension, or advanced
+    indexing's backward, cost several times more on CPU)."""
 
     @staticmethod
     def forward(ctx, group_table: Tensor, index: Tensor, batch: int, length: int):
@@ -491,19 +492,20 @@ class GatherSlots(torch.autograd.Function):
     @staticmethod
     def gather(group_table: Tensor, index: Tensor, batch: int, length: int) -> tuple:
         """The forward alone (no autograd node: decoding steps)."""
-        biases = group_table.index_select(1, index).view(group_table.size(0), length, batch, group_table.size(-1))
-        return biases.unbind(0)
+        rows, slots, width = group_table.shape
+        return group_table.index_select(0, index).view(length, batch, slots, width).unbind(2)
 
     @staticmethod
     def backward(ctx, *grads):
         index, = ctx.saved_tensors
-        grad_table = None
-        for slot, grad in enumerate(grads):
-            if grad is not None:
-                if grad_table is None:
-                    grad_table = grad.new_zeros(ctx.table_shape)
-                grad_table[slot].index_add_(0, index, grad.reshape(-1, grad.size(-1)))
-        return grad_table, None, None, None
+        rows, slots, width = ctx.table_shape
+        present = next((grad for grad in grads if grad is not None), None)
+        if present is None:
+            return None, None, None, None
+        grads = [grad if grad is not None else present.new_zeros(()).expand_as(present) for grad in grads]
+        grad_table = present.new_zeros(rows, slots * width)
+        grad_table.index_add_(0, index, torch.stack(grads, dim=-2).reshape(-1, slots * width))
+        return grad_table.view(rows, slots, width), None, None, None
 
 
 class _HiddenRun:
@@ -930,7 +932,7 @@ class Floater(PositionalEncoding):
             if known is not None and known[0] == known[1] and not torch.is_grad_enabled():
                 # one position for every token (a decoding step): one row per slot, the (d,) bias of
                 # the projection itself
-                biases = self._group_table(table, group, dtype)[:, known[0]].unbind(0)
+                biases = self._group_table(table, group, dtype)[known[0]].unbind(0)
             else:
                 biases = self._gather(self._group_table(table, group, dtype), positions)
             hit = self._pass_gathered[key] = (table, positions, biases)
@@ -939,7 +941,7 @@ class Floater(PositionalEncoding):
         return hit[2]
 
     def _group_table(self, table: Tensor, group: tuple, dtype: torch.dtype) -> Tensor:
-        """b(t) = b(0) + table of the group's slots at every position of the table, (slots, rows, d)
+        """b(t) = b(0) + table of the group's slots at every position of the table, (rows, slots, d)
         in `dtype`, with the live b(0) (also in a K-window, whose table is the window snapshot's):
         once per pass; in evaluation kept as long as the evaluation table (which is tied to b(0))."""
         if in_backward():
@@ -955,7 +957,7 @@ class Floater(PositionalEncoding):
         index = torch.tensor(group, device=table.device)
         initial = torch.stack([self._slots[slot][3].full_projection_bias(self._slots[slot][2]) for slot in group])
         # added in the solve dtype, rounded once to the model's (exactly b(0) where the table is 0)
-        return (table.index_select(1, index) + initial.to(table.dtype)).to(dtype).transpose(0, 1).contiguous()
+        return (table.index_select(1, index) + initial.to(table.dtype)).to(dtype)
 
     @staticmethod
     def _gather(group_table: Tensor, positions: Tensor) -> tuple:

@@ -405,7 +405,7 @@ def test_a_decoding_step_gathers_the_target_biases_once_for_all_layers(translati
     gathered = []
     original = floater_module.GatherSlots.gather
     monkeypatch.setattr(floater_module.GatherSlots, "gather",
-                        staticmethod(lambda table, *args: gathered.append(table.size(0)) or original(table, *args)))
+                        staticmethod(lambda table, *args: gathered.append(table.size(1)) or original(table, *args)))  # slots
     with torch.no_grad():
         full, _ = model(src, src_lengths, prev)
         encoder_out = model.encoder(src, src_lengths=src_lengths)

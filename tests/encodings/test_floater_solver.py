@@ -192,16 +192,16 @@ def test_gathered_slot_biases_and_their_gradients():
     gradients by finite differences, also when some slots get no gradient (cross-attention's
     keys and values of a call that only uses its queries)."""
     torch.manual_seed(0)
-    table = torch.randn(3, 7, 5, dtype=torch.float64, requires_grad=True)  # (slots, rows, d)
+    table = torch.randn(7, 3, 5, dtype=torch.float64, requires_grad=True)  # (rows, slots, d)
     positions = torch.tensor([[0, 1, 2, 6], [3, 3, 0, 1]])  # (batch, length), repeated rows
     index = positions.t().reshape(-1)
     biases = floater.GatherSlots.apply(table, index, 2, 4)
     for slot, bias in enumerate(biases):
-        assert torch.equal(bias, table[slot][positions].transpose(0, 1))  # (length, batch, d)
+        assert torch.equal(bias, table[:, slot][positions].transpose(0, 1))  # (length, batch, d)
 
     def used(t):
         out = floater.GatherSlots.apply(t, index, 2, 4)
         return out[0].sin(), (out[2] ** 2)  # slot 1 unused
     torch.autograd.gradcheck(used, (table,))
     (used(table)[1].sum()).backward()
-    assert table.grad[1].abs().max() == 0 and table.grad[0].abs().max() == 0 and table.grad[2].abs().max() > 0
+    assert table.grad[:, 1].abs().max() == 0 and table.grad[:, 0].abs().max() == 0 and table.grad[:, 2].abs().max() > 0
