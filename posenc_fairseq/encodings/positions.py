@@ -41,8 +41,8 @@ def bounds(positions: Tensor) -> Tuple[int, int]:
 
 
 def is_range(positions: Tensor) -> bool:
-    """Whether `positions` is a `position_range` (consecutive, ascending)."""
-    return getattr(positions, "bounds", None) is not None
+    """Whether `positions` is a `position_range` (1-D, consecutive, ascending)."""
+    return positions.dim() == 1 and getattr(positions, "bounds", None) is not None
 
 
 def use_kept_values(module: torch.nn.Module) -> bool:
