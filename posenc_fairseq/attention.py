@@ -22,7 +22,11 @@ that need a gradient go through the explicit softmax rather than SDPA, whose unf
 such a mask keeps more memory. In training each block is recomputed during backward (activation
 checkpointing of the block alone), so a step keeps only the blocks' inputs, not the probabilities
 (B, H, n, n) of every layer: memory stays near stock's fused attention at the price of computing
-the blocked attention twice.
+the blocked attention twice. Under fairseq's future mask (`blocks_future`) a block leaves out the
+keys after its last query and the encodings may skip the distances the mask blocks.
+
+CPU training: the backward of attention with position terms runs with subnormal floats flushed to
+zero (`flush_subnormals_in_backward`), which wide-range biases otherwise make several times slower.
 
 fairseq features handled here (see README, "Works with"):
 - `--cross-self-attention`: the decoder self-attention keys are cat(source, target). The projection
