@@ -84,7 +84,7 @@ class TransformerXL(PositionalEncoding):
         `relative_logits` reads d >= -1 only.)"""
         (q_first, q_last), (k_first, k_last) = bounds(query_positions), bounds(key_positions)
         need = (q_first - k_last, q_last - k_first)
-        if len(query_positions) == 1:
+        if q_first == q_last:
             return need, need
         return need, (min(need[0], k_first - k_last), max(need[1], k_last - k_first))
 
@@ -123,7 +123,7 @@ class TransformerXL(PositionalEncoding):
         if not use_kept_values(self):
             rel = self.projected(role, layer, low, high)
             return rel.flip(0) if descending else rel
-        projection = self.projections[f"{role}{layer}"]
+        projection = self.projections._modules[f"{role}{layer}"]  # (once per layer and decoding step)
 
         def compute(first, last):
             distances = torch.arange(last, first - 1, -1) if descending else torch.arange(first, last + 1)
@@ -137,17 +137,16 @@ class TransformerXL(PositionalEncoding):
         """What the prior R depends on besides the distance (kept values are recomputed on change)."""
         return (self.dims.embed_dim,)
 
-    def position_terms(self, role, layer, query, key, query_positions, key_positions, descending=False):
+    def position_terms(self, role, layer, query, key, query_positions, key_positions):
         """(rel, query + v, content) of a call: rel = W_r R_d (H, N, D) over d = i - j = low..high
-        (ascending; high..low with `descending`), the query plus v, and u.k_j (B, H, 1, Tk); u and v
+        (ascending), the query plus v, and u.k_j (B, H, 1, Tk); u and v
         scaled as the query."""
         heads, tq, head_dim = query.shape[1:]
         (low, high), (span_low, span_high) = self.spans(query_positions, key_positions)
         if tq == 1:  # a decoding step
-            rel = self.projected_step(role, layer, low, high, descending)
+            rel = self.projected_step(role, layer, low, high)
         else:
             rel = self.projected(role, layer, span_low, span_high)[low - span_low: high - span_low + 1]
-            rel = rel.flip(0) if descending else rel
         rel = rel.to(query.dtype).view(-1, heads, head_dim).transpose(0, 1)  # (H, N, D) = W_r R_d, d = low..high
         u, v = self.scaled_biases(role, query.dtype)
         content = (key @ u).transpose(-1, -2)  # (B, H, 1, Tk)
@@ -155,22 +154,30 @@ class TransformerXL(PositionalEncoding):
 
     def scaled_biases(self, role, dtype):
         """u as (H, D, 1) and v as (1, H, 1, D), scaled by 1/sqrt(D) as the query arrives: once per
-        forward (a decoding step: once per step, not per layer)."""
+        forward (a decoding step: once per step, not per layer); in inference kept across steps
+        while u and v stay as they are."""
         def compute():
             scale = self.dims.head_dim ** -0.5
             u = self.content_bias[role].to(dtype) * scale
             v = self.position_bias[role].to(dtype) * scale
             return u[:, :, None], v[None, :, None, :]
-        return self.memoize((role, self.name, "u v", dtype), compute)
+
+        def kept():
+            if not use_kept_values(self):
+                return compute()
+            depends_on = signature([self.content_bias[role], self.position_bias[role]], dtype)
+            entry = self.__dict__.setdefault("_kept", {}).get(("u v", role))
+            if entry is None or entry[0] != depends_on:
+                entry = self._kept[("u v", role)] = (depends_on, compute())
+            return entry[1]
+        return self.memoize((role, self.name, "u v", dtype), kept)
 
     def relative_logits(self, role, layer, query, key, query_positions, key_positions, future_blocked=False):
         if role not in SELF_ROLES:
             return None
         batch, heads, tq, _ = query.shape
-        if tq == 1 and is_range(key_positions):  # a decoding step: descending distances are the keys' order
-            rel, query_v, content = self.position_terms(role, layer, query, key, query_positions, key_positions,
-                                                        descending=True)
-            return query_v @ rel.transpose(-1, -2)[None] + content
+        if tq == 1 and is_range(key_positions):
+            return self.step_logits(role, layer, query, key, query_positions, key_positions)
         rel, query_v, content = self.position_terms(role, layer, query, key, query_positions, key_positions)
         if is_range(query_positions) and is_range(key_positions):
             if future_blocked and rel.size(1) > key.size(2) + 1:
@@ -181,6 +188,20 @@ class TransformerXL(PositionalEncoding):
         position = query_v @ rel.transpose(-1, -2)[None]  # (B, H, Tq, N)
         position = position.gather(-1, index.expand(batch, heads, tq, index.size(-1)))
         return position + content
+
+    def step_logits(self, role, layer, query, key, query_positions, key_positions):
+        """`relative_logits` of one query (a decoding step) against consecutive keys: the kept W_r R
+        in descending distance, i.e. the keys' order, so no gather; the heads' queries (plus v) as
+        the rows of one batched product per head, with u.k_j as its input (the fewest operations:
+        a step pays per operation, and broadcasting the batch through matmul costs more)."""
+        batch, heads, _, head_dim = query.shape
+        (low, high), _ = self.spans(query_positions, key_positions)
+        rel = self.projected_step(role, layer, low, high, descending=True).to(query.dtype)  # (Tk, H * D)
+        u, v = self.scaled_biases(role, query.dtype)
+        content = (key * u.view(1, heads, 1, head_dim)).sum(-1)  # u.k_j, (B, H, Tk)
+        rows = (query + v).reshape(batch, heads, head_dim).transpose(0, 1)  # (H, B, D)
+        logits = torch.baddbmm(content.transpose(0, 1), rows, rel.view(-1, heads, head_dim).permute(1, 2, 0))
+        return logits.transpose(0, 1).unsqueeze(2)  # (B, H, 1, Tk)
 
     def distance_logits(self, role, layer, query, key, query_positions, key_positions):
         """(query + v) against W_r R of every distance of the call, (B, H, Tq, Tq + Tk - 1): O(n^2)

@@ -263,3 +263,28 @@ def test_strided_relative_shift_equals_gather_with_gradients(name, tq, tk, first
     assert (a - b).abs().max() <= 1e-12
     for x, y in zip(grads_a, grads_b):
         assert (x - y).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("name", ["xl", "gcdf"])
+def test_kept_terms_follow_parameter_changes(name):
+    """In inference u, v and W_r R are kept across decoding steps: an in-place change of u, v or
+    W_r is seen at the next step (as a training-mode call computes it afresh)."""
+    enc = encoding(name)
+    torch.manual_seed(6)
+    q, k = torch.randn(3, HEADS, 1, 4, dtype=torch.float64), torch.randn(3, HEADS, 7, 4, dtype=torch.float64)
+    q_pos, k_pos = position_range(6, 7), position_range(0, 7)
+
+    def step(training=False):
+        enc.train(training)
+        enc.begin("decoder")
+        with torch.no_grad():
+            return enc.relative_logits("decoder", 1, q, k, q_pos, k_pos)
+
+    before = step()
+    for parameter in (enc.content_bias["decoder"], enc.position_bias["decoder"], enc.projections["decoder1"].weight):
+        with torch.no_grad():
+            parameter.add_(0.25)
+        after = step()
+        assert (after - before).abs().max() > 1e-3
+        assert (after - step(training=True)).abs().max() <= 1e-12
+        before = after
