@@ -97,14 +97,13 @@ def relative_shift(per_distance: Tensor, keys: int) -> Tensor:
 
 
 class _Toeplitz(torch.autograd.Function):
-    """See `toeplitz`. Backward: the gradient's diagonals summed through the same strided layout
-    (a zero buffer, one strided copy, one sum); index_put's accumulation, the backward of an index,
-    is several times slower on CPU."""
+    """See `toeplitz`. Backward: the gradient's diagonals summed through `relative_shift`'s strided
+    layout (a zero buffer, one strided copy, one sum); index_put's accumulation, the backward of an
+    index, is several times slower on CPU."""
 
     @staticmethod
     def forward(ctx, values: Tensor, queries: int) -> Tensor:
         keys = values.size(-1) - queries + 1
-        ctx.queries = queries
         return values.unfold(-1, keys, 1).flip(-2)  # row r = values[r: r + Tk]; rows reversed (a copy)
 
     @staticmethod
@@ -112,10 +111,10 @@ class _Toeplitz(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         queries, keys = grad.shape[-2:]
         n = queries + keys - 1
-        flat = grad.reshape(-1, queries, keys)
-        skewed = flat.new_zeros(flat.size(0), queries, n)
-        skewed.as_strided(flat.shape, (queries * n, n - 1, 1), queries - 1).copy_(flat)
-        return skewed.sum(1).view(*grad.shape[:-2], n), None
+        flat = grad.reshape(1, -1, queries, keys)
+        skewed = flat.new_zeros(1, flat.size(1), queries, n)  # column c: key - query distance c - (Tq - 1)
+        relative_shift(skewed, keys).copy_(flat)
+        return skewed.sum(2).view(*grad.shape[:-2], n), None
 
 
 def toeplitz(values: Tensor, queries: int) -> Tensor:
