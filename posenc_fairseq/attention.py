@@ -207,6 +207,12 @@ class PositionalAttention(MultiheadAttention):
             return bias
         return self._buffers[f"pruned_{which}_bias"].index_copy(0, self._kept_channels(), bias)
 
+    def full_projection_bias_sources(self, which: str) -> List[Tensor]:
+        """The tensors `full_projection_bias(which)` is computed from (what a value kept from it
+        depends on: after pruning that bias is a new tensor at every call)."""
+        sources = (getattr(self, f"{which}_proj").bias, self._buffers.get(f"pruned_{which}_bias"), self._kept_heads())
+        return [tensor for tensor in sources if tensor is not None]
+
     def _kept_heads(self) -> Optional[Tensor]:
         return self._buffers.get("kept_heads")
 
@@ -528,6 +534,8 @@ class PositionalAttention(MultiheadAttention):
                     y = F.linear(x, projection.weight, bias)
                 elif x.size(0) == 1:  # a decoding step: the fewest calls
                     y = F.linear(x, projection.weight) + bias
+                elif bias.size(1) != x.size(1):  # (T, 1, E): one row of biases shared by the batch
+                    y = F.linear(x, projection.weight).add_(bias)
                 else:  # the per-token bias is the product's input: no separate pass over (T, B, E)
                     y = torch.addmm(bias.reshape(-1, bias.size(-1)), x.reshape(-1, x.size(-1)),
                                     projection.weight.t()).view(*x.shape[:-1], -1)

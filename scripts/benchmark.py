@@ -3,10 +3,10 @@
 
 For each architecture a fresh subprocess builds the model (same size for all), then measures
   - training tokens/s: forward + backward + Adam step on random batches of `--length` tokens,
-  - peak memory of one training step above the process's resting memory (CUDA: peak allocated;
-    CPU: peak RSS growth, read from /proc),
-  - CPU also `heap MB`: the peak of malloc's bytes in use during one more (untimed) training step,
-    which, unlike RSS, repeats exactly from run to run,
+  - CUDA: peak memory of one training step above the resting allocation (`peak MB`),
+  - CPU: `heap MB`, the peak of malloc's bytes in use during one more (untimed) training step
+    (it repeats exactly from run to run; the process's RSS high-water mark includes model building
+    and cannot be reset, so it measures no step),
   - generation tokens/s: step-by-step (incremental) greedy decoding of `--gen-length` tokens,
   - beam search tokens/s: fairseq's SequenceGenerator (as fairseq-generate) with `--beam 5` (0: no column).
 `--growth` prints instead, per arch, the training time per step at n = 128 and 2048 (batch 1) and
@@ -21,7 +21,6 @@ Usage: benchmark.py [--archs transformer_sinusoidal transformer_t5 ...] [--lengt
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -81,23 +80,17 @@ def measure(arch, args):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    else:
-        base = rss_bytes()
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
     sync()
     elapsed = time.perf_counter() - start
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    memory = {"peak_memory_mb": (torch.cuda.max_memory_allocated() - base) / 2**20} if device.type == "cuda" else {}
     train_tps = 2 * args.batch * args.length * args.steps / elapsed  # source + target tokens
     heap = heap_peak_bytes(step) if device.type == "cpu" else None  # one more, untimed step
 
     if args.train_only:
-        return {"arch": arch, "train_tokens_per_s": train_tps, "peak_memory_mb": peak / 2**20,
-                "train_seconds_per_step": elapsed / args.steps}
+        return {"arch": arch, "train_tokens_per_s": train_tps, **memory, "train_seconds_per_step": elapsed / args.steps}
     model.eval()
     with torch.no_grad():
         encoder_out = model.encoder(src[:1], src_lengths=lengths[:1])
@@ -110,8 +103,7 @@ def measure(arch, args):
             tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], dim=1)
         sync()
         gen_tps = args.gen_length / (time.perf_counter() - start)
-    result = {"arch": arch, "train_tokens_per_s": train_tps, "peak_memory_mb": peak / 2**20,
-              "generate_tokens_per_s": gen_tps}
+    result = {"arch": arch, "train_tokens_per_s": train_tps, **memory, "generate_tokens_per_s": gen_tps}
     if heap is not None:
         result["heap_peak_mb"] = heap / 2**20
     if args.beam > 0:
@@ -176,11 +168,6 @@ def heap_peak_bytes(step):
     return Sample.peak - before
 
 
-def rss_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--archs", nargs="+", default=[
@@ -235,7 +222,10 @@ def main():
             rounds.append(measured)
     print(f"length {args.length}, batch {args.batch}, dim {args.dim}, {args.layers}+{args.layers} layers, "
           f"{args.device}, {args.threads} threads, {len(rounds)} rounds; ratios to {args.reference}: median [min-max]")
-    columns = (("train_tokens_per_s", "train tok/s"), ("peak_memory_mb", "peak MB"), ("generate_tokens_per_s", "gen tok/s"))
+    columns = (("train_tokens_per_s", "train tok/s"),)
+    if args.device != "cpu":
+        columns += (("peak_memory_mb", "peak MB"),)
+    columns += (("generate_tokens_per_s", "gen tok/s"),)
     if args.beam > 0:
         columns += (("beam_tokens_per_s", f"beam{args.beam} tok/s"),)
     if args.device == "cpu":

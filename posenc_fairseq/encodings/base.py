@@ -68,6 +68,11 @@ class PositionalEncoding(nn.Module):
         `earlier`: target tokens before this call's (incremental decoding: the cached steps)."""
         if self._memo:  # (plain attribute: once per decoding step, nn.Module's setattr is slow)
             self.__dict__["_memo"] = {key: value for key, value in self._memo.items() if key[0] != role}
+        if earlier == 0 and self.__dict__.get("_kept"):
+            # values kept across decoding steps (positions.range_values) live for one pass: its
+            # parameters' signature cannot see fairseq's optimizers, which write through p.data
+            # (no in-place version counted), so the next pass computes them again
+            self.__dict__["_kept"] = {}
         if positions is not None:
             self.token_positions[role] = positions
         if source_positions is not None:
@@ -111,7 +116,7 @@ class PositionalEncoding(nn.Module):
         """Copies (fairseq's EMA deep-copies the model) start without per-forward results, which
         may hold autograd graphs that cannot be copied."""
         state = super().__getstate__()
-        state.update(_memo={}, token_positions={}, _block_record=None)
+        state.update(_memo={}, token_positions={}, _block_record=None, _kept={})
         return state
 
     # --- the four hooks, called by PositionalAttention ------------------------------------
@@ -120,9 +125,9 @@ class PositionalEncoding(nn.Module):
         return x
 
     def projection_bias(self, role: str, layer: int, which: str, positions: Optional[Tensor]) -> Optional[Tensor]:
-        """The bias of each token's q/k/v projection (T, B, E), or (E,) for every token alike, used
-        in place of the projection's own bias (FLOATER: b(t_i)); None keeps the projection as it
-        is. Positions are (B, T)."""
+        """The bias of each token's q/k/v projection (T, B, E), (T, 1, E) shared by the batch or
+        (E,) for every token alike, used in place of the projection's own bias (FLOATER: b(t_i));
+        None keeps the projection as it is. Positions are (B, T)."""
         return None
 
     def logit_bias(self, role: str, layer: int, query_positions: Tensor, key_positions: Tensor) -> Optional[Tensor]:

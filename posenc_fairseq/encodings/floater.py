@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from .base import ROLES, PositionalEncoding, in_backward, register_encoding
 from .option_types import OptionValueError, float_in_range, int_in_range, one_of, option, positive_int
+from .positions import is_shared_range
 
 METHODS = ("rk4", "midpoint", "euler", "dopri5")
 FIXED_GRID = ("rk4", "midpoint", "euler")
@@ -623,7 +624,7 @@ class Floater(PositionalEncoding):
         self._groups = {}  # (role, which) -> the slots whose biases are gathered together (same positions)
         self._num_updates = 0
         self._window: Optional[dict] = None  # K > 1: {'index', 'parameters' (flat snapshot), 'table'}
-        self._eval_cache: Optional[tuple] = None  # (what it was computed from, Solved)
+        self._eval_cache: Optional[tuple] = None  # (what it was computed from (`_source`), Solved)
         self._eval_group_tables = {}
         self._reset_pass()
         self._last_begin: Optional[str] = None
@@ -859,12 +860,22 @@ class Floater(PositionalEncoding):
         return solved
 
     def _source(self) -> tuple:
-        """What a table is computed from: solver options and slot layout, and the exact parameter values."""
-        return self._options(), self._flat_parameters(self.solve_dtype())
+        """What a table is computed from: solver options and slot layout, and copies of the tensors
+        (h's parameters, the tensors each b(0) is made of) whose exact values it was solved from."""
+        return self._options(), [tensor.detach().clone() for tensor in self._source_tensors()]
+
+    def _source_tensors(self) -> List[Tensor]:
+        return [*self.dynamics.parameters(),
+                *(tensor for _, _, which, module in self._slots for tensor in module.full_projection_bias_sources(which))]
 
     def _computed_from(self, source: tuple) -> bool:
-        options, flat = self._source()
-        return source[0] == options and source[1].device == flat.device and torch.equal(source[1], flat)
+        """Compared by value, once per pass: fairseq's optimizers write through p.data, which no
+        in-place version counter sees."""
+        options, copies = source
+        tensors = self._source_tensors()
+        return options == self._options() and len(copies) == len(tensors) and all(
+            copy.dtype == tensor.dtype and copy.device == tensor.device and torch.equal(copy, tensor)
+            for copy, tensor in zip(copies, tensors))
 
     # --- called by the trainer, the stacks and the attention ---------------------------------------
     def set_num_updates(self, num_updates: int):
@@ -888,7 +899,8 @@ class Floater(PositionalEncoding):
             self._eval_checked = True  # a later step of a caller that does not say `earlier`
         for given in (positions, source_positions):
             if given is not None and given.numel() > 0:
-                self._needed = max(self._needed, int(given.max()) + 1)
+                known = getattr(given, "bounds", None)  # (a shared range: no host sync)
+                self._needed = max(self._needed, (known[1] if known is not None else int(given.max())) + 1)
 
     def _start_window_pass(self):
         index = self._num_updates // self.recompute_every
@@ -928,11 +940,13 @@ class Floater(PositionalEncoding):
         key = (group, id(positions), dtype)
         hit = self._pass_gathered.get(key)
         if hit is None or hit[0] is not table or hit[1] is not positions:
-            known = getattr(positions, "bounds", None)
-            if known is not None and known[0] == known[1] and not torch.is_grad_enabled():
-                # one position for every token (a decoding step): one row per slot, the (d,) bias of
-                # the projection itself
-                biases = self._group_table(table, group, dtype)[known[0]].unbind(0)
+            if is_shared_range(positions):  # every row the same positions: rows of the table, no gather
+                first, last = positions.bounds
+                rows = self._group_table(table, group, dtype)[first: last + 1]
+                if first == last and not torch.is_grad_enabled():  # a decoding step: the projection's own (d,) bias
+                    biases = rows[0].unbind(0)
+                else:  # (T, 1, d) per slot, broadcast over the batch
+                    biases = rows.unsqueeze(1).unbind(2)
             else:
                 biases = self._gather(self._group_table(table, group, dtype), positions)
             hit = self._pass_gathered[key] = (table, positions, biases)

@@ -8,8 +8,10 @@ Any other 1-D positions work as well: their bounds are computed (and synchronise
 `range_values` keeps a function of the relative distance (T5's bias per distance, XL's projected
 prior W_r R_d) across calls in inference, so that a decoding step reads a slice of it instead of
 computing it again for every distance of every step: a step costs O(1) amortised and no work per
-layer beyond the slice. The kept values are recomputed when a parameter they depend on changes
-(new tensor, in-place update, dtype or device) and are never used with gradients or in training.
+layer beyond the slice. The kept values live for one pass (the encoding's `begin` of a call at
+position 0 drops them: fairseq's optimizers write through p.data, which no version counter sees),
+are recomputed within it when a parameter they depend on changes (new tensor, in-place update,
+dtype or device), and are never used with gradients or in training.
 """
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -24,16 +26,22 @@ def position_range(start: int, stop: int, device=None) -> Tensor:
     return positions
 
 
-def same_position(batch: int, position: int, device=None) -> Tensor:
-    """(batch, 1) token positions, all `position` (a decoding step whose rows hold no padding),
-    with its bounds known: an encoding may use one bias row for the whole batch."""
-    positions = torch.full((batch, 1), position, dtype=torch.long, device=device)
-    positions.bounds = (position, position)
+def shared_range(batch: int, start: int, stop: int, device=None) -> Tensor:
+    """(batch, stop - start) token positions, every row start..stop-1 (a stack's tokens without
+    padding, or one decoding step), with its bounds known: an encoding may compute the values of
+    one row and share them across the batch (`is_shared_range`)."""
+    positions = torch.arange(start, stop, device=device).repeat(batch, 1)
+    positions.bounds = (start, stop - 1)
     return positions
 
 
+def is_shared_range(positions: Tensor) -> bool:
+    """Whether (B, T) `positions` is a `shared_range` (every row the same consecutive positions)."""
+    return positions.dim() == 2 and getattr(positions, "bounds", None) is not None
+
+
 def bounds(positions: Tensor) -> Tuple[int, int]:
-    """(min, max) of 1-D `positions`: known for a `position_range`, computed otherwise."""
+    """(min, max) of `positions`: known for a `position_range` or `shared_range`, computed otherwise."""
     known = getattr(positions, "bounds", None)
     if known is not None:
         return known

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .base import PositionalEncoding, register_encoding
 from .option_types import float_in_range, option
+from .positions import is_shared_range
 
 #: base of the rotation frequencies base^(-2m/D): positive (0 and negative bases give inf/NaN
 #: angles); bounded by float32, in which the frequencies are computed
@@ -84,8 +85,9 @@ class Rotary(PositionalEncoding):
         if positions is self.token_positions.get(role):
             # the positions the stack announced for this pass (a decoding step: the current one):
             # one rotation for the queries and keys of every layer
+            rows = positions[:1] if is_shared_range(positions) else positions  # (every row alike: one, broadcast)
             cos, sin = self.memoize((role, "rotary", positions.shape, head_dim, str(x.device)),
-                                    lambda: rotation(positions.to(x.device), head_dim, self.base,
+                                    lambda: rotation(rows.to(x.device), head_dim, self.base,
                                                      self._constants(head_dim, x.device)))
         else:  # e.g. --cross-self-attention's keys cat(source, target)
             cos, sin = rotation(positions.to(x.device), head_dim, self.base)

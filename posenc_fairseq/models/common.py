@@ -12,7 +12,7 @@ from fairseq.modules import LearnedPositionalEmbedding
 
 from ..attention import use_positional_attention
 from ..encodings import ENCODINGS, ModelDims, build_encoding
-from ..encodings.positions import same_position
+from ..encodings.positions import shared_range
 
 INPUT_POSITIONS = ("none", "sinusoidal", "learned", "stock")
 
@@ -42,7 +42,15 @@ def set_position_defaults(args, encoding: str):
 def token_positions(tokens: Tensor, padding_idx: int) -> Tensor:
     """0-based position of each token among the non-padding tokens of its row (pads get 0), so
     left- and right-padded batches give every real token the same position."""
-    real = tokens.ne(padding_idx)
+    return real_token_positions(tokens.ne(padding_idx))
+
+
+def real_token_positions(real: Tensor) -> Tensor:
+    """`token_positions` from the (B, T) mask of real tokens; a `shared_range` when every token is
+    real (one host sync per stack, as fairseq's own padding checks: an encoding then computes one
+    row for the whole batch, and reads the bounds without another)."""
+    if bool(real.all()):
+        return shared_range(real.size(0), 0, real.size(1), real.device)
     return ((real.cumsum(dim=1) - 1) * real).long()
 
 
@@ -104,15 +112,13 @@ class PositionalTransformerDecoder(TransformerDecoder):
                 if prev_output_tokens.eq(self.padding_idx).any():  # (fairseq's decoder asks the same each step)
                     positions = token_positions(prev_output_tokens, self.padding_idx)[:, -1:]
                 else:  # no padding: this step's token is at `earlier` in every row
-                    positions = same_position(prev_output_tokens.size(0), earlier, prev_output_tokens.device)
+                    positions = shared_range(prev_output_tokens.size(0), earlier, earlier + 1, prev_output_tokens.device)
             source = None
             if encoder_out is not None and len(encoder_out.get("encoder_padding_mask", [])) > 0:
-                source_mask = encoder_out["encoder_padding_mask"][0]
-                real = ~source_mask
-                source = ((real.cumsum(dim=1) - 1) * real).long()
+                source = real_token_positions(~encoder_out["encoder_padding_mask"][0])
             elif encoder_out is not None and len(encoder_out.get("encoder_out", [])) > 0:
                 length, batch = encoder_out["encoder_out"][0].shape[:2]
-                source = torch.arange(length, device=positions.device).expand(batch, length)
+                source = shared_range(batch, 0, length, positions.device)
             self.encoding.begin("decoder", positions, source, earlier)
         return super().extract_features(prev_output_tokens, encoder_out, incremental_state, **kwargs)
 

@@ -334,6 +334,46 @@ def test_evaluation_table_is_tied_to_options_parameters_and_reused_across_steps(
         assert (moved - first).abs().max() > 1e-4
 
 
+def test_evaluation_table_follows_every_tensor_it_is_solved_from(translation_data, monkeypatch):
+    """The evaluation table is checked by value against the tensors it was solved from, once per
+    pass: an in-place change of h or of b(0), also of a head-pruned layer's kept heads (whose full
+    b(0) is a new tensor at every call), or a replaced tensor, re-solves to what a fresh solve
+    gives; a replaced tensor with the same values does not. (fairseq's optimizers write through
+    p.data: test_workflows checks that after a real update.)"""
+    model, task, encoding = floater_model(translation_data)
+    model.eval()
+    perturb(model)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=12, tgt_len=9)
+    calls = counting_solves(monkeypatch)
+
+    def fresh():  # the reference: every kept table forgotten
+        encoding._forget_tables()
+        return model(src, src_lengths, prev)[0]
+
+    with torch.no_grad():
+        first = model(src, src_lengths, prev)[0]
+        fc1 = encoding.dynamics.fc1.weight
+        fc1.data = fc1.data.clone()  # new storage, same values: checked once, kept
+        assert torch.equal(model(src, src_lengths, prev)[0], first) and len(calls) == 1
+        attention = model.encoder.layers[0].self_attn
+        d = attention.head_dim
+        attention._adaptive_prune_heads([(0, d), (2 * d, 3 * d)])
+        attention._set_skip_embed_dim_check()
+        model(src, src_lengths, prev)
+        changes = {
+            "pruned layer's kept q bias": lambda: attention.q_proj.bias.add_(0.1),
+            "cross-attention v bias": lambda: model.decoder.layers[0].encoder_attn.v_proj.bias.mul_(2),
+            "h replaced": lambda: setattr(encoding.dynamics.fc2.weight, "data", encoding.dynamics.fc2.weight.data * 1.5),
+        }
+        for name, change in changes.items():
+            before = model(src, src_lengths, prev)[0]
+            solves = len(calls)
+            change()
+            after = model(src, src_lengths, prev)[0]
+            assert len(calls) == solves + 1, name
+            assert (after - before).abs().max() > 1e-4 and torch.equal(after, fresh()), name
+
+
 def test_training_switches(translation_data):
     model, _, encoding = floater_model(translation_data, ["--floater-train-dynamics-only"])
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
@@ -387,6 +427,45 @@ def test_projections_with_hooks_get_the_same_biases(translation_data):
     model.positional_encoding.reset_to_identity()  # the biases matter: without them the output moves
     with torch.no_grad():
         assert (model(src, src_lengths, prev)[0] - direct).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("extra", [[], ["--floater-recompute-every", "3"]], ids=["K=1", "K=3"])
+def test_an_unpadded_batch_reads_table_rows_shared_by_the_batch(translation_data, monkeypatch, extra):
+    """Every row of an unpadded stack holds positions 0..T-1 (`shared_range`): each projection's
+    bias is a (T, 1, E) slice of the table, broadcast over the batch, with no gather. Output and
+    every gradient equal the gathered path's (the same positions taken as any other tensor)."""
+    model, task, _ = floater_model(translation_data, extra)
+    perturb(model)
+    model.train()
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=7, tgt_len=5)
+    src = torch.randint(task.source_dictionary.nspecial, len(task.source_dictionary), src.shape,
+                        generator=torch.Generator().manual_seed(2))
+    src[:, -1], src_lengths = task.source_dictionary.eos(), torch.full_like(src_lengths, src.size(1))
+    gathered = []
+    original = floater_module.GatherSlots.apply
+    monkeypatch.setattr(floater_module.GatherSlots, "apply",
+                        staticmethod(lambda *args: gathered.append(1) or original(*args)))
+
+    def loss_and_gradients():
+        torch.manual_seed(3)  # the same dropout masks in both runs
+        model.zero_grad()
+        logits, _ = model(src, src_lengths, prev)
+        logits.float().logsumexp(-1).mean().backward()
+        return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    if extra:
+        loss_and_gradients()  # the window's first pass (solved with gradient); both below reuse its table
+    shared, shared_grads = loss_and_gradients()
+    assert gathered == []
+    monkeypatch.setattr(floater_module, "is_shared_range", lambda positions: False)
+    gathered_logits, gathered_grads = loss_and_gradients()
+    assert len(gathered) == 3  # one gather per group: encoder q/k/v, target tokens, source keys/values
+    assert torch.allclose(shared, gathered_logits, atol=1e-6)
+    assert shared_grads.keys() == gathered_grads.keys()
+    dynamics = shared_grads["positional_encoding.dynamics.fc1.weight"]
+    assert bool(dynamics.abs().max() > 0) == (extra == [])  # h learns on every pass with K = 1 only
+    for name, grad in shared_grads.items():
+        assert torch.allclose(grad, gathered_grads[name], atol=1e-6, rtol=1e-5), name
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["same position", "left-padded row"])

@@ -259,6 +259,38 @@ def test_unequal_sizes_sinusoidal_is_the_stock_transformer(translation_data):
         assert (stock(src, src_lengths, prev)[0] - ours(src, src_lengths, prev)[0]).abs().max() <= 1e-5
 
 
+# --- values kept across passes in inference, after fairseq's optimizer ------------------------------
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_inference_after_a_fairseq_adam_update_equals_a_fresh_model(translation_data, encoding):
+    """fairseq's Adam writes the parameters through p.data, which no in-place version counter sees
+    (as in fairseq-train's validation after updates): what an encoding keeps across passes in
+    inference (T5/AT5 distance biases, XL/GCDF projected priors and u/v, FLOATER's table) must still
+    follow. Evaluate (full pass and decoding steps), take one update with fairseq's own optimizer,
+    evaluate again: equal to a fresh model loaded with the updated parameters."""
+    from fairseq.optim.adam import FairseqAdam
+
+    model, task, args = translation_model(translation_data, f"transformer_{encoding}")
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=8, tgt_len=6)
+    with torch.no_grad():
+        before = stepwise_and_full(model, src, src_lengths, prev)
+    model.train()
+    model(src, src_lengths, prev)[0].logsumexp(-1).mean().backward()
+    config = SimpleNamespace(lr=[0.05], adam_betas="(0.9, 0.999)", adam_eps=1e-8, weight_decay=0.0,
+                             fp16_adam_stats=False, tpu=False)
+    optimizer = FairseqAdam(config, [p for p in model.parameters() if p.requires_grad])
+    versions = [p._version for p in model.parameters()]
+    optimizer.step()
+    assert [p._version for p in model.parameters()] == versions  # (what makes the case: no version moved)
+    model.eval()
+    fresh, _, _ = translation_model(translation_data, f"transformer_{encoding}", perturb=False)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        after, expected = stepwise_and_full(model, src, src_lengths, prev), stepwise_and_full(fresh, src, src_lengths, prev)
+    assert (after[0] - before[0]).abs().max() > 1e-3  # the update moved the outputs
+    for got, want in zip(after, expected):  # full pass, then decoding steps
+        assert torch.equal(got, want)
+
+
 # --- head pruning (AdaPrune, trainer --mha-heads-to-keep) --------------------------------------------
 def prune_heads(model, keep):
     """What fairseq's trainer does for --mha-heads-to-keep, layer by layer; returns the kept heads."""
