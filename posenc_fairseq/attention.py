@@ -332,6 +332,8 @@ class PositionalAttention(MultiheadAttention):
         # Shaw/LFHC/XL/GCDF: relative logits that need a gradient go through the explicit softmax:
         # SDPA with such a mask falls back to its unfused kernel, which keeps more (measured: XL 2.3x
         # the memory of one layer's forward and backward at n = 1024)
+        step_terms = self._step_embeddings(binding, relative, tgt_len, source_keys, need_weights or before_softmax,
+                                           q_pos, k_pos)
         query_blocks = relative and getattr(encoding, "query_blocks", False)
         block = query_block_size(bsz * heads, src_len)
         if query_blocks and not (need_weights or before_softmax) and tgt_len > block:
@@ -366,6 +368,16 @@ class PositionalAttention(MultiheadAttention):
                 else:
                     parts.append(block_output(q[:, :, rows]))
             out = torch.cat(parts, dim=2)
+        elif step_terms is not None:
+            # one query (a decoding step) of Shaw/LFHC: the relative terms are embeddings of the
+            # keys, added to the keys and values, and the step is plain (fused) attention
+            key_terms, value_terms = step_terms
+            if key_terms is not None:
+                k = k + key_terms.to(k.dtype)
+            if value_terms is not None:
+                v = v + value_terms.to(v.dtype)
+            plain = dict(terms, relative=False)
+            out, probs = self._attend(q, k, v, self._additive(q, q_pos, **plain), False, q_pos, **plain)
         else:
             additive = self._additive(q, q_pos, **terms)
             if need_weights or before_softmax or value_term:
@@ -388,6 +400,16 @@ class PositionalAttention(MultiheadAttention):
             if not need_head_weights:
                 weights = weights.mean(dim=0)
         return out, weights
+
+    def _step_embeddings(self, binding, relative: bool, tgt_len: int, source_keys: int, explicit: bool,
+                         q_pos: Tensor, k_pos: Tensor) -> Optional[Tuple[Optional[Tensor], Optional[Tensor]]]:
+        """The encoding's `step_embeddings` (key and value terms of one query as embeddings of the
+        keys) where the call can use them: one query, relative terms on
+        every key (no --cross-self-attention source keys), no head pruning, and the caller asks
+        for neither weights nor logits."""
+        if not relative or tgt_len != 1 or source_keys or explicit or self._kept_heads() is not None:
+            return None
+        return binding.encoding.step_embeddings(binding.role, binding.layer, q_pos, k_pos)
 
     def _additive(self, q: Tensor, q_pos: Tensor, encoding, binding, relative: bool, k_target: Tensor,
                   k_pos: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],

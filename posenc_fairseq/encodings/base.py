@@ -130,6 +130,14 @@ class PositionalEncoding(nn.Module):
         None keeps the projection as it is. Positions are (B, T)."""
         return None
 
+    def step_embeddings(self, role: str, layer: int, query_positions: Tensor,
+                        key_positions: Tensor) -> Optional[Tuple[Optional[Tensor], Optional[Tensor]]]:
+        """One query (a decoding step) against 1-D keys: where the encoding's terms are embeddings
+        of the keys alone, (Tk, D) added to every head's keys and (Tk, D) to its values (either
+        None), used instead of `relative_logits` and `relative_values` for the call; None: no
+        such form."""
+        return None
+
     def logit_bias(self, role: str, layer: int, query_positions: Tensor, key_positions: Tensor) -> Optional[Tensor]:
         """(H, Tq, Tk) added to the scaled logits; positions are 1-D."""
         return None

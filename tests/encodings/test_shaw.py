@@ -110,6 +110,35 @@ def test_attention_output_equals_naive_loops(name, layer, role, values, block, m
     assert (got - baseline).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("name,layer", CASES)
+@pytest.mark.parametrize("values", ["on", "off"])
+def test_decoding_steps_fold_the_terms_into_keys_and_values_and_equal_naive_loops(name, layer, values, monkeypatch):
+    """One query at a time (incremental decoding): a^K and a^V depend on the key alone, so each step
+    adds them to the cached keys and values and runs plain attention, without the relative_logits
+    and relative_values hooks; every step equals the naive loops' row."""
+    k = 2
+    enc = encoding(name, f"--{name}-k", str(k), f"--{name}-values", values)
+    module = attention(enc, "decoder", layer)
+    x, _ = inputs()
+    no_padding = torch.zeros(x.size(1), x.size(0), dtype=torch.bool)
+    clip = (lambda i, j: shaw_clip(j - i, k)) if name == "shaw" else (lambda i, j: lfhc_clip(i - j, k, layer + 1))
+    key = f"decoder{layer}"
+    with torch.no_grad():
+        expected = naive(module, x, no_padding, True, enc.key_tables[key],
+                         enc.value_tables[key] if values == "on" else None, clip)
+    hooks = []
+    for hook in ("relative_logits", "relative_values"):
+        original = getattr(type(enc), hook)
+        monkeypatch.setattr(type(enc), hook, lambda self, *a, original=original, hook=hook, **kw: hooks.append(hook) or original(self, *a, **kw))
+    state, steps = {}, []
+    with torch.no_grad():
+        for t in range(len(x)):
+            enc.begin("decoder", earlier=t)
+            steps.append(module(x[t: t + 1], x[t: t + 1], x[t: t + 1], incremental_state=state, need_weights=False)[0])
+    assert hooks == []
+    assert (torch.cat(steps) - expected).abs().max() <= 1e-5
+
+
 def test_options_and_defaults():
     enc = build_encoding("shaw", encoding_options(), ModelDims(EMBED, HEADS, 2, 3))
     assert enc.k == 16 and enc.values  # Shaw et al.'s full model: value term on
