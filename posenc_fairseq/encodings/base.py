@@ -68,15 +68,29 @@ class PositionalEncoding(nn.Module):
         `earlier`: target tokens before this call's (incremental decoding: the cached steps)."""
         if self._memo:  # (plain attribute: once per decoding step, nn.Module's setattr is slow)
             self.__dict__["_memo"] = {key: value for key, value in self._memo.items() if key[0] != role}
-        if earlier == 0 and self.__dict__.get("_kept"):
-            # values kept across decoding steps (positions.range_values) live for one pass: its
-            # parameters' signature cannot see fairseq's optimizers, which write through p.data
-            # (no in-place version counted), so the next pass computes them again
-            self.__dict__["_kept"] = {}
+        if earlier == 0:
+            self.__dict__["_kept_checked"] = False  # a new pass: `kept_values` checks them again
         if positions is not None:
             self.token_positions[role] = positions
         if source_positions is not None:
             self.token_positions["source"] = source_positions
+
+    def kept_values(self) -> Dict:
+        """The values kept across calls in inference (`positions.range_values`: T5's bias and XL's
+        W_r R per distance, XL's u and v), checked once per pass by value against copies of the
+        encoding's parameters, and emptied when any differs: their signatures (storage, in-place
+        version) cannot see fairseq's optimizers, which write through p.data."""
+        kept = self.__dict__.setdefault("_kept", {})
+        if not self.__dict__.get("_kept_checked", False):
+            self.__dict__["_kept_checked"] = True
+            live = [parameter.detach() for parameter in self.parameters()]
+            copies = self.__dict__.get("_kept_copies")
+            if copies is None or len(copies) != len(live) or not all(
+                    copy.dtype == now.dtype and copy.device == now.device and copy.shape == now.shape
+                    and torch.equal(copy, now) for copy, now in zip(copies, live)):
+                kept.clear()
+                self.__dict__["_kept_copies"] = [parameter.clone() for parameter in live]
+        return kept
 
     def memoize(self, key: tuple, compute: Callable[[], Tensor]) -> Tensor:
         """Compute a position-only term once per forward and share it across layers.
@@ -116,7 +130,7 @@ class PositionalEncoding(nn.Module):
         """Copies (fairseq's EMA deep-copies the model) start without per-forward results, which
         may hold autograd graphs that cannot be copied."""
         state = super().__getstate__()
-        state.update(_memo={}, token_positions={}, _block_record=None, _kept={})
+        state.update(_memo={}, token_positions={}, _block_record=None, _kept={}, _kept_copies=None, _kept_checked=False)
         return state
 
     # --- the four hooks, called by PositionalAttention ------------------------------------

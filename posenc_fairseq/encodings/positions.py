@@ -8,10 +8,10 @@ Any other 1-D positions work as well: their bounds are computed (and synchronise
 `range_values` keeps a function of the relative distance (T5's bias per distance, XL's projected
 prior W_r R_d) across calls in inference, so that a decoding step reads a slice of it instead of
 computing it again for every distance of every step: a step costs O(1) amortised and no work per
-layer beyond the slice. The kept values live for one pass (the encoding's `begin` of a call at
-position 0 drops them: fairseq's optimizers write through p.data, which no version counter sees),
-are recomputed within it when a parameter they depend on changes (new tensor, in-place update,
-dtype or device), and are never used with gradients or in training.
+layer beyond the slice. The kept values are checked by value once per pass (`kept_values` of the
+encoding: fairseq's optimizers write through p.data, which no version counter sees), recomputed
+within it when a parameter they depend on changes (new tensor, in-place update, dtype or device),
+and are never used with gradients or in training.
 """
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -30,7 +30,7 @@ def shared_range(batch: int, start: int, stop: int, device=None) -> Tensor:
     """(batch, stop - start) token positions, every row start..stop-1 (a stack's tokens without
     padding, or one decoding step), with its bounds known: an encoding may compute the values of
     one row and share them across the batch (`is_shared_range`)."""
-    positions = torch.arange(start, stop, device=device).repeat(batch, 1)
+    positions = torch.arange(start, stop, device=device).expand(batch, stop - start)  # (a view: read only)
     positions.bounds = (start, stop - 1)
     return positions
 
@@ -63,16 +63,21 @@ def signature(parameters: Iterable[Tensor], *extra) -> tuple:
     return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in parameters) + extra
 
 
+#: distances a new kept range adds on each side of the first request (a pass's first decoding
+#: step): the steps after it slice instead of growing the range from one distance
+KEPT_MARGIN = 32
+
+
 def range_values(cache: Dict, key, depends_on: tuple, low: int, high: int,
                  compute: Callable[[int, int], Tensor], dim: int, descending: bool = False) -> Tensor:
     """compute(low, high) (values of the distances low..high along `dim`; with `descending`,
     high..low), kept in `cache[key]` while `depends_on` holds: a request inside the kept range is a
-    slice (a view) of it. A request outside it computes a range that also doubles the kept one on
-    the missing side, so a decoding step that needs one more distance than the last recomputes
-    only O(log n) times in n steps."""
+    slice (a view) of it. A new range starts `KEPT_MARGIN` wider on each side; a request outside it
+    computes a range that also doubles the kept one on the missing side, so a decoding step that
+    needs one more distance than the last recomputes only O(log n) times in n steps."""
     entry: Optional[tuple] = cache.get(key)
     if entry is None or entry[0] != depends_on:
-        kept_low, kept_high = low, high
+        kept_low, kept_high = low - KEPT_MARGIN, high + KEPT_MARGIN
     elif low < entry[1] or high > entry[2]:
         size = entry[2] - entry[1] + 1
         kept_low = min(low, entry[1] - size) if low < entry[1] else entry[1]

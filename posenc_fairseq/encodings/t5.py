@@ -164,7 +164,7 @@ class ScalarBias(PositionalEncoding):
         """`distance_bias`, kept across calls in inference (positions.py: a decoding step reads a
         slice of it)."""
         if use_kept_values(self):
-            return range_values(self.__dict__.setdefault("_kept", {}), key, signature(self.parameters()),
+            return range_values(self.kept_values(), key, signature(self.parameters()),
                                 low, high, lambda a, b: self.distance_bias(key, a, b), dim=1)
         return self.distance_bias(key, low, high)
 

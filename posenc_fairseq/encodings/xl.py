@@ -129,7 +129,7 @@ class TransformerXL(PositionalEncoding):
             distances = torch.arange(last, first - 1, -1) if descending else torch.arange(first, last + 1)
             prior = self.prior(distances.to(projection.weight.device))
             return projection(prior.to(projection.weight.dtype))
-        return range_values(self.__dict__.setdefault("_kept", {}), (role, layer, descending),
+        return range_values(self.kept_values(), (role, layer, descending),
                             signature([projection.weight], self.prior_key()), low, high, compute, dim=0,
                             descending=descending)
 
@@ -166,9 +166,9 @@ class TransformerXL(PositionalEncoding):
             if not use_kept_values(self):
                 return compute()
             depends_on = signature([self.content_bias[role], self.position_bias[role]], dtype)
-            entry = self.__dict__.setdefault("_kept", {}).get(("u v", role))
+            entry = self.kept_values().get(("u v", role))
             if entry is None or entry[0] != depends_on:
-                entry = self._kept[("u v", role)] = (depends_on, compute())
+                entry = self.kept_values()[("u v", role)] = (depends_on, compute())
             return entry[1]
         return self.memoize((role, self.name, "u v", dtype), kept)
 

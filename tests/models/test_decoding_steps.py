@@ -12,7 +12,10 @@ from util import random_batch
 STEP_ENCODINGS = ["t5", "t5_nob", "at5", "at5_nob", "alibi", "rotary", "shaw", "lfhc", "xl", "gcdf"]
 
 
-def test_range_values_slices_grows_and_follows_the_parameters():
+def test_range_values_slices_grows_and_follows_the_parameters(monkeypatch):
+    from posenc_fairseq.encodings import positions
+
+    monkeypatch.setattr(positions, "KEPT_MARGIN", 0)  # (the margin: next test)
     computed = []
 
     def compute(low, high):
@@ -32,10 +35,56 @@ def test_range_values_slices_grows_and_follows_the_parameters():
     assert computed[-1] == (0, 1)
 
 
+def test_a_new_kept_range_starts_with_a_margin_on_each_side():
+    """A pass's first decoding step keeps KEPT_MARGIN more distances on each side, so the next
+    steps (one more distance each) are slices."""
+    from posenc_fairseq.encodings.positions import KEPT_MARGIN
+
+    computed = []
+
+    def compute(low, high):
+        computed.append((low, high))
+        return torch.arange(low, high + 1, dtype=torch.float64)
+
+    cache = {}
+    for step in range(KEPT_MARGIN + 1):  # XL's distances 0..step of a decoding step
+        assert range_values(cache, "k", ("a",), 0, step, compute, dim=0).tolist() == list(range(step + 1))
+    assert computed == [(-KEPT_MARGIN, KEPT_MARGIN)]
+
+
 def test_position_range_knows_its_bounds():
     positions = position_range(3, 7)
     assert positions.tolist() == [3, 4, 5, 6] and bounds(positions) == (3, 6)
     assert bounds(torch.tensor([5, 2, 9])) == (2, 9)
+
+
+@pytest.mark.parametrize("encoding", ["t5", "at5", "xl", "gcdf"])
+def test_kept_values_outlive_a_pass_while_the_parameters_hold_their_values(translation_data, encoding, monkeypatch):
+    """The second decode of the same model computes no per-distance values (checked by value at
+    its first step); after a write through p.data (as fairseq's optimizers do: no version moves)
+    the next decode computes them again and equals the full pass."""
+    from posenc_fairseq.encodings import positions, t5, xl
+
+    model, task = perturbed_translation_model(translation_data, encoding)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=6, tgt_len=9)
+    computed = []
+    original = positions.range_values
+
+    def counting(cache, key, depends_on, low, high, compute, *args, **kwargs):
+        return original(cache, key, depends_on, low, high,
+                        lambda a, b: computed.append(key) or compute(a, b), *args, **kwargs)
+    for module in (t5, xl):
+        monkeypatch.setattr(module, "range_values", counting)
+    with torch.no_grad():
+        decoder_logits_full_and_stepwise(model, src, src_lengths, prev)
+        assert computed
+        computed.clear()
+        decoder_logits_full_and_stepwise(model, src, src_lengths, prev)
+        assert computed == []
+        for parameter in model.positional_encoding.parameters():
+            parameter.data.mul_(1.5)
+        full, stepwise = decoder_logits_full_and_stepwise(model, src, src_lengths, prev)
+    assert computed and (full - stepwise).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("encoding", STEP_ENCODINGS)
