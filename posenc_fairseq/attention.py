@@ -2,13 +2,17 @@
 
 `PositionalAttention` is fairseq's `MultiheadAttention` (same parameters, names, initialisation,
 incremental-state layout and beam handling) with a forward that asks a bound
-`PositionalEncoding` for four optional terms (see `encodings/base.py`):
+`PositionalEncoding` for optional terms (see `encodings/base.py`):
 
     projection_bias     per-token bias of the q/k/v projections              (FLOATER)
     project(q|k|v)      position-dependent change of the projected q/k/v    (rotary)
     logit_bias          (heads, q_len, k_len) added to the scaled logits     (T5, AT5, ALiBi)
     relative_logits     query against relative embeddings, (B, H, q, k)      (Shaw, LFHC, XL, GCDF)
     relative_values     probabilities mixed into relative value embeddings   (Shaw, LFHC)
+    step_terms          one query's terms as additions to q, k, v and logits (Shaw, LFHC, XL, GCDF)
+
+A decoding step (one query) of an encoding with `step_terms` is plain fused attention of the
+changed inputs: its relative terms depend on the key alone there.
 
 Positions are explicit: in self-attention the queries are the last `q_len` of the `k_len` keys
 (the cache holds the earlier ones), so query i has position k_len - q_len + i during step-by-step
@@ -48,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fairseq.modules import MultiheadAttention
 
-from .encodings.base import PositionalEncoding, in_backward
+from .encodings.base import PositionalEncoding, StepTerms, in_backward
 from . import flex_attention as flex
 from .encodings.positions import position_range
 
@@ -332,8 +336,8 @@ class PositionalAttention(MultiheadAttention):
         # Shaw/LFHC/XL/GCDF: relative logits that need a gradient go through the explicit softmax:
         # SDPA with such a mask falls back to its unfused kernel, which keeps more (measured: XL 2.3x
         # the memory of one layer's forward and backward at n = 1024)
-        step_terms = self._step_embeddings(binding, relative, tgt_len, source_keys, need_weights or before_softmax,
-                                           q_pos, k_pos)
+        step_terms = self._step_terms(binding, relative, tgt_len, source_keys, need_weights or before_softmax,
+                                      q_pos, k_pos)
         query_blocks = relative and getattr(encoding, "query_blocks", False)
         block = query_block_size(bsz * heads, src_len)
         if query_blocks and not (need_weights or before_softmax) and tgt_len > block:
@@ -369,15 +373,20 @@ class PositionalAttention(MultiheadAttention):
                     parts.append(block_output(q[:, :, rows]))
             out = torch.cat(parts, dim=2)
         elif step_terms is not None:
-            # one query (a decoding step) of Shaw/LFHC: the relative terms are embeddings of the
-            # keys, added to the keys and values, and the step is plain (fused) attention
-            key_terms, value_terms = step_terms
-            if key_terms is not None:
-                k = k + key_terms.to(k.dtype)
-            if value_terms is not None:
-                v = v + value_terms.to(v.dtype)
+            # one query (a decoding step) of Shaw/LFHC/XL/GCDF: the position terms are additions to
+            # the query, keys, values and logits, and the step is plain (fused) attention
+            if step_terms.query is not None:
+                q = q + step_terms.query.to(q.dtype)
+            if step_terms.keys is not None:
+                k = k + step_terms.keys.to(k.dtype)
+            if step_terms.values is not None:
+                v = v + step_terms.values.to(v.dtype)
             plain = dict(terms, relative=False)
-            out, probs = self._attend(q, k, v, self._additive(q, q_pos, **plain), False, q_pos, **plain)
+            additive = self._additive(q, q_pos, **plain)
+            if step_terms.logits is not None:
+                logits = step_terms.logits.to(q.dtype)
+                additive = logits if additive is None else additive + logits
+            out, probs = self._attend(q, k, v, additive, False, q_pos, **plain)
         else:
             additive = self._additive(q, q_pos, **terms)
             if need_weights or before_softmax or value_term:
@@ -401,15 +410,14 @@ class PositionalAttention(MultiheadAttention):
                 weights = weights.mean(dim=0)
         return out, weights
 
-    def _step_embeddings(self, binding, relative: bool, tgt_len: int, source_keys: int, explicit: bool,
-                         q_pos: Tensor, k_pos: Tensor) -> Optional[Tuple[Optional[Tensor], Optional[Tensor]]]:
-        """The encoding's `step_embeddings` (key and value terms of one query as embeddings of the
-        keys) where the call can use them: one query, relative terms on
+    def _step_terms(self, binding, relative: bool, tgt_len: int, source_keys: int, explicit: bool,
+                    q_pos: Tensor, k_pos: Tensor) -> Optional[StepTerms]:
+        """The encoding's `step_terms` where the call can use them: one query, relative terms on
         every key (no --cross-self-attention source keys), no head pruning, and the caller asks
         for neither weights nor logits."""
         if not relative or tgt_len != 1 or source_keys or explicit or self._kept_heads() is not None:
             return None
-        return binding.encoding.step_embeddings(binding.role, binding.layer, q_pos, k_pos)
+        return binding.encoding.step_terms(binding.role, binding.layer, q_pos, k_pos)
 
     def _additive(self, q: Tensor, q_pos: Tensor, encoding, binding, relative: bool, k_target: Tensor,
                   k_pos: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],

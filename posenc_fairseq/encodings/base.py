@@ -18,6 +18,21 @@ from .positions import bounds
 ROLES = ("encoder", "decoder", "cross")
 
 
+class StepTerms(NamedTuple):
+    """One query's position terms (a decoding step) as additions to the attention's inputs, which
+    then make plain (fused) attention:
+
+        softmax_j((q + query) . (k_j + keys_j) + logits_j) . (v_j + values_j)
+
+    `query` broadcasts against (B, H, 1, D) (e.g. (H, 1, D)); `keys`/`values` against (B, H, Tk, D)
+    ((Tk, D) shared by the heads, or (H, Tk, D)); `logits` against (B, H, 1, Tk) (e.g. (H, 1, Tk));
+    None: nothing there. q arrives scaled by 1/sqrt(D)."""
+    query: Optional[Tensor] = None
+    keys: Optional[Tensor] = None
+    values: Optional[Tensor] = None
+    logits: Optional[Tensor] = None
+
+
 class DistanceLogits(NamedTuple):
     """The logit terms of one call as a fused kernel reads them (`distance_logits`,
     flex_attention.py): for query i and key j of consecutive positions, c = j - i + Tq - 1 numbers
@@ -133,7 +148,7 @@ class PositionalEncoding(nn.Module):
         state.update(_memo={}, token_positions={}, _block_record=None, _kept={}, _kept_copies=None, _kept_checked=False)
         return state
 
-    # --- the four hooks, called by PositionalAttention ------------------------------------
+    # --- the hooks, called by PositionalAttention -----------------------------------------
     def project(self, role: str, layer: int, which: str, x: Tensor, positions: Optional[Tensor]) -> Tensor:
         """Projected q/k/v (T, B, E) of tokens at absolute `positions` (B, T) -> same shape."""
         return x
@@ -144,12 +159,10 @@ class PositionalEncoding(nn.Module):
         None keeps the projection as it is. Positions are (B, T)."""
         return None
 
-    def step_embeddings(self, role: str, layer: int, query_positions: Tensor,
-                        key_positions: Tensor) -> Optional[Tuple[Optional[Tensor], Optional[Tensor]]]:
-        """One query (a decoding step) against 1-D keys: where the encoding's terms are embeddings
-        of the keys alone, (Tk, D) added to every head's keys and (Tk, D) to its values (either
-        None), used instead of `relative_logits` and `relative_values` for the call; None: no
-        such form."""
+    def step_terms(self, role: str, layer: int, query_positions: Tensor, key_positions: Tensor) -> Optional[StepTerms]:
+        """One query (a decoding step) against consecutive keys: the encoding's terms as
+        `StepTerms`, used instead of `logit_bias`, `relative_logits` and `relative_values` for the
+        call; None: no such form (the hooks serve the step)."""
         return None
 
     def logit_bias(self, role: str, layer: int, query_positions: Tensor, key_positions: Tensor) -> Optional[Tensor]:

@@ -29,7 +29,7 @@ import argparse
 import torch
 from torch import Tensor, nn
 
-from .base import DistanceLogits, PositionalEncoding, register_encoding
+from .base import DistanceLogits, PositionalEncoding, StepTerms, register_encoding
 from .option_types import Checker, check_size, checked, one_of, option
 from .positions import bounds, first_of_runs, is_range, relative_shift, row_runs, take_runs
 
@@ -177,7 +177,7 @@ class Shaw(PositionalEncoding):
         batch, heads, tq, _ = scores.shape
         return scores.gather(-1, index.expand(batch, heads, tq, index.size(-1)))
 
-    def step_embeddings(self, role, layer, query_positions, key_positions):
+    def step_terms(self, role, layer, query_positions, key_positions):
         """One query: a^K_ij and a^V_ij depend on the key j alone, so they are (Tk, D) rows of the
         tables added to the keys and values: q_i . (k_j + a^K_ij) and sum_j alpha_ij (v_j + a^V_ij)
         are e_ij and z_i themselves."""
@@ -186,8 +186,8 @@ class Shaw(PositionalEncoding):
         index, low, high = self.buckets(role, layer, query_positions, key_positions)  # (1, Tk), shared by the layers
         keys = self.key_tables[f"{role}{layer}"][low: high + 1].index_select(0, index[0])
         if not self.has_relative_values(role, layer):
-            return keys, None
-        return keys, self.value_tables[f"{role}{layer}"][low: high + 1].index_select(0, index[0])
+            return StepTerms(keys=keys)
+        return StepTerms(keys=keys, values=self.value_tables[f"{role}{layer}"][low: high + 1].index_select(0, index[0]))
 
     def key_scores(self, role, layer, query, low, high):
         """(B, H, Tq, high - low + 1): the query (already scaled by 1/sqrt(d)) against the key

@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .base import DistanceLogits, PositionalEncoding, register_encoding
+from .base import DistanceLogits, PositionalEncoding, StepTerms, register_encoding
 from .option_types import float_in_range, option
 from .positions import bounds, is_range, range_values, relative_shift, signature, use_kept_values
 
@@ -188,6 +188,32 @@ class TransformerXL(PositionalEncoding):
         position = query_v @ rel.transpose(-1, -2)[None]  # (B, H, Tq, N)
         position = position.gather(-1, index.expand(batch, heads, tq, index.size(-1)))
         return position + content
+
+    def step_terms(self, role, layer, query_positions, key_positions):
+        """One query in inference, as additions to plain attention's inputs (`StepTerms`):
+
+            e_j = (q + u) . k_j + (q + v) . r_j = (q + u) . (k_j + r_j) + (v - u) . r_j,  r_j = W_r R_{i-j}
+
+        the query plus u against the keys plus r, and (v - u) . r_j per head and distance, kept with
+        r across steps (a slice per step, in the keys' order). Training keeps the hooks."""
+        if role not in SELF_ROLES or not use_kept_values(self) or len(query_positions) != 1 or not is_range(key_positions):
+            return None
+        heads, head_dim = self.dims.heads, self.dims.head_dim
+        (low, high), _ = self.spans(query_positions, key_positions)
+        projection = self.projections._modules[f"{role}{layer}"]
+        u, v = self.content_bias[role], self.position_bias[role]  # (H, D)
+        dtype, scale = projection.weight.dtype, head_dim ** -0.5  # (scaled as the query arrives)
+
+        def compute(first, last):
+            distances = torch.arange(last, first - 1, -1, device=projection.weight.device)  # descending
+            rel = projection(self.prior(distances).to(dtype))  # (N, H * D)
+            shift = (rel.view(-1, heads, head_dim) * ((v - u) * scale).to(dtype)).sum(-1)
+            return torch.cat([rel, shift], dim=1)  # (N, H * D + H)
+        kept = range_values(self.kept_values(), (role, layer, "step"), signature([projection.weight, u, v], self.prior_key()),
+                            low, high, compute, dim=0, descending=True)
+        rel, shift = kept[:, : heads * head_dim], kept[:, heads * head_dim:]
+        return StepTerms(query=(u.to(dtype) * scale).view(heads, 1, head_dim),
+                         keys=rel.view(-1, heads, head_dim).transpose(0, 1), logits=shift.t()[:, None, :])
 
     def step_logits(self, role, layer, query, key, query_positions, key_positions):
         """`relative_logits` of one query (a decoding step) against consecutive keys: the kept W_r R

@@ -152,6 +152,33 @@ def test_future_blocked_logits_agree_where_not_blocked(name):
 
 
 @pytest.mark.parametrize("name", ["xl", "gcdf"])
+@pytest.mark.parametrize("layer", [0, 2])
+def test_decoding_steps_in_inference_fold_the_terms_and_equal_naive_loops(name, layer, monkeypatch):
+    """Incremental decoding in inference: each step is plain attention of (q + u) against
+    (k_j + W_r R_{i-j}) with (v - u).W_r R_{i-j} added (`step_terms`, kept across steps), without
+    the relative_logits hook; every step equals the naive loops' row."""
+    enc = encoding(name)
+    enc.eval()
+    module = attention(enc, "decoder", layer)
+    module.eval()
+    x, _ = inputs()
+    no_padding = torch.zeros(x.size(1), x.size(0), dtype=torch.bool)
+    prior = (lambda d: xl_r(d, EMBED)) if name == "xl" else (lambda d: gcdf_r(d, EMBED))
+    with torch.no_grad():
+        expected = naive(module, enc, "decoder", layer, x, no_padding, True, prior)
+    calls = []
+    original = type(enc).relative_logits
+    monkeypatch.setattr(type(enc), "relative_logits", lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
+    state, steps = {}, []
+    with torch.no_grad():
+        for t in range(len(x)):
+            enc.begin("decoder", earlier=t)
+            steps.append(module(x[t: t + 1], x[t: t + 1], x[t: t + 1], incremental_state=state, need_weights=False)[0])
+    assert calls == []
+    assert (torch.cat(steps) - expected).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize("name", ["xl", "gcdf"])
 def test_stepwise_decoder_queries_match_full(name):
     """The last query of a call with cached keys (incremental decoding) sees the same logits."""
     enc = encoding(name)
