@@ -46,10 +46,13 @@ def token_positions(tokens: Tensor, padding_idx: int) -> Tensor:
 
 
 def real_token_positions(real: Tensor) -> Tensor:
-    """`token_positions` from the (B, T) mask of real tokens; a `shared_range` when every token is
-    real (one host sync per stack, as fairseq's own padding checks: an encoding then computes one
-    row for the whole batch, and reads the bounds without another)."""
-    if bool(real.all()):
+    """`token_positions` from the (B, T) mask of real tokens; a `shared_range` 0..T-1 when every
+    row's real tokens come first and some row has no padding (an unpadded or right-padded batch:
+    the real tokens' positions are the same, and the pads after a row's last real token continue
+    its count, which nothing reads: pads are masked as keys and their outputs dropped). One host
+    sync per stack, as fairseq's own padding checks; an encoding then computes one row for the
+    whole batch and reads the bounds without another sync."""
+    if bool((real[:, 1:] <= real[:, :-1]).all() & real[:, -1].any()):
         return shared_range(real.size(0), 0, real.size(1), real.device)
     return ((real.cumsum(dim=1) - 1) * real).long()
 
@@ -113,12 +116,13 @@ class PositionalTransformerDecoder(TransformerDecoder):
                     positions = token_positions(prev_output_tokens, self.padding_idx)[:, -1:]
                 else:  # no padding: this step's token is at `earlier` in every row
                     positions = shared_range(prev_output_tokens.size(0), earlier, earlier + 1, prev_output_tokens.device)
-            source = None
-            if encoder_out is not None and len(encoder_out.get("encoder_padding_mask", [])) > 0:
-                source = real_token_positions(~encoder_out["encoder_padding_mask"][0])
-            elif encoder_out is not None and len(encoder_out.get("encoder_out", [])) > 0:
-                length, batch = encoder_out["encoder_out"][0].shape[:2]
-                source = shared_range(batch, 0, length, positions.device)
+            source = None  # (a later decoding step keeps the first step's: cross-attention keys are cached)
+            if earlier == 0 and encoder_out is not None:
+                if len(encoder_out.get("encoder_padding_mask", [])) > 0:
+                    source = real_token_positions(~encoder_out["encoder_padding_mask"][0])
+                elif len(encoder_out.get("encoder_out", [])) > 0:
+                    length, batch = encoder_out["encoder_out"][0].shape[:2]
+                    source = shared_range(batch, 0, length, positions.device)
             self.encoding.begin("decoder", positions, source, earlier)
         return super().extract_features(prev_output_tokens, encoder_out, incremental_state, **kwargs)
 

@@ -429,18 +429,24 @@ def test_projections_with_hooks_get_the_same_biases(translation_data):
         assert (model(src, src_lengths, prev)[0] - direct).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("padding", ["none", "right"])
 @pytest.mark.parametrize("extra", [[], ["--floater-recompute-every", "3"]], ids=["K=1", "K=3"])
-def test_an_unpadded_batch_reads_table_rows_shared_by_the_batch(translation_data, monkeypatch, extra):
-    """Every row of an unpadded stack holds positions 0..T-1 (`shared_range`): each projection's
-    bias is a (T, 1, E) slice of the table, broadcast over the batch, with no gather. Output and
-    every gradient equal the gathered path's (the same positions taken as any other tensor)."""
+def test_an_unpadded_batch_reads_table_rows_shared_by_the_batch(translation_data, monkeypatch, extra, padding):
+    """Every row of an unpadded (or right-padded) stack holds positions 0..T-1 (`shared_range`):
+    each projection's bias is a (T, 1, E) slice of the table, broadcast over the batch, with no
+    gather. The real tokens' outputs and every gradient (of a loss over real tokens, as fairseq's)
+    equal the gathered path's (the same positions taken as any other tensor, pads at 0)."""
     model, task, _ = floater_model(translation_data, extra)
     perturb(model)
     model.train()
-    src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=7, tgt_len=5)
-    src = torch.randint(task.source_dictionary.nspecial, len(task.source_dictionary), src.shape,
-                        generator=torch.Generator().manual_seed(2))
-    src[:, -1], src_lengths = task.source_dictionary.eos(), torch.full_like(src_lengths, src.size(1))
+    dictionary = task.source_dictionary
+    src, src_lengths, prev = random_batch(dictionary, batch=3, src_len=7, tgt_len=5)
+    src = torch.randint(dictionary.nspecial, len(dictionary), src.shape, generator=torch.Generator().manual_seed(2))
+    src[:, -1], src_lengths = dictionary.eos(), torch.full_like(src_lengths, src.size(1))
+    if padding == "right":
+        src[0, 4], src[0, 5:], src_lengths[0] = dictionary.eos(), dictionary.pad(), 5
+        prev[2, 3:] = dictionary.pad()
+    real = prev.ne(dictionary.pad())
     gathered = []
     original = floater_module.GatherSlots.apply
     monkeypatch.setattr(floater_module.GatherSlots, "apply",
@@ -450,8 +456,8 @@ def test_an_unpadded_batch_reads_table_rows_shared_by_the_batch(translation_data
         torch.manual_seed(3)  # the same dropout masks in both runs
         model.zero_grad()
         logits, _ = model(src, src_lengths, prev)
-        logits.float().logsumexp(-1).mean().backward()
-        return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        logits.float().logsumexp(-1)[real].mean().backward()
+        return logits.detach()[real], {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
     if extra:
         loss_and_gradients()  # the window's first pass (solved with gradient); both below reuse its table

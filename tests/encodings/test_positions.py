@@ -64,9 +64,10 @@ def test_position_range_knows_its_bounds():
     assert positions.tolist() == [3, 4, 5, 6] and positions.bounds == (3, 6)
 
 
-def test_token_positions_are_a_shared_range_only_without_padding():
-    """Hand-computed positions among each row's real tokens; a batch without padding gets a
-    `shared_range` (the same 0..T-1 in every row, bounds known), any padding the plain tensor."""
+def test_token_positions_are_a_shared_range_without_padding_or_with_right_padding():
+    """Hand-computed positions among each row's real tokens; a batch without padding, or right-padded
+    with one full row, gets a `shared_range` (the same 0..T-1 in every row, bounds known), other
+    padding the plain tensor."""
     from posenc_fairseq.encodings.positions import is_shared_range, shared_range
     from posenc_fairseq.models.common import token_positions
 
@@ -75,6 +76,11 @@ def test_token_positions_are_a_shared_range_only_without_padding():
     assert unpadded.tolist() == [[0, 1, 2], [0, 1, 2]] and is_shared_range(unpadded) and unpadded.bounds == (0, 2)
     padded = token_positions(torch.tensor([[1, 1, 7], [8, 9, 1]]), pad)  # left- and right-padded rows
     assert padded.tolist() == [[0, 0, 0], [0, 1, 0]] and not is_shared_range(padded)
+    # right padding with one full row: the real tokens' positions are the range's (pads continue it)
+    right = token_positions(torch.tensor([[5, 1, 1], [8, 9, 2]]), pad)
+    assert is_shared_range(right) and right[0, 0] == 0 and right[1].tolist() == [0, 1, 2]
+    every_row_padded = token_positions(torch.tensor([[5, 1, 1], [8, 9, 1]]), pad)  # (the range would pass them)
+    assert every_row_padded.tolist() == [[0, 0, 0], [0, 1, 0]] and not is_shared_range(every_row_padded)
     step = shared_range(3, 4, 5)  # a decoding step at position 4
     assert step.tolist() == [[4]] * 3 and step.bounds == (4, 4) and is_shared_range(step)
     assert not is_shared_range(position_range(0, 3))  # 1-D: a stack's own positions, not per row
