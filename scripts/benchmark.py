@@ -8,7 +8,8 @@ For each architecture a fresh subprocess builds the model (same size for all), t
     (it repeats exactly from run to run; the process's RSS high-water mark includes model building
     and cannot be reset, so it measures no step),
   - generation tokens/s: step-by-step (incremental) greedy decoding of `--gen-length` tokens,
-  - beam search tokens/s: fairseq's SequenceGenerator (as fairseq-generate) with `--beam 5` (0: no column).
+  - beam search tokens/s: fairseq's SequenceGenerator (as fairseq-generate) with `--beam 5` (0: no column),
+    both the median of `--gen-repeats` decodes after an untimed one.
 `--growth` prints instead, per arch, the training time per step at n = 128 and 2048 (batch 1) and
 its growth exponent log(t2048/t128)/log(16) next to the reference's.
 Timings on a shared machine vary from call to call, so every architecture is measured `--repeats`
@@ -94,15 +95,14 @@ def measure(arch, args):
     model.eval()
     with torch.no_grad():
         encoder_out = model.encoder(src[:1], src_lengths=lengths[:1])
-        tokens = torch.full((1, 1), task.target_dictionary.eos(), device=device)
-        state = {}
-        sync()
-        start = time.perf_counter()
-        for _ in range(args.gen_length):
-            logits, _ = model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)
-            tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], dim=1)
-        sync()
-        gen_tps = args.gen_length / (time.perf_counter() - start)
+
+        def greedy():
+            tokens = torch.full((1, 1), task.target_dictionary.eos(), device=device)
+            state = {}
+            for _ in range(args.gen_length):
+                logits, _ = model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)
+                tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], dim=1)
+        gen_tps = args.gen_length / median_seconds(greedy, args.gen_repeats, sync)
     result = {"arch": arch, "train_tokens_per_s": train_tps, **memory, "generate_tokens_per_s": gen_tps}
     if heap is not None:
         result["heap_peak_mb"] = heap / 2**20
@@ -119,12 +119,22 @@ def beam_search_speed(model, task, src, lengths, args, sync):
     generator = SequenceGenerator([model], task.target_dictionary, beam_size=args.beam, max_len_a=0,
                                   max_len_b=args.gen_length, min_len=args.gen_length)
     sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
-    generator.generate([model], sample)  # warm-up
-    sync()
-    start = time.perf_counter()
-    generator.generate([model], sample)
-    sync()
-    return args.gen_length / (time.perf_counter() - start)
+    return args.gen_length / median_seconds(lambda: generator.generate([model], sample), args.gen_repeats, sync)
+
+
+def median_seconds(run, repeats, sync):
+    """Median wall time of `repeats` calls of `run`, after one untimed call (first allocations and
+    kept values): one call of a small decode is ~0.1 s, which a busy moment of the machine can
+    double."""
+    run()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def heap_peak_bytes(step):
@@ -185,6 +195,8 @@ def main():
                         help="untimed training steps first: the allocator and caches settle, and with "
                              "--floater-recompute-every K > 1 the window's solve (1 step in K) is among them")
     parser.add_argument("--gen-length", type=int, default=64)
+    parser.add_argument("--gen-repeats", type=int, default=5,
+                        help="timed decodes per measurement (greedy and beam), after one untimed: median")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each measuring process")
     parser.add_argument("--repeats", type=int, default=3, help="rounds over all architectures (median reported)")
