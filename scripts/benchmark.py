@@ -9,7 +9,8 @@ For each architecture a fresh subprocess builds the model (same size for all), t
     and cannot be reset, so it measures no step),
   - generation tokens/s: step-by-step (incremental) greedy decoding of `--gen-length` tokens,
   - beam search tokens/s: fairseq's SequenceGenerator (as fairseq-generate) with `--beam 5` (0: no column),
-    both the median of `--gen-repeats` decodes after an untimed one.
+    both the median of `--gen-repeats` decodes after an untimed one, alternating with the reference
+    model built in the same process (the generation ratios are taken within that process).
 `--growth` prints instead, per arch, the training time per step at n = 128 and 2048 (batch 1) and
 its growth exponent log(t2048/t128)/log(16) next to the reference's.
 Timings on a shared machine vary from call to call, so every architecture is measured `--repeats`
@@ -41,20 +42,24 @@ def measure(arch, args):
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = torch.device(args.device)
-    with tempfile.TemporaryDirectory() as data:
-        for lang in ("src", "tgt"):
-            Path(data, f"dict.{lang}.txt").write_text("".join(f"w{i} 1\n" for i in range(args.vocab)))
-        parser = options.get_training_parser()
-        model_args = options.parse_args_and_arch(parser, [
-            data, "--task", "translation", "-s", "src", "-t", "tgt", "--arch", arch, "--user-dir",
-            str(REPO / "posenc_fairseq"), "--max-source-positions", "100000", "--max-target-positions", "100000",
-            "--encoder-layers", str(args.layers), "--decoder-layers", str(args.layers),
-            "--encoder-embed-dim", str(args.dim), "--decoder-embed-dim", str(args.dim),
-            "--encoder-ffn-embed-dim", str(4 * args.dim), "--decoder-ffn-embed-dim", str(4 * args.dim),
-            "--encoder-attention-heads", str(args.heads), "--decoder-attention-heads", str(args.heads),
-            *args.extra])
-        task = tasks.setup_task(model_args)
-        model = task.build_model(model_args).to(device)
+
+    def build(name):
+        with tempfile.TemporaryDirectory() as data:
+            for lang in ("src", "tgt"):
+                Path(data, f"dict.{lang}.txt").write_text("".join(f"w{i} 1\n" for i in range(args.vocab)))
+            parser = options.get_training_parser()
+            model_args = options.parse_args_and_arch(parser, [
+                data, "--task", "translation", "-s", "src", "-t", "tgt", "--arch", name, "--user-dir",
+                str(REPO / "posenc_fairseq"), "--max-source-positions", "100000", "--max-target-positions", "100000",
+                "--encoder-layers", str(args.layers), "--decoder-layers", str(args.layers),
+                "--encoder-embed-dim", str(args.dim), "--decoder-embed-dim", str(args.dim),
+                "--encoder-ffn-embed-dim", str(4 * args.dim), "--decoder-ffn-embed-dim", str(4 * args.dim),
+                "--encoder-attention-heads", str(args.heads), "--decoder-attention-heads", str(args.heads),
+                *args.extra])
+            task = tasks.setup_task(model_args)
+            return task.build_model(model_args).to(device), task
+
+    model, task = build(arch)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     low = 4
     src = torch.randint(low, args.vocab, (args.batch, args.length), device=device)
@@ -93,48 +98,67 @@ def measure(arch, args):
     if args.train_only:
         return {"arch": arch, "train_tokens_per_s": train_tps, **memory, "train_seconds_per_step": elapsed / args.steps}
     model.eval()
-    with torch.no_grad():
-        encoder_out = model.encoder(src[:1], src_lengths=lengths[:1])
-
-        def greedy():
-            tokens = torch.full((1, 1), task.target_dictionary.eos(), device=device)
-            state = {}
-            for _ in range(args.gen_length):
-                logits, _ = model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)
-                tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], dim=1)
-        gen_tps = args.gen_length / median_seconds(greedy, args.gen_repeats, sync)
-    result = {"arch": arch, "train_tokens_per_s": train_tps, **memory, "generate_tokens_per_s": gen_tps}
+    result = {"arch": arch, "train_tokens_per_s": train_tps, **memory}
     if heap is not None:
         result["heap_peak_mb"] = heap / 2**20
+    # Generation: this model and, built in the same process, the reference, alternating decode by
+    # decode: a process's own speed (which varies from process to process on a shared machine)
+    # then cancels in the ratio
+    models = {"": model}
+    if arch != args.reference:
+        models["reference_"] = build(args.reference)[0].eval()
+    greedy = {prefix: greedy_decode(m, src[:1], lengths[:1], task, args) for prefix, m in models.items()}
+    for prefix, seconds in alternating_medians(greedy, args.gen_repeats, sync).items():
+        result[prefix + "generate_tokens_per_s"] = args.gen_length / seconds
     if args.beam > 0:
-        result["beam_tokens_per_s"] = beam_search_speed(model, task, src[:1], lengths[:1], args, sync)
+        beams = {prefix: beam_search(m, src[:1], lengths[:1], task, args) for prefix, m in models.items()}
+        for prefix, seconds in alternating_medians(beams, args.gen_repeats, sync).items():
+            result[prefix + "beam_tokens_per_s"] = args.gen_length / seconds
     return result
 
 
-def beam_search_speed(model, task, src, lengths, args, sync):
+def greedy_decode(model, src, lengths, task, args):
+    """Step-by-step (incremental) greedy decoding of --gen-length tokens, as a function to time."""
+    import torch
+
+    with torch.no_grad():
+        encoder_out = model.encoder(src, src_lengths=lengths)
+
+    @torch.no_grad()
+    def run():
+        tokens = torch.full((1, 1), task.target_dictionary.eos(), device=src.device)
+        state = {}
+        for _ in range(args.gen_length):
+            logits, _ = model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)
+            tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], dim=1)
+    return run
+
+
+def beam_search(model, src, lengths, task, args):
     """fairseq's SequenceGenerator (what fairseq-generate runs) with --beam args.beam on one source
-    sentence, exactly --gen-length target tokens (min = max length): target tokens per second."""
+    sentence, exactly --gen-length target tokens (min = max length), as a function to time."""
     from fairseq.sequence_generator import SequenceGenerator
 
     generator = SequenceGenerator([model], task.target_dictionary, beam_size=args.beam, max_len_a=0,
                                   max_len_b=args.gen_length, min_len=args.gen_length)
     sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
-    return args.gen_length / median_seconds(lambda: generator.generate([model], sample), args.gen_repeats, sync)
+    return lambda: generator.generate([model], sample)
 
 
-def median_seconds(run, repeats, sync):
-    """Median wall time of `repeats` calls of `run`, after one untimed call (first allocations and
-    kept values): one call of a small decode is ~0.1 s, which a busy moment of the machine can
-    double."""
-    run()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
+def alternating_medians(runs, repeats, sync):
+    """Median wall time of each of `runs` (name -> function) over `repeats` rounds that call them in
+    turn, after one untimed call each (first allocations and kept values)."""
+    times = {name: [] for name in runs}
+    for name, run in runs.items():
         run()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    for _ in range(repeats):
+        for name, run in runs.items():
+            sync()
+            start = time.perf_counter()
+            run()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def heap_peak_bytes(step):
@@ -196,7 +220,8 @@ def main():
                              "--floater-recompute-every K > 1 the window's solve (1 step in K) is among them")
     parser.add_argument("--gen-length", type=int, default=64)
     parser.add_argument("--gen-repeats", type=int, default=5,
-                        help="timed decodes per measurement (greedy and beam), after one untimed: median")
+                        help="timed decodes per measurement (greedy and beam, alternating with the reference "
+                             "in the same process), after one untimed: median")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each measuring process")
     parser.add_argument("--repeats", type=int, default=3, help="rounds over all architectures (median reported)")
@@ -247,7 +272,9 @@ def main():
         line = f"{arch:40s}"
         for key, _ in columns:
             values = [r[arch][key] for r in rounds if arch in r]
-            ratios = sorted(r[arch][key] / max(r[args.reference][key], 1e-9) for r in rounds if arch in r)
+            # (generation: against the reference decoded in the same process, where measured)
+            ratios = sorted(r[arch][key] / max(r[arch].get("reference_" + key, r[args.reference][key]), 1e-9)
+                            for r in rounds if arch in r)
             if not ratios:
                 line += f" {'-':>12s} {'-':>18s}"
                 continue
