@@ -85,13 +85,26 @@ class Rotary(PositionalEncoding):
         if positions is self.token_positions.get(role):
             # the positions the stack announced for this pass (a decoding step: the current one):
             # one rotation for the queries and keys of every layer
-            rows = positions[:1] if is_shared_range(positions) else positions  # (every row alike: one, broadcast)
-            cos, sin = self.memoize((role, "rotary", positions.shape, head_dim, str(x.device)),
-                                    lambda: rotation(rows.to(x.device), head_dim, self.base,
-                                                     self._constants(head_dim, x.device)))
+            cos, sin, matrix = self.memoize((role, "rotary", positions.shape, head_dim, x.device),
+                                            lambda: self._pass_rotation(positions, head_dim, x.device))
+            if matrix is not None:  # one position for every token: one product per projection
+                length, batch, embed = x.shape
+                return (x.view(length, batch, -1, head_dim).float() @ matrix).view(length, batch, embed).to(x.dtype)
         else:  # e.g. --cross-self-attention's keys cat(source, target)
             cos, sin = rotation(positions.to(x.device), head_dim, self.base)
         return apply_rotation(x, cos, sin, self.dims.heads).to(x.dtype)
+
+    def _pass_rotation(self, positions, head_dim: int, device):
+        """`rotation` of a stack's announced positions (one row where every row is alike), and where
+        it is one position for every token (a decoding step without padding), also the rotation as a
+        (D, D) matrix M, x @ M == apply_rotation(x): diag(cos) plus the signed sin moved to row
+        (m + D/2) mod D of column m (even D)."""
+        rows = positions[:1] if is_shared_range(positions) else positions
+        cos, sin = rotation(rows.to(device), head_dim, self.base, self._constants(head_dim, device))
+        matrix = None
+        if cos.size(0) == 1 and cos.size(1) == 1 and head_dim % 2 == 0:
+            matrix = torch.diag(cos.view(-1)) + torch.diag(sin.view(-1)).roll(head_dim // 2, dims=0)
+        return cos, sin, matrix
 
     def _constants(self, head_dim: int, device) -> Tuple[Tensor, Tensor]:
         """`rotation_constants`, kept (a decoding step computes one rotation; these never change)."""

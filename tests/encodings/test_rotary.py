@@ -26,3 +26,28 @@ def test_scores_depend_only_on_relative_position():
     score = lambda i, j: (rotate(q, torch.tensor([[i]]), 1) * rotate(k, torch.tensor([[j]]), 1)).sum()
     assert torch.allclose(score(2, 7), score(102, 107), atol=1e-4)
     assert not torch.allclose(score(2, 7), score(2, 8), atol=1e-4)
+
+
+def test_a_decoding_step_rotates_with_one_matrix_equal_to_the_complex_form():
+    """A decoding step without padding (one shared position for every row): the encoding rotates
+    q and k with one (D, D) matrix per step, equal to the complex multiplication of eq. 13."""
+    from posenc_fairseq.encodings import ModelDims, build_encoding
+    from posenc_fairseq.encodings.positions import shared_range
+    from util import encoding_options
+
+    heads, head_dim, batch, position = 2, 8, 3, 6
+    enc = build_encoding("rotary", encoding_options(), ModelDims(heads * head_dim, heads, 1, 1))
+    positions = shared_range(batch, position, position + 1)
+    enc.begin("decoder", positions, earlier=position)
+    x = torch.randn(1, batch, heads * head_dim)
+    got = enc.project("decoder", 0, "q", x, positions)
+    assert enc._memo and next(iter(enc._memo.values()))[2] is not None  # the matrix form was taken
+    half = head_dim // 2
+    theta = 10000.0 ** (-2 * torch.arange(half) / head_dim)
+    for b in range(batch):
+        for h in range(heads):
+            vector = x[0, b, h * head_dim:(h + 1) * head_dim]
+            expected = torch.complex(vector[:half], vector[half:]) * torch.exp(1j * position * theta)
+            out = got[0, b, h * head_dim:(h + 1) * head_dim]
+            assert torch.allclose(out[:half], expected.real, atol=1e-5)
+            assert torch.allclose(out[half:], expected.imag, atol=1e-5)
