@@ -10,7 +10,9 @@ For each architecture a fresh subprocess builds the model (same size for all), t
   - generation tokens/s: step-by-step (incremental) greedy decoding of `--gen-length` tokens,
   - beam search tokens/s: fairseq's SequenceGenerator (as fairseq-generate) with `--beam 5` (0: no column),
     both the median of `--gen-repeats` decodes after an untimed one, alternating with the reference
-    model built in the same process (the generation ratios are taken within that process).
+    model built in the same process (the generation ratios are taken within that process; so is the
+    training ratio: after the solo timing, which gives the memory, --steps more updates of each
+    model alternate, median per update).
 `--growth` prints instead, per arch, the training time per step at n = 128 and 2048 (batch 1) and
 its growth exponent log(t2048/t128)/log(16) next to the reference's.
 Timings on a shared machine vary from call to call, so every architecture is measured `--repeats`
@@ -60,20 +62,27 @@ def measure(arch, args):
             return task.build_model(model_args).to(device), task
 
     model, task = build(arch)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     low = 4
     src = torch.randint(low, args.vocab, (args.batch, args.length), device=device)
     prev = torch.randint(low, args.vocab, (args.batch, args.length), device=device)
     lengths = torch.full((args.batch,), args.length, device=device)
 
-    def step():
-        model.set_num_updates(getattr(model, "_bench_updates", 0) + 1)
-        model._bench_updates = getattr(model, "_bench_updates", 0) + 1
-        logits, _ = model(src, lengths, prev)
-        loss = logits.float().logsumexp(-1).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    def trainer(net):
+        """One training update of `net` (forward, backward, Adam) as a function to time."""
+        optimizer = torch.optim.Adam(net.parameters(), lr=1e-4)
+        updates = [0]
+
+        def step():
+            updates[0] += 1
+            net.set_num_updates(updates[0])
+            logits, _ = net(src, lengths, prev)
+            loss = logits.float().logsumexp(-1).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        return step
+
+    step = trainer(model)
 
     def sync():
         if device.type == "cuda":
@@ -97,16 +106,22 @@ def measure(arch, args):
 
     if args.train_only:
         return {"arch": arch, "train_tokens_per_s": train_tps, **memory, "train_seconds_per_step": elapsed / args.steps}
-    model.eval()
     result = {"arch": arch, "train_tokens_per_s": train_tps, **memory}
     if heap is not None:
         result["heap_peak_mb"] = heap / 2**20
-    # Generation: this model and, built in the same process, the reference, alternating decode by
-    # decode: a process's own speed (which varies from process to process on a shared machine)
-    # then cancels in the ratio
+    # Training again, and generation: this model and the reference built in the same process,
+    # alternating step by step (decode by decode): a process's own speed (which varies from process
+    # to process on a shared machine) then cancels in the ratio
     models = {"": model}
     if arch != args.reference:
-        models["reference_"] = build(args.reference)[0].eval()
+        reference = build(args.reference)[0].train()
+        steps = {"": step, "reference_": trainer(reference)}
+        for _ in range(args.warmup):
+            steps["reference_"]()
+        for prefix, seconds in alternating_medians(steps, args.steps, sync).items():
+            result[prefix + "train_tokens_per_s"] = 2 * args.batch * args.length / seconds
+        models["reference_"] = reference.eval()
+    model.eval()
     greedy = {prefix: greedy_decode(m, src[:1], lengths[:1], task, args) for prefix, m in models.items()}
     for prefix, seconds in alternating_medians(greedy, args.gen_repeats, sync).items():
         result[prefix + "generate_tokens_per_s"] = args.gen_length / seconds
@@ -272,7 +287,7 @@ def main():
         line = f"{arch:40s}"
         for key, _ in columns:
             values = [r[arch][key] for r in rounds if arch in r]
-            # (generation: against the reference decoded in the same process, where measured)
+            # (training and generation: against the reference run in the same process, where measured)
             ratios = sorted(r[arch][key] / max(r[arch].get("reference_" + key, r[args.reference][key]), 1e-9)
                             for r in rounds if arch in r)
             if not ratios:
