@@ -130,6 +130,18 @@ def perturbed_encoding(name, *argv, dims, seed=1, scale=0.3):
     return encoding
 
 
+def attention_steps(module, encoding, x):
+    """`module` (a bound decoder self-attention) called one token of x (T, B, E) at a time with an
+    incremental state, as fairseq's decoder does; the steps' outputs concatenated, (T, B, E)."""
+    state, steps = {}, []
+    with torch.no_grad():
+        for t in range(len(x)):
+            encoding.begin("decoder", earlier=t)
+            step = x[t: t + 1]
+            steps.append(module(step, step, step, incremental_state=state, need_weights=False)[0])
+    return torch.cat(steps)
+
+
 def bound_attention(encoding, role, layer, embed, heads, dtype=torch.float64):
     """A self-attention PositionalAttention bound to `encoding` at (role, layer), eval mode."""
     from fairseq.modules import MultiheadAttention

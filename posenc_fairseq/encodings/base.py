@@ -13,7 +13,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .positions import bounds
+from .positions import bounds, same_values, value_copies
 
 ROLES = ("encoder", "decoder", "cross")
 
@@ -98,13 +98,9 @@ class PositionalEncoding(nn.Module):
         kept = self.__dict__.setdefault("_kept", {})
         if not self.__dict__.get("_kept_checked", False):
             self.__dict__["_kept_checked"] = True
-            live = [parameter.detach() for parameter in self.parameters()]
-            copies = self.__dict__.get("_kept_copies")
-            if copies is None or len(copies) != len(live) or not all(
-                    copy.dtype == now.dtype and copy.device == now.device and copy.shape == now.shape
-                    and torch.equal(copy, now) for copy, now in zip(copies, live)):
+            if not same_values(self.__dict__.get("_kept_copies"), self.parameters()):
                 kept.clear()
-                self.__dict__["_kept_copies"] = [parameter.clone() for parameter in live]
+                self.__dict__["_kept_copies"] = value_copies(self.parameters())
         return kept
 
     def memoize(self, key: tuple, compute: Callable[[], Tensor]) -> Tensor:

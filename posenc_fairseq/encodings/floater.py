@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from .base import ROLES, PositionalEncoding, in_backward, register_encoding
 from .option_types import OptionValueError, float_in_range, int_in_range, one_of, option, positive_int
-from .positions import is_shared_range
+from .positions import is_shared_range, same_values, value_copies
 
 METHODS = ("rk4", "midpoint", "euler", "dopri5")
 FIXED_GRID = ("rk4", "midpoint", "euler")
@@ -862,7 +862,7 @@ class Floater(PositionalEncoding):
     def _source(self) -> tuple:
         """What a table is computed from: solver options and slot layout, and copies of the tensors
         (h's parameters, the tensors each b(0) is made of) whose exact values it was solved from."""
-        return self._options(), [tensor.detach().clone() for tensor in self._source_tensors()]
+        return self._options(), value_copies(self._source_tensors())
 
     def _source_tensors(self) -> List[Tensor]:
         return [*self.dynamics.parameters(),
@@ -872,10 +872,7 @@ class Floater(PositionalEncoding):
         """Compared by value, once per pass: fairseq's optimizers write through p.data, which no
         in-place version counter sees."""
         options, copies = source
-        tensors = self._source_tensors()
-        return options == self._options() and len(copies) == len(tensors) and all(
-            copy.dtype == tensor.dtype and copy.device == tensor.device and torch.equal(copy, tensor)
-            for copy, tensor in zip(copies, tensors))
+        return options == self._options() and same_values(copies, self._source_tensors())
 
     # --- called by the trainer, the stacks and the attention ---------------------------------------
     def set_num_updates(self, num_updates: int):

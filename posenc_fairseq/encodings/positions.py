@@ -68,6 +68,21 @@ def signature(parameters: Iterable[Tensor], *extra) -> tuple:
 KEPT_MARGIN = 32
 
 
+def value_copies(tensors: Iterable[Tensor]) -> List[Tensor]:
+    """Copies of `tensors` to check kept values against (`same_values`)."""
+    return [tensor.detach().clone() for tensor in tensors]
+
+
+def same_values(copies: Optional[List[Tensor]], tensors: Iterable[Tensor]) -> bool:
+    """Whether `value_copies` still equal `tensors` exactly (count, dtype, device, shape, values): a
+    check by value, which fairseq's optimizers' writes through p.data cannot escape, unlike
+    `signature`'s in-place version."""
+    tensors = list(tensors)
+    return copies is not None and len(copies) == len(tensors) and all(
+        copy.dtype == tensor.dtype and copy.device == tensor.device and copy.shape == tensor.shape
+        and torch.equal(copy, tensor) for copy, tensor in zip(copies, tensors))
+
+
 def range_values(cache: Dict, key, depends_on: tuple, low: int, high: int,
                  compute: Callable[[int, int], Tensor], dim: int, descending: bool = False) -> Tensor:
     """compute(low, high) (values of the distances low..high along `dim`; with `descending`,

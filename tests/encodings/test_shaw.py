@@ -7,7 +7,7 @@ import torch
 import posenc_fairseq  # noqa: F401
 from posenc_fairseq import attention as attention_module
 from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
-from util import assert_attention_runs_on, bound_attention, encoding_options, perturbed_encoding, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, run
+from util import attention_steps, assert_attention_runs_on, bound_attention, encoding_options, perturbed_encoding, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, run
 
 EMBED, HEADS, LAYERS = 16, 4, 3
 
@@ -130,13 +130,9 @@ def test_decoding_steps_fold_the_terms_into_keys_and_values_and_equal_naive_loop
     for hook in ("relative_logits", "relative_values"):
         original = getattr(type(enc), hook)
         monkeypatch.setattr(type(enc), hook, lambda self, *a, original=original, hook=hook, **kw: hooks.append(hook) or original(self, *a, **kw))
-    state, steps = {}, []
-    with torch.no_grad():
-        for t in range(len(x)):
-            enc.begin("decoder", earlier=t)
-            steps.append(module(x[t: t + 1], x[t: t + 1], x[t: t + 1], incremental_state=state, need_weights=False)[0])
+    steps = attention_steps(module, enc, x)
     assert hooks == []
-    assert (torch.cat(steps) - expected).abs().max() <= 1e-5
+    assert (steps - expected).abs().max() <= 1e-5
 
 
 def test_options_and_defaults():

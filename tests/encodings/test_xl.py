@@ -9,7 +9,7 @@ from posenc_fairseq import attention as attention_module
 from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
 from posenc_fairseq.encodings.positions import position_range
 from posenc_fairseq.encodings.xl import gcdf_prior, sinusoidal_prior
-from util import assert_attention_runs_on, bound_attention, encoding_options, perturbed_encoding, QUICK_TRAIN, TINY_TRANSFORMER, USER_DIR, run
+from util import attention_steps, assert_attention_runs_on, bound_attention, encoding_options, perturbed_encoding, QUICK_TRAIN, TINY_TRANSFORMER, USER_DIR, run
 
 EMBED, HEADS, LAYERS = 16, 4, 3
 
@@ -169,13 +169,9 @@ def test_decoding_steps_in_inference_fold_the_terms_and_equal_naive_loops(name, 
     calls = []
     original = type(enc).relative_logits
     monkeypatch.setattr(type(enc), "relative_logits", lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
-    state, steps = {}, []
-    with torch.no_grad():
-        for t in range(len(x)):
-            enc.begin("decoder", earlier=t)
-            steps.append(module(x[t: t + 1], x[t: t + 1], x[t: t + 1], incremental_state=state, need_weights=False)[0])
+    steps = attention_steps(module, enc, x)
     assert calls == []
-    assert (torch.cat(steps) - expected).abs().max() <= 1e-10
+    assert (steps - expected).abs().max() <= 1e-10
 
 
 @pytest.mark.parametrize("name", ["xl", "gcdf"])
