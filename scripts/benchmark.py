@@ -217,6 +217,17 @@ def heap_peak_bytes(step):
     return Sample.peak - before
 
 
+def positive_count(text: str) -> int:
+    """A count of at least 1 (a median of no timing does not exist)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--archs", nargs="+", default=[
@@ -234,7 +245,7 @@ def main():
                         help="untimed training steps first: the allocator and caches settle, and with "
                              "--floater-recompute-every K > 1 the window's solve (1 step in K) is among them")
     parser.add_argument("--gen-length", type=int, default=64)
-    parser.add_argument("--gen-repeats", type=int, default=5,
+    parser.add_argument("--gen-repeats", type=positive_count, default=5,
                         help="timed decodes per measurement (greedy and beam, alternating with the reference "
                              "in the same process), after one untimed: median")
     parser.add_argument("--device", default="cpu")

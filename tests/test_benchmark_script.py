@@ -1,5 +1,8 @@
 """scripts/benchmark.py on a tiny model: the table (with the beam-search column) and --growth."""
+import subprocess
 import sys
+
+import pytest
 
 from util import REPO, run
 
@@ -25,3 +28,10 @@ def test_growth_prints_an_exponent_per_arch():
     assert sorted(rows) == ["transformer_sinusoidal"]
     assert rows["transformer_sinusoidal"][-1] == "+0.00"
     float(rows["transformer_sinusoidal"][3])  # the median exponent
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "nan", "1e9x"])
+def test_bad_gen_repeats_is_refused_in_one_line(value):
+    done = subprocess.run([sys.executable, REPO / "scripts" / "benchmark.py", "--gen-repeats", value],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "--gen-repeats: expected a whole number >= 1" in done.stderr
