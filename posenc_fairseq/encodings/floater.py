@@ -34,6 +34,7 @@ Tables are never stored in checkpoints: they would be averaged by checkpoint ave
 import contextlib
 import functools
 import math
+from itertools import repeat
 from typing import List, NamedTuple, Optional
 
 import torch
@@ -622,6 +623,7 @@ class Floater(PositionalEncoding):
         self.__dict__["_slots"] = []  # [(role, layer, which, attention module)]
         self._slot_index, self._slot_keys = {}, []
         self._groups = {}  # (role, which) -> the slots whose biases are gathered together (same positions)
+        self._target_keys = []  # the slot keys of the target tokens' group, in its order
         self._num_updates = 0
         self._window: Optional[dict] = None  # K > 1: {'index', 'parameters' (flat snapshot), 'table'}
         self._eval_cache: Optional[tuple] = None  # (what it was computed from (`_source`), Solved)
@@ -683,6 +685,7 @@ class Floater(PositionalEncoding):
             return "source" if role == "cross" and which != "q" else "target"
         self._groups = {(role, which): tuple(i for i, slot in enumerate(slots) if group(slot[0], slot[2]) == group(role, which))
                         for role in ROLES for which in "qkv"}
+        self._target_keys = [self._slot_keys[slot] for slot in self._groups.get(("decoder", "q"), ())]
         self._forget_tables()
         if self.train_dynamics_only:
             dynamics = {id(p) for p in self.dynamics.parameters()}
@@ -712,6 +715,9 @@ class Floater(PositionalEncoding):
     def _forget_tables(self):
         self._window, self._eval_cache = None, None
         self._eval_group_tables = {}  # (group, dtype) -> (eval table values, b(t) of the group's slots)
+        # (target group table, rows it serves, each row's biases): read by an inference pass's later
+        # decoding steps once its first call has checked the table and set _step_ready
+        self.__dict__.update(_step_rows=None, _step_ready=False)
         self._reset_pass()
 
     def _reset_pass(self):
@@ -725,7 +731,7 @@ class Floater(PositionalEncoding):
     def __getstate__(self):  # copies (fairseq's EMA deep-copies the model) drop per-pass graphs
         state = super().__getstate__()
         state.update(_pass_tables={}, _pass_group_tables={}, _pass_gathered={}, _pass_biases={}, _eval_cache=None,
-                     _eval_group_tables={}, _window=None)
+                     _eval_group_tables={}, _window=None, _step_rows=None, _step_ready=False)
         return state
 
     # --- solving ------------------------------------------------------------------------------
@@ -891,13 +897,29 @@ class Floater(PositionalEncoding):
             # positions (cross-attention keys are cached); its own are below earlier + length,
             # known without reading them (a host sync per step costs more than FLOATER's step)
             self.__dict__.update(_eval_checked=True, _needed=max(self._needed, earlier + positions.size(-1)))
+            self._fill_step_biases(positions)
             return
+        self.__dict__["_step_ready"] = False  # a new pass: its first call checks the table again
         if not self.training and positions is not None and positions.numel() and int(positions.min()) > 0:
             self._eval_checked = True  # a later step of a caller that does not say `earlier`
         for given in (positions, source_positions):
             if given is not None and given.numel() > 0:
                 known = getattr(given, "bounds", None)  # (a shared range: no host sync)
                 self._needed = max(self._needed, (known[1] if known is not None else int(given.max())) + 1)
+
+    def _fill_step_biases(self, positions):
+        """A later decoding step in inference: the target tokens' biases (decoder q/k/v, cross q) are
+        one row of the group table the pass's first step used (`_step_rows`), handed to every
+        projection of the step at once (Python work per projection is most of FLOATER's step)."""
+        if not self._step_ready or self.training or torch.is_grad_enabled() or not is_shared_range(positions):
+            return
+        group_table, usable, rows = self._step_rows
+        first, last = positions.bounds
+        if first == last < usable:  # beyond: the full path extends the table or names the overflow
+            biases = rows.get(last)
+            if biases is None:  # (each position's views made once: the next decode reads them again)
+                biases = rows[last] = group_table[last].unbind(0)
+            self._pass_biases.update(zip(self._target_keys, zip(repeat(positions), biases)))
 
     def _start_window_pass(self):
         index = self._num_updates // self.recompute_every
@@ -927,7 +949,16 @@ class Floater(PositionalEncoding):
                 "dynamics grow without bound beyond the lengths seen in training. Train on longer inputs, use a "
                 "smaller --floater-delta, or shorten the input (docs/floater.md)")
         group = self._groups[(role, which)]
-        return self._gathered(solved.values, group, positions, dtype)[group.index(slot)]
+        biases = self._gathered(solved.values, group, positions, dtype)
+        if self._eval_cache is not None and solved is self._eval_cache[1] and group == self._groups.get(("decoder", "q")) \
+                and not torch.is_grad_enabled():
+            # target tokens of an inference pass: its later decoding steps read their row at once
+            group_table = self._group_table(solved.values, group, dtype)
+            kept = self._step_rows
+            if kept is None or kept[0] is not group_table:
+                self.__dict__["_step_rows"] = (group_table, solved.first_overflow, {})
+            self.__dict__["_step_ready"] = True
+        return biases[group.index(slot)]
 
     def _gathered(self, table: Tensor, group: tuple, positions: Tensor, dtype: torch.dtype) -> tuple:
         """b(t) of the `group`'s slots at `positions`, one (T, B, d) per slot in `dtype`: gathered

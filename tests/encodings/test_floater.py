@@ -505,3 +505,35 @@ def test_a_decoding_step_gathers_the_target_biases_once_for_all_layers(translati
                 assert gathered == ([4 * layers] if padded else [])
     seen = slice(1, None) if padded else slice(None)  # (the padded row's first output is at a pad)
     assert torch.allclose(torch.cat(steps, dim=1)[:, seen], full[:, seen], atol=1e-5)
+
+
+def test_later_decoding_steps_read_the_row_their_pass_checked(translation_data, monkeypatch):
+    """An inference pass's later decoding steps take the target biases from the group table its
+    first call checked (no per-projection lookup of the table), and equal the full forward pass;
+    after a p.data update of h the next pass reads the re-solved table, not the previous pass's rows."""
+    model, task, encoding = floater_model(translation_data, ["--input-positions", "none"])
+    model.eval()
+    perturb(model)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=7, tgt_len=8)
+    looked_up = []
+    original = type(encoding)._gathered
+    monkeypatch.setattr(type(encoding), "_gathered",
+                        lambda self, *args, original=original: looked_up.append(1) or original(self, *args))
+
+    def decode():
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
+        state = {}
+        steps = [model.decoder(prev[:, :1], encoder_out=encoder_out, incremental_state=state)[0]]
+        for t in range(1, prev.size(1)):
+            looked_up.clear()
+            steps.append(model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)[0])
+            assert looked_up == [], t  # the step's biases were handed over by begin()
+        return torch.cat(steps, dim=1)
+
+    with torch.no_grad():
+        full, _ = model(src, src_lengths, prev)
+        assert torch.allclose(decode(), full, atol=1e-5)
+        encoding.dynamics.fc2.bias.data.add_(0.5)  # as fairseq's optimizers write: no version bump
+        moved, _ = model(src, src_lengths, prev)
+        assert (moved - full).abs().max() > 1e-3
+        assert torch.allclose(decode(), moved, atol=1e-5)

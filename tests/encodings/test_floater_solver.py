@@ -205,3 +205,23 @@ def test_gathered_slot_biases_and_their_gradients():
     torch.autograd.gradcheck(used, (table,))
     (used(table)[1].sum()).backward()
     assert table.grad[:, 1].abs().max() == 0 and table.grad[:, 0].abs().max() == 0 and table.grad[:, 2].abs().max() > 0
+
+
+def test_decoding_steps_into_the_overflow_fail_with_the_message(translation_data):
+    """Step-by-step decoding of a model whose biases overflow fp16 near position 60: every step
+    before runs, the step at the first position fp16 cannot hold fails with the message (the later
+    steps' kept rows stop short of it). (Its outputs may overflow earlier: biases near fp16's limit.)"""
+    model, task, encoding = floater_model(translation_data, ["--max-target-positions", "2048"])
+    model.eval()
+    exploding(model, encoding)
+    model.half()
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=8, tgt_len=100)
+    with torch.no_grad():
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
+        state, steps = {}, 0
+        with pytest.raises(ValueError, match=r"FLOATER position biases overflow at position (\d+) "):
+            for t in range(prev.size(1)):
+                model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+                steps += 1
+    first_overflow = encoding._eval_cache[1].first_overflow
+    assert 8 < steps == first_overflow < 100  # every position fp16 holds was decoded
