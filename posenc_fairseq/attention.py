@@ -338,6 +338,14 @@ class PositionalAttention(MultiheadAttention):
         # the memory of one layer's forward and backward at n = 1024)
         step_terms = self._step_terms(binding, relative, tgt_len, source_keys, need_weights or before_softmax,
                                       q_pos, k_pos)
+        # XL/GCDF's u.k_j: folded into the product with the keys, (q + u).k_j, where every key
+        # carries the relative terms and no head is pruned (one (B, H, Tq, Tk) addition fewer)
+        content_query = None
+        if step_terms is None and relative and not source_keys and self._kept_heads() is None \
+                and not self._flex_applies(q, encoding, binding, relative, attn_mask, source_keys, terms["fused"]):
+            content_query = encoding.content_query(binding.role, binding.layer, q.dtype)
+        terms["content_folded"] = content_query is not None
+        q_keys = q if content_query is None else q + content_query
         query_blocks = relative and getattr(encoding, "query_blocks", False)
         block = query_block_size(bsz * heads, src_len)
         if query_blocks and not (need_weights or before_softmax) and tgt_len > block:
@@ -360,7 +368,8 @@ class PositionalAttention(MultiheadAttention):
                 def block_output(q_rows, rows_pos=rows_pos, keys=keys, block_terms=block_terms):
                     additive = self._additive(q_rows, rows_pos, **block_terms)
                     explicit = additive is not None and additive.requires_grad
-                    return self._attend(q_rows, k[:, :, :keys], v[:, :, :keys], additive, value_term, rows_pos,
+                    q_keys = q_rows if content_query is None else q_rows + content_query
+                    return self._attend(q_keys, k[:, :, :keys], v[:, :, :keys], additive, value_term, rows_pos,
                                         explicit=explicit, **block_terms)[0]
 
                 if torch.is_grad_enabled() and not in_backward():
@@ -391,14 +400,14 @@ class PositionalAttention(MultiheadAttention):
             additive = self._additive(q, q_pos, **terms)
             if need_weights or before_softmax or value_term:
                 if before_softmax:
-                    logits = q @ k.transpose(-1, -2)
+                    logits = q_keys @ k.transpose(-1, -2)
                     if additive is not None:
                         logits = logits + additive
                     return logits.reshape(bsz * heads, tgt_len, src_len), v.reshape(bsz * heads, src_len, head_dim)
-                out, probs = self._attend(q, k, v, additive, value_term, q_pos, explicit=True, **terms)
+                out, probs = self._attend(q_keys, k, v, additive, value_term, q_pos, explicit=True, **terms)
             else:
                 explicit = query_blocks and additive is not None and additive.requires_grad
-                out, probs = self._attend(q, k, v, additive, False, q_pos, explicit=explicit, **terms)
+                out, probs = self._attend(q_keys, k, v, additive, False, q_pos, explicit=explicit, **terms)
                 probs = None
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, heads * head_dim)
         out = self.out_proj(out)
@@ -421,12 +430,14 @@ class PositionalAttention(MultiheadAttention):
 
     def _additive(self, q: Tensor, q_pos: Tensor, encoding, binding, relative: bool, k_target: Tensor,
                   k_pos: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
-                  source_keys: int, fused: bool = False, future_blocked: bool = False) -> Optional[Tensor]:
+                  source_keys: int, fused: bool = False, future_blocked: bool = False,
+                  content_folded: bool = False) -> Optional[Tensor]:
         """Everything added to the scaled logits of the queries `q` (B, H, Tq, D) at positions
         `q_pos` (the rows of `attn_mask`): the position terms, the attention mask's finite part and
         the blocked entries (mask and padding) as a large negative number; (B or 1, H or 1, Tq, S).
         `future_blocked`: the mask blocks every key after its query (the encoding may leave any
-        finite value there).
+        finite value there). `content_folded`: the caller adds the encoding's `content_query` to the
+        queries of its product with the keys (the encoding leaves that term out).
         None where `_attend` takes the fused path, which reads them itself (`_flex_applies`)."""
         if self._flex_applies(q, encoding, binding, relative, attn_mask, source_keys, fused):
             return None
@@ -438,7 +449,7 @@ class PositionalAttention(MultiheadAttention):
                 bias = bias[kept]
             if kept is None:
                 rel = encoding.relative_logits(binding.role, binding.layer, q, k_target, q_pos, k_pos,
-                                               future_blocked=future_blocked)
+                                               future_blocked=future_blocked, content_folded=content_folded)
             else:
                 rel = encoding.relative_logits(binding.role, binding.layer, self._all_heads(q, 1),
                                                self._all_heads(k_target, 1), q_pos, k_pos,

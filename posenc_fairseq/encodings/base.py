@@ -166,10 +166,19 @@ class PositionalEncoding(nn.Module):
         return None
 
     def relative_logits(self, role, layer, query: Tensor, key: Tensor, query_positions, key_positions,
-                        future_blocked: bool = False) -> Optional[Tensor]:
+                        future_blocked: bool = False, content_folded: bool = False) -> Optional[Tensor]:
         """(B, H, Tq, Tk) added to the scaled logits; `query` (B, H, Tq, D) is already scaled by
         1/sqrt(D), `key` is (B, H, Tk, D). `future_blocked`: the attention mask blocks every key
-        after its query (fairseq's future mask, checked), so those entries may hold any finite value."""
+        after its query (fairseq's future mask, checked), so those entries may hold any finite value.
+        `content_folded`: the attention adds `content_query` to the queries of its product with the
+        keys, so the term it stands for is left out here."""
+        return None
+
+    def content_query(self, role: str, layer: int, dtype: torch.dtype) -> Optional[Tensor]:
+        """(H, 1, D) or None: a vector u per head whose logit term u.k_j (every key j; scaled as the
+        queries) the attention may fold into its product with the keys, (q + u).k_j, instead of one
+        more (B, H, Tq, Tk) addition (XL's content bias). Asked where every key carries the relative
+        terms and no head is pruned; `relative_logits` is then called with `content_folded=True`."""
         return None
 
     def has_relative_values(self, role: str, layer: int) -> bool:

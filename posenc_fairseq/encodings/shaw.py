@@ -163,7 +163,8 @@ class Shaw(PositionalEncoding):
         (q_low, _), (k_low, _) = bounds(query_positions), bounds(key_positions)
         return q_low, len(query_positions), k_low, len(key_positions)
 
-    def relative_logits(self, role, layer, query, key, query_positions, key_positions, future_blocked=False):
+    def relative_logits(self, role, layer, query, key, query_positions, key_positions, future_blocked=False,
+                        content_folded=False):
         if role not in SELF_ROLES:
             return None
         if query.size(2) > 1 and is_range(query_positions) and is_range(key_positions):

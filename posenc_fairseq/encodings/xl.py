@@ -137,9 +137,9 @@ class TransformerXL(PositionalEncoding):
         """What the prior R depends on besides the distance (kept values are recomputed on change)."""
         return (self.dims.embed_dim,)
 
-    def position_terms(self, role, layer, query, key, query_positions, key_positions):
+    def position_terms(self, role, layer, query, key, query_positions, key_positions, content=True):
         """(rel, query + v, content) of a call: rel = W_r R_d (H, N, D) over d = i - j = low..high
-        (ascending), the query plus v, and u.k_j (B, H, 1, Tk); u and v
+        (ascending), the query plus v, and u.k_j (B, H, 1, Tk; None unless `content`); u and v
         scaled as the query."""
         heads, tq, head_dim = query.shape[1:]
         (low, high), (span_low, span_high) = self.spans(query_positions, key_positions)
@@ -149,8 +149,7 @@ class TransformerXL(PositionalEncoding):
             rel = self.projected(role, layer, span_low, span_high)[low - span_low: high - span_low + 1]
         rel = rel.to(query.dtype).view(-1, heads, head_dim).transpose(0, 1)  # (H, N, D) = W_r R_d, d = low..high
         u, v = self.scaled_biases(role, query.dtype)
-        content = (key @ u).transpose(-1, -2)  # (B, H, 1, Tk)
-        return rel, query + v, content
+        return rel, query + v, (key @ u).transpose(-1, -2) if content else None  # u.k_j (B, H, 1, Tk)
 
     def scaled_biases(self, role, dtype):
         """u as (H, D, 1) and v as (1, H, 1, D), scaled by 1/sqrt(D) as the query arrives: once per
@@ -172,22 +171,32 @@ class TransformerXL(PositionalEncoding):
             return entry[1]
         return self.memoize((role, self.name, "u v", dtype), kept)
 
-    def relative_logits(self, role, layer, query, key, query_positions, key_positions, future_blocked=False):
+    def relative_logits(self, role, layer, query, key, query_positions, key_positions, future_blocked=False,
+                        content_folded=False):
+        """(q_i + v).W_r R_{i-j} + u.k_j, or the first term alone with `content_folded` (the attention
+        computes (q + u).k_j: `content_query`)."""
         if role not in SELF_ROLES:
             return None
         batch, heads, tq, _ = query.shape
         if tq == 1 and is_range(key_positions):
-            return self.step_logits(role, layer, query, key, query_positions, key_positions)
-        rel, query_v, content = self.position_terms(role, layer, query, key, query_positions, key_positions)
+            return self.step_logits(role, layer, query, key, query_positions, key_positions, content_folded)
+        rel, query_v, content = self.position_terms(role, layer, query, key, query_positions, key_positions,
+                                                    content=not content_folded)
         if is_range(query_positions) and is_range(key_positions):
             if future_blocked and rel.size(1) > key.size(2) + 1:
                 rel = rel[:, -(key.size(2) + 1):]  # distances -1..high: under the future mask the rest is blocked
-            return self.shifted(query_v, rel, key.size(2)) + content
-        low = self.spans(query_positions, key_positions)[0][0]
-        index = self._index(role, query_positions, key_positions, low)  # (Tq, Tk)
-        position = query_v @ rel.transpose(-1, -2)[None]  # (B, H, Tq, N)
-        position = position.gather(-1, index.expand(batch, heads, tq, index.size(-1)))
-        return position + content
+            position = self.shifted(query_v, rel, key.size(2))
+        else:
+            low = self.spans(query_positions, key_positions)[0][0]
+            index = self._index(role, query_positions, key_positions, low)  # (Tq, Tk)
+            position = query_v @ rel.transpose(-1, -2)[None]  # (B, H, Tq, N)
+            position = position.gather(-1, index.expand(batch, heads, tq, index.size(-1)))
+        return position if content_folded else position + content
+
+    def content_query(self, role, layer, dtype):
+        if role not in SELF_ROLES:
+            return None
+        return self.scaled_biases(role, dtype)[0].transpose(1, 2)  # u, (H, 1, D)
 
     def step_terms(self, role, layer, query_positions, key_positions):
         """One query in inference, as additions to plain attention's inputs (`StepTerms`):
@@ -215,7 +224,7 @@ class TransformerXL(PositionalEncoding):
         return StepTerms(query=(u.to(dtype) * scale).view(heads, 1, head_dim),
                          keys=rel.view(-1, heads, head_dim).transpose(0, 1), logits=shift.t()[:, None, :])
 
-    def step_logits(self, role, layer, query, key, query_positions, key_positions):
+    def step_logits(self, role, layer, query, key, query_positions, key_positions, content_folded=False):
         """`relative_logits` of one query (a decoding step) against consecutive keys: the kept W_r R
         in descending distance, i.e. the keys' order, so no gather; the heads' queries (plus v) as
         the rows of one batched product per head, with u.k_j as its input (the fewest operations:
@@ -224,9 +233,13 @@ class TransformerXL(PositionalEncoding):
         (low, high), _ = self.spans(query_positions, key_positions)
         rel = self.projected_step(role, layer, low, high, descending=True).to(query.dtype)  # (Tk, H * D)
         u, v = self.scaled_biases(role, query.dtype)
-        content = (key * u.view(1, heads, 1, head_dim)).sum(-1)  # u.k_j, (B, H, Tk)
         rows = (query + v).reshape(batch, heads, head_dim).transpose(0, 1)  # (H, B, D)
-        logits = torch.baddbmm(content.transpose(0, 1), rows, rel.view(-1, heads, head_dim).permute(1, 2, 0))
+        rel = rel.view(-1, heads, head_dim).permute(1, 2, 0)  # (H, D, Tk)
+        if content_folded:
+            logits = torch.bmm(rows, rel)
+        else:
+            content = (key * u.view(1, heads, 1, head_dim)).sum(-1)  # u.k_j, (B, H, Tk)
+            logits = torch.baddbmm(content.transpose(0, 1), rows, rel)
         return logits.transpose(0, 1).unsqueeze(2)  # (B, H, 1, Tk)
 
     def distance_logits(self, role, layer, query, key, query_positions, key_positions):

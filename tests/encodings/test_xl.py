@@ -311,3 +311,42 @@ def test_kept_terms_follow_parameter_changes(name):
         assert (after - before).abs().max() > 1e-3
         assert (after - step(training=True)).abs().max() <= 1e-12
         before = after
+
+
+@pytest.mark.parametrize("name", ["xl", "gcdf"])
+@pytest.mark.parametrize("role", ["encoder", "decoder"])
+@pytest.mark.parametrize("block", [None, 3], ids=["whole", "query-blocks"])
+def test_content_bias_folded_into_the_key_product_gives_the_same_values_and_gradients(name, role, block, monkeypatch):
+    """u.k_j is computed as (q + u).k_j by the attention (`content_query`): relative_logits is asked
+    without it, and outputs and every gradient (u's included) equal the unfolded computation."""
+    if block is not None:
+        monkeypatch.setattr(attention_module, "QUERY_BLOCK", block)
+        monkeypatch.setattr(attention_module, "QUERY_BLOCK_ELEMENTS", 1)
+    enc = encoding(name)
+    module = attention(enc, role, 1)
+    x, padding = inputs(left=role == "encoder")
+    mask = causal_mask(len(x)) if role == "decoder" else None
+    asked = []
+    original = type(enc).relative_logits
+    monkeypatch.setattr(type(enc), "relative_logits",
+                        lambda self, *a, **kw: asked.append(kw.get("content_folded")) or original(self, *a, **kw))
+
+    def run_once():
+        parameters = [*module.parameters(), *enc.parameters()]
+        for parameter in parameters:
+            parameter.grad = None
+        enc.begin(role)
+        out, _ = module(x, x, x, key_padding_mask=padding, attn_mask=mask, need_weights=False)
+        (out ** 2).sum().backward()
+        return out.detach(), [parameter.grad.clone() for parameter in parameters if parameter.grad is not None]
+
+    folded, folded_grads = run_once()
+    assert asked and all(asked)
+    asked.clear()
+    monkeypatch.setattr(type(enc), "content_query", lambda self, *args: None)
+    unfolded, unfolded_grads = run_once()
+    assert asked and not any(asked)
+    assert torch.allclose(folded, unfolded, atol=1e-10)
+    assert len(folded_grads) == len(unfolded_grads) and enc.content_bias[role].grad.abs().max() > 0
+    for got, expected in zip(folded_grads, unfolded_grads):
+        assert torch.allclose(got, expected, atol=1e-10)
