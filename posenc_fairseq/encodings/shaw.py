@@ -31,7 +31,8 @@ from torch import Tensor, nn
 
 from .base import DistanceLogits, PositionalEncoding, StepTerms, register_encoding
 from .option_types import Checker, check_size, checked, one_of, option
-from .positions import bounds, first_of_runs, is_range, relative_shift, row_runs, take_runs
+from .positions import (bounds, first_of_runs, is_range, range_values, relative_shift, row_runs, signature, take_runs,
+                        use_kept_values)
 
 SELF_ROLES = ("encoder", "decoder")
 #: parse-time bound of k (2k+1 table rows per layer); build time checks the exact table size
@@ -181,14 +182,34 @@ class Shaw(PositionalEncoding):
     def step_terms(self, role, layer, query_positions, key_positions):
         """One query: a^K_ij and a^V_ij depend on the key j alone, so they are (Tk, D) rows of the
         tables added to the keys and values: q_i . (k_j + a^K_ij) and sum_j alpha_ij (v_j + a^V_ij)
-        are e_ij and z_i themselves."""
+        are e_ij and z_i themselves. In inference the rows of each distance are kept across steps
+        (`range_values`, in the keys' order: a slice per step)."""
         if role not in SELF_ROLES:
             return None
+        if use_kept_values(self) and len(query_positions) == 1 and is_range(key_positions):
+            (query, _), (first_key, last_key) = bounds(query_positions), bounds(key_positions)
+            low, high = query - last_key, query - first_key  # distances i - j, the keys' order descending
+            keys = self._kept_rows(role, layer, "key", low, high)
+            if not self.has_relative_values(role, layer):
+                return StepTerms(keys=keys)
+            return StepTerms(keys=keys, values=self._kept_rows(role, layer, "value", low, high))
         index, low, high = self.buckets(role, layer, query_positions, key_positions)  # (1, Tk), shared by the layers
         keys = self.key_tables[f"{role}{layer}"][low: high + 1].index_select(0, index[0])
         if not self.has_relative_values(role, layer):
             return StepTerms(keys=keys)
         return StepTerms(keys=keys, values=self.value_tables[f"{role}{layer}"][low: high + 1].index_select(0, index[0]))
+
+    def _kept_rows(self, role, layer, which, low, high):
+        """Rows of the layer's `which` ('key' or 'value') table for the distances high..low
+        (descending), kept in inference."""
+        table = (self.key_tables if which == "key" else self.value_tables)[f"{role}{layer}"]
+
+        def compute(first, last):
+            distances = torch.arange(last, first - 1, -1, device=table.device)
+            rows = self.bucket_of(distances, torch.zeros(1, dtype=distances.dtype, device=table.device), layer)[:, 0]
+            return table.index_select(0, rows)
+        return range_values(self.kept_values(), (role, layer, which), signature([table]), low, high, compute,
+                            dim=0, descending=True)
 
     def key_scores(self, role, layer, query, low, high):
         """(B, H, Tq, high - low + 1): the query (already scaled by 1/sqrt(d)) against the key

@@ -58,12 +58,12 @@ def test_position_range_knows_its_bounds():
     assert bounds(torch.tensor([5, 2, 9])) == (2, 9)
 
 
-@pytest.mark.parametrize("encoding", ["t5", "at5", "xl", "gcdf"])
+@pytest.mark.parametrize("encoding", ["t5", "at5", "xl", "gcdf", "shaw", "lfhc"])
 def test_kept_values_outlive_a_pass_while_the_parameters_hold_their_values(translation_data, encoding, monkeypatch):
     """The second decode of the same model computes no per-distance values (checked by value at
     its first step); after a write through p.data (as fairseq's optimizers do: no version moves)
     the next decode computes them again and equals the full pass."""
-    from posenc_fairseq.encodings import positions, t5, xl
+    from posenc_fairseq.encodings import positions, shaw, t5, xl
 
     model, task = perturbed_translation_model(translation_data, encoding)
     src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=6, tgt_len=9)
@@ -73,7 +73,7 @@ def test_kept_values_outlive_a_pass_while_the_parameters_hold_their_values(trans
     def counting(cache, key, depends_on, low, high, compute, *args, **kwargs):
         return original(cache, key, depends_on, low, high,
                         lambda a, b: computed.append(key) or compute(a, b), *args, **kwargs)
-    for module in (t5, xl):
+    for module in (t5, xl, shaw):
         monkeypatch.setattr(module, "range_values", counting)
     with torch.no_grad():
         decoder_logits_full_and_stepwise(model, src, src_lengths, prev)
