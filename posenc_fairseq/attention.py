@@ -390,12 +390,16 @@ class PositionalAttention(MultiheadAttention):
                 k = k + step_terms.keys.to(k.dtype)
             if step_terms.values is not None:
                 v = v + step_terms.values.to(v.dtype)
-            plain = dict(terms, relative=False)
-            additive = self._additive(q, q_pos, **plain)
+            additive = None
+            if attn_mask is not None or key_padding_mask is not None:
+                additive = self._additive(q, q_pos, **dict(terms, relative=False))
             if step_terms.logits is not None:
                 logits = step_terms.logits.to(q.dtype)
                 additive = logits if additive is None else additive + logits
-            out, probs = self._attend(q, k, v, additive, False, q_pos, **plain)
+            if additive is not None:
+                additive = additive.expand(bsz, heads, 1, src_len)
+            out, probs = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, scale=1.0,  # (q is scaled)
+                                                        dropout_p=self._dropout_probability()), None
         else:
             additive = self._additive(q, q_pos, **terms)
             if need_weights or before_softmax or value_term:

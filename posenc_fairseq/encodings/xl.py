@@ -204,25 +204,32 @@ class TransformerXL(PositionalEncoding):
             e_j = (q + u) . k_j + (q + v) . r_j = (q + u) . (k_j + r_j) + (v - u) . r_j,  r_j = W_r R_{i-j}
 
         the query plus u against the keys plus r, and (v - u) . r_j per head and distance, kept with
-        r across steps (a slice per step, in the keys' order). Training keeps the hooks."""
+        r across steps for every layer of the stack together (`_step_rows`: a slice per step, shared
+        by the layers, in the keys' order). Training keeps the hooks."""
         if role not in SELF_ROLES or not use_kept_values(self) or len(query_positions) != 1 or not is_range(key_positions):
             return None
-        heads, head_dim = self.dims.heads, self.dims.head_dim
         (low, high), _ = self.spans(query_positions, key_positions)
-        projection = self.projections._modules[f"{role}{layer}"]
+        keys, logits, query = self.memoize((role, self.name, "step", low, high), lambda: self._step_rows(role, low, high))
+        return StepTerms(query=query, keys=keys[layer], logits=logits[layer])
+
+    def _step_rows(self, role, low, high):
+        """A decoding step's terms of every layer of the stack, for the distances high..low: r
+        (L, H, N, D), (v - u).r (L, H, 1, N) and u (H, 1, D), scaled as the queries arrive; r and
+        (v - u).r kept across steps (`range_values`) while W_r, u and v hold."""
+        heads, head_dim = self.dims.heads, self.dims.head_dim
+        projections = [self.projections._modules[f"{role}{layer}"] for layer in range(self.dims.layers(role))]
         u, v = self.content_bias[role], self.position_bias[role]  # (H, D)
-        dtype, scale = projection.weight.dtype, head_dim ** -0.5  # (scaled as the query arrives)
+        dtype, scale = projections[0].weight.dtype, head_dim ** -0.5
 
         def compute(first, last):
-            distances = torch.arange(last, first - 1, -1, device=projection.weight.device)  # descending
-            rel = projection(self.prior(distances).to(dtype))  # (N, H * D)
-            shift = (rel.view(-1, heads, head_dim) * ((v - u) * scale).to(dtype)).sum(-1)
-            return torch.cat([rel, shift], dim=1)  # (N, H * D + H)
-        kept = range_values(self.kept_values(), (role, layer, "step"), signature([projection.weight, u, v], self.prior_key()),
-                            low, high, compute, dim=0, descending=True)
-        rel, shift = kept[:, : heads * head_dim], kept[:, heads * head_dim:]
-        return StepTerms(query=(u.to(dtype) * scale).view(heads, 1, head_dim),
-                         keys=rel.view(-1, heads, head_dim).transpose(0, 1), logits=shift.t()[:, None, :])
+            distances = torch.arange(last, first - 1, -1, device=u.device)  # descending: the keys' order
+            prior = self.prior(distances).to(dtype)
+            rel = torch.stack([projection(prior) for projection in projections]).view(len(projections), -1, heads, head_dim)
+            shift = (rel * ((v - u) * scale).to(dtype)).sum(-1, keepdim=True)  # (L, N, H, 1)
+            return torch.cat([rel, shift], dim=3).transpose(1, 2).contiguous()  # (L, H, N, D + 1)
+        depends_on = signature([*(projection.weight for projection in projections), u, v], self.prior_key())
+        kept = range_values(self.kept_values(), (role, "step"), depends_on, low, high, compute, dim=2, descending=True)
+        return kept.narrow(3, 0, head_dim), kept.select(3, head_dim).unsqueeze(2), (u.to(dtype) * scale).view(heads, 1, head_dim)
 
     def step_logits(self, role, layer, query, key, query_positions, key_positions, content_folded=False):
         """`relative_logits` of one query (a decoding step) against consecutive keys: the kept W_r R
