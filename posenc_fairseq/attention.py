@@ -43,7 +43,7 @@ fairseq features handled here (see README, "Works with"):
   (`FairseqDropout.apply_during_inference`) on both paths.
 - TorchScript: refused with one message (`__prepare_scriptable__`), see TORCHSCRIPT_MESSAGE.
 """
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -131,23 +131,41 @@ def flush_subnormals_in_backward(last: Tensor, first: Tensor) -> None:
     first.grad_fn.register_hook(stop)
 
 
+def _remembered_about_mask(attn_mask: Tensor, question: str, *geometry, answer: Callable[[], bool]) -> bool:
+    """`answer()` about `attn_mask`, computed once per mask tensor, in-place version, view geometry
+    and `geometry` (one device sync) and remembered on the mask's storage owner: fairseq slices its
+    buffered mask anew each call."""
+    owner = attn_mask if attn_mask._base is None else attn_mask._base
+    version = None if owner.is_inference() else owner._version  # inference tensors have no version
+    key = (question, attn_mask.storage_offset(), tuple(attn_mask.stride()), tuple(attn_mask.shape), attn_mask.dtype,
+           version, *geometry)
+    remembered = owner.__dict__.setdefault("_posenc_mask_facts", {}) if version is not None else {}
+    if key not in remembered:
+        remembered[key] = answer()
+    return remembered[key]
+
+
 @torch.compiler.disable  # (the remembered answer lives on the tensor, which torch.compile cannot trace)
 def blocks_future(attn_mask: Optional[Tensor], queries: int, keys: int) -> bool:
     """Whether the 2-D `attn_mask` (queries, keys) blocks (-inf or True) every key after its query,
     the queries being the last `queries` of the keys: fairseq's future mask. Checked once per mask
-    tensor and in-place version (one device sync) and remembered on the tensor's storage owner
-    (fairseq slices its buffered mask anew each call)."""
+    (`_remembered_about_mask`)."""
     if attn_mask is None or attn_mask.dim() != 2 or tuple(attn_mask.shape) != (queries, keys) or queries < 2:
         return False
-    owner = attn_mask if attn_mask._base is None else attn_mask._base
-    version = None if owner.is_inference() else owner._version  # inference tensors have no version
-    geometry = (attn_mask.storage_offset(), tuple(attn_mask.stride()), queries, keys, attn_mask.dtype, version)
-    checked = owner.__dict__.setdefault("_posenc_blocks_future", {}) if version is not None else {}
-    if geometry not in checked:
+
+    def answer():
         blocked = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
         future = torch.ones(queries, keys, dtype=torch.bool, device=attn_mask.device).triu(keys - queries + 1)
-        checked[geometry] = bool(blocked[future].all())
-    return checked[geometry]
+        return bool(blocked[future].all())
+    return _remembered_about_mask(attn_mask, "blocks future", answer=answer)
+
+
+@torch.compiler.disable
+def only_blocks(attn_mask: Tensor) -> bool:
+    """Whether the float `attn_mask` holds nothing but 0 and -inf (fairseq's future mask): its
+    finite part adds nothing to the logits. Checked once per mask (`_remembered_about_mask`)."""
+    return _remembered_about_mask(attn_mask, "only blocks", answer=lambda: bool(
+        (torch.isneginf(attn_mask) | (attn_mask == 0)).all()))
 
 
 #: queries per block when relative terms are computed a block at a time (see `query_block_size`)
@@ -471,8 +489,9 @@ class PositionalAttention(MultiheadAttention):
                 blocked = attn_mask
             else:
                 blocked = torch.isneginf(attn_mask)
-                finite = attn_mask.masked_fill(blocked, 0).to(q.dtype)
-                additive = finite if additive is None else additive + finite
+                if not only_blocks(attn_mask):  # (fairseq's future mask: no full-size addition of zeros)
+                    finite = attn_mask.masked_fill(blocked, 0).to(q.dtype)
+                    additive = finite if additive is None else additive + finite
         if key_padding_mask is not None:
             padding = key_padding_mask.to(torch.bool).view(key_padding_mask.size(0), 1, 1, -1)
             blocked = padding if blocked is None else (blocked | padding)

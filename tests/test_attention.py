@@ -294,3 +294,19 @@ def test_subnormals_flushed_during_attention_backward_only(monkeypatch, name, ne
         assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6 * expected.abs().max())
     finally:
         set_flush(False)
+
+
+def test_a_float_mask_with_finite_terms_adds_them_also_after_in_place_changes():
+    """A float attn_mask of 0/-inf only adds no finite part (remembered per mask tensor and in-place
+    version: fairseq's future mask); finite entries are added, also when they appear in place in a
+    mask already seen as 0/-inf only. Each against fairseq's attention."""
+    reference, ours = pair("self")
+    x = torch.randn(6, 3, EMBED)
+    attn_mask = utils.fill_with_neg_inf(torch.zeros(6, 6)).triu(1)
+    for change in (None, lambda m: m[2, :2].fill_(-1.5), lambda m: m[4, 1].fill_(0.75)):
+        if change is not None:
+            change(attn_mask)
+        for need_weights in (True, False):
+            expected, _ = reference(x, x, x, attn_mask=attn_mask, need_weights=need_weights)
+            got, _ = ours(x, x, x, attn_mask=attn_mask, need_weights=need_weights)
+            assert (expected - got).abs().max() <= 1e-5
