@@ -359,9 +359,11 @@ class PositionalAttention(MultiheadAttention):
         # XL/GCDF's u.k_j: folded into the product with the keys, (q + u).k_j, where every key
         # carries the relative terms and no head is pruned (one (B, H, Tq, Tk) addition fewer)
         content_query = None
-        if step_terms is None and relative and not source_keys and self._kept_heads() is None \
-                and not self._flex_applies(q, encoding, binding, relative, attn_mask, source_keys, terms["fused"]):
+        if step_terms is None and relative and not source_keys:
             content_query = encoding.content_query(binding.role, binding.layer, q.dtype)
+            if content_query is not None and (self._kept_heads() is not None or self._flex_applies(
+                    q, encoding, binding, relative, attn_mask, source_keys, terms["fused"])):
+                content_query = None
         terms["content_folded"] = content_query is not None
         q_keys = q if content_query is None else q + content_query
         query_blocks = relative and getattr(encoding, "query_blocks", False)
