@@ -154,10 +154,14 @@ class Shaw(PositionalEncoding):
 
     def _distance_rows(self, layer, query_positions, key_positions, device):
         (q_low, q_high), (k_low, k_high) = bounds(query_positions), bounds(key_positions)
-        x = torch.arange(q_high - k_low, q_low - k_high - 1, -1, device=device)  # query - key
-        rows = self.bucket_of(x, torch.zeros(1, dtype=x.dtype, device=x.device), layer)[:, 0]
+        rows = self.rows_of_distances(layer, q_high - k_low, q_low - k_high, device)
         low, high = self.bucket_bounds(q_low, q_high, k_low, k_high, layer)
         return rows - low, low, high
+
+    def rows_of_distances(self, layer, high, low, device):
+        """Table rows (0..2k) of the query - key distances high, high - 1, ..., low (descending)."""
+        x = torch.arange(high, low - 1, -1, device=device)  # query - key
+        return self.bucket_of(x, torch.zeros(1, dtype=x.dtype, device=x.device), layer)[:, 0]
 
     @staticmethod
     def _call_key(query_positions, key_positions):
@@ -205,9 +209,7 @@ class Shaw(PositionalEncoding):
         table = (self.key_tables if which == "key" else self.value_tables)[f"{role}{layer}"]
 
         def compute(first, last):
-            distances = torch.arange(last, first - 1, -1, device=table.device)
-            rows = self.bucket_of(distances, torch.zeros(1, dtype=distances.dtype, device=table.device), layer)[:, 0]
-            return table.index_select(0, rows)
+            return table.index_select(0, self.rows_of_distances(layer, last, first, table.device))
         return range_values(self.kept_values(), (role, layer, which), signature([table]), low, high, compute,
                             dim=0, descending=True)
 

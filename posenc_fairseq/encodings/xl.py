@@ -229,7 +229,7 @@ class TransformerXL(PositionalEncoding):
             return torch.cat([rel, shift], dim=3).transpose(1, 2).contiguous()  # (L, H, N, D + 1)
         depends_on = signature([*(projection.weight for projection in projections), u, v], self.prior_key())
         kept = range_values(self.kept_values(), (role, "step"), depends_on, low, high, compute, dim=2, descending=True)
-        return kept.narrow(3, 0, head_dim), kept.select(3, head_dim).unsqueeze(2), (u.to(dtype) * scale).view(heads, 1, head_dim)
+        return kept.narrow(3, 0, head_dim), kept.select(3, head_dim).unsqueeze(2), self.content_query(role, None, dtype)
 
     def step_logits(self, role, layer, query, key, query_positions, key_positions, content_folded=False):
         """`relative_logits` of one query (a decoding step) against consecutive keys: the kept W_r R
