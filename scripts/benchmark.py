@@ -240,7 +240,7 @@ def main():
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=1000)
-    parser.add_argument("--steps", type=int, default=8,
+    parser.add_argument("--steps", type=positive_count, default=8,
                         help="timed training steps (solo for tokens/s and memory, then alternating with the "
                              "reference: median per update; 3 gave round-to-round ranges of +-0.02-0.05)")
     parser.add_argument("--warmup", type=int, default=3,

@@ -30,8 +30,9 @@ def test_growth_prints_an_exponent_per_arch():
     float(rows["transformer_sinusoidal"][3])  # the median exponent
 
 
+@pytest.mark.parametrize("option", ["--gen-repeats", "--steps"])
 @pytest.mark.parametrize("value", ["0", "-3", "nan", "1e9x"])
-def test_bad_gen_repeats_is_refused_in_one_line(value):
-    done = subprocess.run([sys.executable, REPO / "scripts" / "benchmark.py", "--gen-repeats", value],
+def test_bad_counts_are_refused_in_one_line(option, value):
+    done = subprocess.run([sys.executable, REPO / "scripts" / "benchmark.py", option, value],
                           capture_output=True, text=True)
-    assert done.returncode == 2 and "--gen-repeats: expected a whole number >= 1" in done.stderr
+    assert done.returncode == 2 and f"{option}: expected a whole number >= 1" in done.stderr
