@@ -53,6 +53,7 @@ from torch.utils.checkpoint import checkpoint
 from fairseq.modules import MultiheadAttention
 
 from .encodings.base import PositionalEncoding, StepTerms, in_backward
+from . import biased_attention as biased
 from . import flex_attention as flex
 from .encodings.positions import position_range
 
@@ -387,7 +388,7 @@ class PositionalAttention(MultiheadAttention):
 
                 def block_output(q_rows, rows_pos=rows_pos, keys=keys, block_terms=block_terms):
                     additive = self._additive(q_rows, rows_pos, **block_terms)
-                    explicit = additive is not None and additive.requires_grad
+                    explicit = self._explicit_for_gradient(q_rows, additive)
                     q_keys = q_rows if content_query is None else q_rows + content_query
                     return self._attend(q_keys, k[:, :, :keys], v[:, :, :keys], additive, value_term, rows_pos,
                                         explicit=explicit, **block_terms)[0]
@@ -430,7 +431,7 @@ class PositionalAttention(MultiheadAttention):
                     return logits.reshape(bsz * heads, tgt_len, src_len), v.reshape(bsz * heads, src_len, head_dim)
                 out, probs = self._attend(q_keys, k, v, additive, value_term, q_pos, explicit=True, **terms)
             else:
-                explicit = query_blocks and additive is not None and additive.requires_grad
+                explicit = query_blocks and self._explicit_for_gradient(q, additive)
                 out, probs = self._attend(q_keys, k, v, additive, False, q_pos, explicit=explicit, **terms)
                 probs = None
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, heads * head_dim)
@@ -516,12 +517,15 @@ class PositionalAttention(MultiheadAttention):
             out = flex.attend(q, k, v, distance, attn_mask, key_padding_mask, blocked_fill_value(q.dtype))
             return out, None
         if not (explicit or value_term):
-            if additive is not None:
-                additive = additive.expand(q.size(0), q.size(1), q.size(2), k.size(2))
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=additive, scale=1.0,  # q is already scaled
-                dropout_p=self._dropout_probability(),
-            )
+            if biased.applies(q, additive, self._dropout_probability()):
+                out = biased.attend(q, k, v, additive)  # (CPU: SDPA gives no fused gradient for its mask)
+            else:
+                if additive is not None:
+                    additive = additive.expand(q.size(0), q.size(1), q.size(2), k.size(2))
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=additive, scale=1.0,  # q is already scaled
+                    dropout_p=self._dropout_probability(),
+                )
             if relative and additive is not None and adds_logit_terms(encoding):
                 flush_subnormals_in_backward(out, out)
             return out, None
@@ -544,6 +548,13 @@ class PositionalAttention(MultiheadAttention):
         if relative and additive is not None and adds_logit_terms(encoding):
             flush_subnormals_in_backward(out, products)
         return out, probs
+
+    def _explicit_for_gradient(self, q: Tensor, additive: Optional[Tensor]) -> bool:
+        """Relative logits that need a gradient take the explicit softmax, unless the fused CPU
+        path with its own backward serves them (biased_attention.py): SDPA's unfused fallback for
+        such a mask keeps more memory than the explicit softmax."""
+        return (additive is not None and additive.requires_grad
+                and not biased.applies(q, additive, self._dropout_probability()))
 
     def _flex_applies(self, q: Tensor, encoding, binding, relative: bool, attn_mask: Optional[Tensor],
                       source_keys: int, fused: bool) -> bool:

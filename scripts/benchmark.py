@@ -102,10 +102,8 @@ def measure(arch, args):
     elapsed = time.perf_counter() - start
     memory = {"peak_memory_mb": (torch.cuda.max_memory_allocated() - base) / 2**20} if device.type == "cuda" else {}
     train_tps = 2 * args.batch * args.length * args.steps / elapsed  # source + target tokens
-    heap = heap_peak_bytes(step) if device.type == "cpu" else None  # one more, untimed step
+    heap = heap_peak_bytes(step) if device.type == "cpu" and not args.train_only else None  # one more, untimed step
 
-    if args.train_only:
-        return {"arch": arch, "train_tokens_per_s": train_tps, **memory, "train_seconds_per_step": elapsed / args.steps}
     result = {"arch": arch, "train_tokens_per_s": train_tps, **memory}
     if heap is not None:
         result["heap_peak_mb"] = heap / 2**20
@@ -120,6 +118,12 @@ def measure(arch, args):
             steps["reference_"]()
         for prefix, seconds in alternating_medians(steps, args.steps, sync).items():
             result[prefix + "train_tokens_per_s"] = 2 * args.batch * args.length / seconds
+            result[prefix + "train_seconds_per_step"] = seconds
+    else:
+        result["train_seconds_per_step"] = elapsed / args.steps
+    if args.train_only:
+        return result
+    if arch != args.reference:
         models["reference_"] = reference.eval()
     model.eval()
     greedy = {prefix: greedy_decode(m, src[:1], lengths[:1], task, args) for prefix, m in models.items()}
@@ -311,21 +315,26 @@ def main():
 
 
 def growth(args):
-    """Training time per step at a short and a long length (batch 1), each arch in its own
-    process, rounds alternating the archs; exponent = log(t_long / t_short) / log(long / short)
-    (1: linear, 2: quadratic), median and range over the rounds, and its difference to the reference's."""
+    """Training time per step at a short and a long length (batch 1), each arch in its own process
+    beside the reference (built in the same process, steps alternating: `measure`), rounds
+    alternating the archs. Exponent = log(t_long / t_short) / log(long / short) (1: linear,
+    2: quadratic); its difference to the reference's is taken from the ratios within each process,
+    log(r_long / r_short) / log(long / short) with r = t_arch / t_reference, so a process's own speed
+    cancels. Median and range over the rounds."""
     import math
 
     short, long = args.growth_lengths
     archs = list(dict.fromkeys([args.reference, *args.archs]))
     base = ["--dim", str(args.dim), "--heads", str(args.heads), "--layers", str(args.layers), "--vocab",
-            str(args.vocab), "--steps", str(args.steps), "--device", args.device, "--threads", str(args.threads),
-            "--batch", "1", "--train-only"]
+            str(args.vocab), "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
+            "--threads", str(args.threads), "--batch", "1", "--train-only"]
     exponents = {arch: [] for arch in archs}
+    differences = {arch: [] for arch in archs}
     times = {(arch, n): [] for arch in archs for n in (short, long)}
+    scale = math.log(long / short)
     for _ in range(args.repeats):
         for arch in archs:
-            seconds = {}
+            measured = {}
             for n in (short, long):
                 done = subprocess.run([sys.executable, __file__, "--one", arch, *base, "--length", str(n),
                                        "--extra", *args.extra], capture_output=True, text=True,
@@ -333,25 +342,28 @@ def growth(args):
                 if done.returncode != 0:
                     print(f"{arch} (n = {n}): failed\n{done.stderr[-2000:]}", file=sys.stderr)
                     break
-                seconds[n] = json.loads(done.stdout.strip().splitlines()[-1])["train_seconds_per_step"]
-                times[(arch, n)].append(seconds[n])
-            if len(seconds) == 2:
-                exponents[arch].append(math.log(seconds[long] / seconds[short]) / math.log(long / short))
+                measured[n] = json.loads(done.stdout.strip().splitlines()[-1])
+                times[(arch, n)].append(measured[n]["train_seconds_per_step"])
+            if len(measured) == 2:
+                seconds = {n: measured[n]["train_seconds_per_step"] for n in (short, long)}
+                exponents[arch].append(math.log(seconds[long] / seconds[short]) / scale)
+                ratio = {n: seconds[n] / measured[n].get("reference_train_seconds_per_step", seconds[n])
+                         for n in (short, long)}
+                differences[arch].append(math.log(ratio[long] / ratio[short]) / scale)
     print(f"training time per step at n = {short} and {long}, batch 1, dim {args.dim}, {args.layers}+{args.layers} "
           f"layers, {args.device}, {args.threads} threads, {args.repeats} rounds; exponent log(t{long}/t{short})/"
-          f"log({long // short}): median [min-max]")
+          f"log({long // short}), and its difference to {args.reference}'s from the ratios within each process: "
+          f"median [min-max]")
     print(f"{'arch':40s} {'s/step n=' + str(short):>14s} {'s/step n=' + str(long):>15s} {'exponent':>22s} "
-          f"{'- ' + args.reference:>12s}")
-    reference = statistics.median(exponents[args.reference]) if exponents[args.reference] else None
+          f"{'- reference':>22s}")
     for arch in archs:
-        values = sorted(exponents[arch])
+        values, spread = sorted(exponents[arch]), sorted(differences[arch])
         if not values:
             print(f"{arch:40s} {'-':>14s} {'-':>15s} {'-':>22s}")
             continue
-        median = statistics.median(values)
-        difference = f"{median - reference:+.2f}" if reference is not None else "-"
         print(f"{arch:40s} {statistics.median(times[(arch, short)]):14.3f} {statistics.median(times[(arch, long)]):15.3f} "
-              f"{median:6.2f} [{values[0]:.2f}-{values[-1]:.2f}]{'':>5s} {difference:>12s}")
+              f"{statistics.median(values):6.2f} [{values[0]:.2f}-{values[-1]:.2f}]{'':>5s} "
+              f"{statistics.median(spread):+6.2f} [{spread[0]:+.2f}-{spread[-1]:+.2f}]")
 
 
 if __name__ == "__main__":

@@ -23,11 +23,14 @@ def test_table_has_the_beam_search_column():
 
 def test_growth_prints_an_exponent_per_arch():
     out = run([sys.executable, REPO / "scripts" / "benchmark.py", "--growth", "--growth-lengths", "8", "32",
-               "--archs", "transformer_sinusoidal", *TINY, "--extra", "--dropout", "0.2"])
+               "--archs", "transformer_alibi", *TINY, "--extra", "--dropout", "0.2"])
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("transformer_")}
-    assert sorted(rows) == ["transformer_sinusoidal"]
-    assert rows["transformer_sinusoidal"][-1] == "+0.00"
-    float(rows["transformer_sinusoidal"][3])  # the median exponent
+    assert sorted(rows) == ["transformer_alibi", "transformer_sinusoidal"]
+    # arch, s/step short, s/step long, exponent [range], difference to the reference's [range]
+    assert rows["transformer_sinusoidal"][5] == "+0.00" and all(len(row) == 7 for row in rows.values())
+    for row in rows.values():
+        float(row[3])  # the median exponent
+    float(rows["transformer_alibi"][5])  # its difference, from the ratios within each process
 
 
 @pytest.mark.parametrize("option", ["--gen-repeats", "--steps"])

@@ -1,0 +1,65 @@
+"""biased_attention.py: the fused CPU forward with a hand-written blockwise backward, against
+autograd of the explicit formula softmax(q k^T + A) v (whole models: tests/models/test_fused_training.py)."""
+import pytest
+import torch
+
+from posenc_fairseq import biased_attention as biased
+from posenc_fairseq.attention import blocked_fill_value
+
+B, H, D = 2, 3, 8
+
+
+def explicit(q, k, v, additive):
+    return torch.softmax(q @ k.transpose(-1, -2) + additive, dim=-1) @ v
+
+
+def compare(q_len, k_len, shape, blocked=None, needs=(True, True, True, True), seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, n, D, generator=generator) for n in (q_len, k_len, k_len))
+    additive = torch.randn(*shape, generator=generator)
+    if blocked is not None:
+        additive = additive.expand(B, H, q_len, k_len).masked_fill(blocked, blocked_fill_value(torch.float32))
+    inputs = [x.clone().requires_grad_(need) for x, need in zip((q, k, v, additive), needs)]
+    grad_out = torch.randn(B, H, q_len, D, generator=generator)
+    wanted = [x for x in inputs if x.requires_grad]
+    expected_out = explicit(*inputs)
+    expected = torch.autograd.grad(expected_out, wanted, grad_out)
+    out = biased.attend(*inputs)
+    got = torch.autograd.grad(out, wanted, grad_out)
+    assert (out - expected_out).abs().max() < 1e-5
+    for a, b in zip(got, expected):
+        assert a.shape == b.shape
+        assert (a - b).abs().max() < 1e-5 * (1 + b.abs().max())
+
+
+@pytest.mark.parametrize("shape", [(B, H, 9, 11), (1, H, 9, 11), (H, 9, 11), (9, 11), (B, 1, 1, 11), (1, H, 1, 11)])
+@pytest.mark.parametrize("block_elements", [biased.BLOCK_ELEMENTS, 1])  # one block, or MIN_BLOCK_ROWS rows
+def test_values_and_gradients_equal_the_explicit_formula(monkeypatch, shape, block_elements):
+    monkeypatch.setattr(biased, "BLOCK_ELEMENTS", block_elements)
+    monkeypatch.setattr(biased, "MIN_BLOCK_ROWS", 2)
+    compare(9, 11, shape)
+
+
+def test_blocked_keys_padding_and_a_fully_blocked_row():
+    blocked = torch.zeros(B, H, 6, 6, dtype=torch.bool)
+    blocked[..., 4:] = True  # padding keys
+    blocked[0, :, 2, :] = True  # a row that sees no key: uniform weights, as the explicit softmax gives
+    blocked = blocked | torch.ones(6, 6, dtype=torch.bool).triu(1)  # and the future
+    compare(6, 6, (1, H, 6, 6), blocked=blocked)
+
+
+@pytest.mark.parametrize("needs", [(False, False, False, True), (True, False, True, True), (True, True, True, False)])
+def test_only_the_asked_gradients(needs):
+    compare(5, 7, (B, H, 5, 7), needs=needs)
+
+
+def test_applies_only_where_the_fused_kernel_computes_the_same():
+    q = torch.randn(1, 2, 3, 4)
+    term = torch.randn(1, 2, 3, 3, requires_grad=True)
+    assert biased.applies(q, term, 0.0)
+    assert not biased.applies(q, term, 0.1)  # (the kernel has no attention dropout)
+    assert not biased.applies(q, term.detach(), 0.0)  # (no gradient: SDPA's fused kernel itself)
+    assert not biased.applies(q, None, 0.0)
+    assert not biased.applies(q.bfloat16(), term.bfloat16(), 0.0)
+    with torch.no_grad():
+        assert not biased.applies(q, term, 0.0)
