@@ -21,9 +21,10 @@ Python integers, so the encodings read their bounds without a device synchronisa
 
 Long inputs (Shaw, LFHC, XL, GCDF: encodings with `query_blocks`): the hooks are called and the
 softmax is taken one block of queries at a time (`QUERY_BLOCK`, `query_block_size`), so a block's
-relative terms and distances are all that exist at once; the result is the same. Relative logits
-that need a gradient go through the explicit softmax rather than SDPA, whose unfused fallback for
-such a mask keeps more memory. In training each block is recomputed during backward (activation
+relative terms and distances are all that exist at once; the result is the same. Position terms
+that need a gradient take, on CPU in float32, SDPA's fused kernel forward with a blockwise backward
+of their own (`biased_attention.py`: SDPA itself has no fused gradient for its mask); elsewhere the
+explicit softmax (SDPA's unfused fallback for such a mask keeps more memory). In training each block is recomputed during backward (activation
 checkpointing of the block alone), so a step keeps only the blocks' inputs, not the probabilities
 (B, H, n, n) of every layer: memory stays near stock's fused attention at the price of computing
 the blocked attention twice. Under fairseq's future mask (`blocks_future`) a block leaves out the
