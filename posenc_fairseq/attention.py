@@ -508,7 +508,7 @@ class PositionalAttention(MultiheadAttention):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, additive: Optional[Tensor], value_term: bool, q_pos: Tensor,
                 encoding, binding, k_pos: Tensor, source_keys: int, explicit: bool = False, relative: bool = False,
                 attn_mask: Optional[Tensor] = None, key_padding_mask: Optional[Tensor] = None, fused: bool = False,
-                **_) -> Tuple[Tensor, Optional[Tensor]]:
+                future_blocked: bool = False, **_) -> Tuple[Tensor, Optional[Tensor]]:
         """Attention output (B, H, Tq, D) of the queries `q` and the probabilities where they are
         computed explicitly (weights asked for, or a relative value term); otherwise fused:
         FlexAttention with the encoding's per-distance terms (`_flex_applies`), or SDPA."""
@@ -519,7 +519,7 @@ class PositionalAttention(MultiheadAttention):
             return out, None
         if not (explicit or value_term):
             if biased.applies(q, additive, self._dropout_probability()):
-                out = biased.attend(q, k, v, additive)  # (CPU: SDPA gives no fused gradient for its mask)
+                out = biased.attend(q, k, v, additive, future_blocked)  # (CPU: SDPA has no fused gradient for its mask)
             else:
                 if additive is not None:
                     additive = additive.expand(q.size(0), q.size(1), q.size(2), k.size(2))

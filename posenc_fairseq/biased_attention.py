@@ -18,6 +18,8 @@ Used by `PositionalAttention` on CPU in float32 without attention dropout (the k
 otherwise the explicit softmax serves (tests: `tests/test_biased_attention.py`, against autograd of
 the explicit formula).
 """
+from typing import Tuple
+
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
@@ -37,14 +39,38 @@ def _block_rows(q: Tensor, keys: int) -> int:
     return max(MIN_BLOCK_ROWS, BLOCK_ELEMENTS // max(1, q.size(0) * q.size(1) * keys))
 
 
+def _flash(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, causal: bool) -> Tuple[Tensor, Tensor]:
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                      scale=1.0)
+
+
+def _sees_no_key(logsumexp: Tensor) -> bool:
+    """Whether a row's keys are all blocked (filled with the dtype's finite minimum): its L equals
+    that minimum, which absorbs log(Tk), so exp(S - L) would give 1 instead of 1/Tk there."""
+    return bool((logsumexp < torch.finfo(logsumexp.dtype).min / 2).any())
+
+
+def _with_column(x: Tensor, column) -> Tensor:
+    """`x` (B, H, T, D) with one more column: (B, H, T, D + 1). Products with such operands fold a
+    per-row term into the product (q.k - L_i = [q, -L].[k, 1]): no separate pass over the block."""
+    extra = column if isinstance(column, Tensor) else x.new_full((*x.shape[:-1], 1), column)
+    return torch.cat([x, extra.expand(*x.shape[:-1], 1)], dim=-1)
+
+
 class BiasedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, additive: Tensor) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, additive: Tensor, future_blocked: bool) -> Tensor:
         mask = additive.expand(q.size(0), q.size(1), q.size(2), k.size(2))
         if mask.stride(-1) != 1:  # (the kernel reads the mask's rows as contiguous)
             mask = mask.contiguous()
-        out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=mask, scale=1.0)
+        # The kernel's own causal flag skips the blocked keys' tiles (queries and keys aligned at
+        # the start: only for Tq == Tk). A row that sees no key at all is uniform over every key in
+        # the explicit softmax but over the unskipped ones here: such calls are run again in full.
+        causal = future_blocked and q.size(2) == k.size(2)
+        out, logsumexp = _flash(q, k, v, mask, causal)
+        if causal and _sees_no_key(logsumexp):
+            out, logsumexp = _flash(q, k, v, mask, False)
+        ctx.future_blocked = future_blocked
         ctx.save_for_backward(q, k, v, additive, out, logsumexp)
         return out
 
@@ -52,51 +78,79 @@ class BiasedAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out: Tensor):
         q, k, v, additive, out, logsumexp = ctx.saved_tensors
-        need_q, need_k, need_v, need_additive = ctx.needs_input_grad
+        term_shape = additive.shape
+        additive = additive.view(*(1,) * (4 - additive.dim()), *term_shape)  # (B or 1, H or 1, Tq or 1, Tk)
+        need_q, need_k, need_v, need_additive, _ = ctx.needs_input_grad
+        batch, heads, queries, _ = q.shape
+        keys_total = k.size(2)
         grad_out = grad_out.contiguous()
         row_term = (grad_out * out).sum(-1, keepdim=True)  # rowsum(do * out), (B, H, Tq, 1)
-        logsumexp = logsumexp.unsqueeze(-1)
-        # A row whose keys are all blocked (filled with the dtype's finite minimum) has L equal to
-        # that minimum, which absorbs log(Tk): exp(S - L) would give 1 instead of 1/Tk there. Such
-        # rows (a padded query under the future mask) take the softmax, as the explicit path does.
-        sees_no_key = bool((logsumexp < torch.finfo(logsumexp.dtype).min / 2).any())
-        k_t, v_t = k.transpose(-1, -2), v.transpose(-1, -2)
+        # Rows that see no key take the softmax over every key, as the explicit path does.
+        sees_no_key = _sees_no_key(logsumexp)
+        # Under the future mask a block of queries needs the keys up to its last query only (the
+        # queries are the last Tq of the keys); the others' probabilities and gradients are zero.
+        skip_future = ctx.future_blocked and not sees_no_key
+        logits_query = q if sees_no_key else _with_column(q, -logsumexp.unsqueeze(-1))  # q.k - L
+        keys_t = (k if sees_no_key else _with_column(k, 1.0)).transpose(-1, -2)
+        grad_query = _with_column(grad_out, -row_term)  # do.v - rowsum(do * out)
+        values_t = _with_column(v, 1.0).transpose(-1, -2)
+        flat = batch * heads
         grad_q = torch.empty_like(q) if need_q else None
         grad_k = torch.zeros_like(k) if need_k else None
         grad_v = torch.zeros_like(v) if need_v else None
-        grad_additive = torch.zeros(additive.shape, dtype=additive.dtype) if need_additive else None
         per_row = additive.size(-2) != 1  # (a term shared by every query sums over them)
-        queries = q.size(2)
-        step = _block_rows(q, k.size(2))
+        summed = [d for d in range(2) if additive.size(d) == 1 and q.size(d) != 1]  # dims A broadcasts
+        # every element is written below where the term has a row per query
+        grad_additive = None
+        if need_additive:
+            grad_additive = (torch.empty if per_row else torch.zeros)(additive.shape, dtype=additive.dtype)
+        step = _block_rows(q, keys_total)
+        # one block's probabilities and logit gradients, reused by every block (a fresh tensor of
+        # this size costs page faults at every allocation)
+        probs_buffer = q.new_empty(batch, heads, min(step, queries), keys_total)
+        grads_buffer = q.new_empty(batch, heads, min(step, queries), keys_total)
         for start in range(0, queries, step):
             rows = slice(start, min(start + step, queries))
-            q_rows, grad_rows = q[:, :, rows], grad_out[:, :, rows]
-            probs = torch.matmul(q_rows, k_t)
-            probs += additive[..., rows, :] if per_row else additive
+            count = rows.stop - rows.start
+            keys = min(keys_total, keys_total - queries + rows.stop) if skip_future else keys_total
+            probs = probs_buffer[:, :, :count, :keys]
+            torch.matmul(logits_query[:, :, rows], keys_t[..., :keys], out=probs)
+            probs += additive[..., rows, :keys] if per_row else additive[..., :keys]
             if sees_no_key:
-                probs = torch.softmax(probs, dim=-1)
+                probs.copy_(torch.softmax(probs, dim=-1))
             else:
-                probs -= logsumexp[:, :, rows]
                 probs.exp_()
+            q_rows, grad_rows = q[:, :, rows], grad_out[:, :, rows]
             if need_v:
-                grad_v += probs.transpose(-1, -2) @ grad_rows
-            grad_logits = torch.matmul(grad_rows, v_t)
-            grad_logits -= row_term[:, :, rows]
-            grad_logits *= probs  # dS
+                grad_v.view(flat, keys_total, -1)[:, :keys].baddbmm_(
+                    probs.reshape(flat, count, keys).transpose(1, 2), grad_rows.reshape(flat, count, -1))
+            # dS = P * (dP - rowsum(do * out)), written where the term's gradient goes if it has
+            # the block's shape
+            direct = need_additive and per_row and not summed
+            grad_logits = (grad_additive[..., rows, :keys] if direct else grads_buffer[:, :, :count, :keys])
+            torch.matmul(grad_query[:, :, rows], values_t[..., :keys], out=grad_logits)
+            grad_logits *= probs
             if need_q:
-                grad_q[:, :, rows] = grad_logits @ k
+                torch.matmul(grad_logits, k[:, :, :keys], out=grad_q[:, :, rows])
             if need_k:
-                grad_k += grad_logits.transpose(-1, -2) @ q_rows
+                grad_k.view(flat, keys_total, -1)[:, :keys].baddbmm_(
+                    grad_logits.reshape(flat, count, keys).transpose(1, 2), q_rows.reshape(flat, count, -1))
             if need_additive:
                 if per_row:
                     target = grad_additive[..., rows, :]
-                    target.copy_(grad_logits.sum_to_size(target.shape))
+                    if not direct:
+                        torch.sum(grad_logits, dim=summed, keepdim=True, out=target[..., :keys])
+                    target[..., keys:].zero_()
                 else:
-                    grad_additive += grad_logits.sum_to_size(grad_additive.shape)
-        return grad_q, grad_k, grad_v, grad_additive
+                    grad_additive[..., :keys] += grad_logits.sum([*summed, 2], keepdim=True)
+        if grad_additive is not None:
+            grad_additive = grad_additive.view(term_shape)
+        return grad_q, grad_k, grad_v, grad_additive, None
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, additive: Tensor) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, additive: Tensor, future_blocked: bool = False) -> Tensor:
     """softmax(q k^T + additive) v of (B, H, T, D) q/k/v (q scaled) and an `additive` that
-    broadcasts against (B, H, Tq, Tk), with gradients for all four."""
-    return BiasedAttention.apply(q, k, v, additive)
+    broadcasts against (B, H, Tq, Tk), with gradients for all four. `future_blocked`: `additive`
+    blocks every key after its query (the queries being the last Tq of the keys), so the work on
+    those keys may be skipped."""
+    return BiasedAttention.apply(q, k, v, additive, future_blocked)

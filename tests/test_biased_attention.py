@@ -13,7 +13,7 @@ def explicit(q, k, v, additive):
     return torch.softmax(q @ k.transpose(-1, -2) + additive, dim=-1) @ v
 
 
-def compare(q_len, k_len, shape, blocked=None, needs=(True, True, True, True), seed=0):
+def compare(q_len, k_len, shape, blocked=None, needs=(True, True, True, True), seed=0, future_blocked=False):
     generator = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, H, n, D, generator=generator) for n in (q_len, k_len, k_len))
     additive = torch.randn(*shape, generator=generator)
@@ -24,7 +24,7 @@ def compare(q_len, k_len, shape, blocked=None, needs=(True, True, True, True), s
     wanted = [x for x in inputs if x.requires_grad]
     expected_out = explicit(*inputs)
     expected = torch.autograd.grad(expected_out, wanted, grad_out)
-    out = biased.attend(*inputs)
+    out = biased.attend(*inputs, future_blocked=future_blocked)
     got = torch.autograd.grad(out, wanted, grad_out)
     assert (out - expected_out).abs().max() < 1e-5
     for a, b in zip(got, expected):
@@ -46,6 +46,44 @@ def test_blocked_keys_padding_and_a_fully_blocked_row():
     blocked[0, :, 2, :] = True  # a row that sees no key: uniform weights, as the explicit softmax gives
     blocked = blocked | torch.ones(6, 6, dtype=torch.bool).triu(1)  # and the future
     compare(6, 6, (1, H, 6, 6), blocked=blocked)
+
+
+def future(q_len, k_len):
+    """(q_len, k_len) True after each query, the queries being the last q_len of the keys."""
+    return torch.ones(q_len, k_len, dtype=torch.bool).triu(k_len - q_len + 1)
+
+
+@pytest.mark.parametrize("q_len, k_len", [(13, 13), (7, 13)])  # (7, 13): one block of queries of a longer input
+@pytest.mark.parametrize("block_elements", [biased.BLOCK_ELEMENTS, 1])
+def test_future_blocked_skips_the_future_keys_with_the_same_result(monkeypatch, q_len, k_len, block_elements):
+    """The causal flag lets the forward skip the future keys' tiles and each backward block the keys
+    after its last query; every gradient stays the explicit formula's (the term's too: zero there)."""
+    monkeypatch.setattr(biased, "BLOCK_ELEMENTS", block_elements)
+    monkeypatch.setattr(biased, "MIN_BLOCK_ROWS", 3)
+    blocked = future(q_len, k_len).expand(B, H, q_len, k_len).clone()
+    blocked[..., 0] = True  # a padded first key: every row still sees a key
+    compare(q_len, k_len, (1, H, q_len, k_len), blocked=blocked, future_blocked=True)
+    blocked[1, :, 0, :] = True  # ...and a row that sees no key: both passes run over every key
+    compare(q_len, k_len, (1, H, q_len, k_len), blocked=blocked, future_blocked=True)
+
+
+def test_future_blocked_skips_work(monkeypatch):
+    """The backward's products cover the keys up to each block's last query only."""
+    monkeypatch.setattr(biased, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(biased, "MIN_BLOCK_ROWS", 4)
+    widths = []
+    original = torch.matmul
+
+    def recording(a, b, **kwargs):
+        widths.append(b.size(-1))
+        return original(a, b, **kwargs)
+
+    q, k, v = (torch.randn(1, H, 12, D, requires_grad=True) for _ in range(3))
+    term = torch.randn(1, H, 12, 12).masked_fill(future(12, 12), blocked_fill_value(torch.float32))
+    out = biased.attend(q, k, v, term.requires_grad_(), future_blocked=True)
+    monkeypatch.setattr(torch, "matmul", recording)
+    out.sum().backward()
+    assert widths[0::3] == [4, 8, 12]  # the logits of each block of 4 queries
 
 
 @pytest.mark.parametrize("needs", [(False, False, False, True), (True, False, True, True), (True, True, True, False)])
