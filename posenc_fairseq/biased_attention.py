@@ -60,6 +60,10 @@ def _with_column(x: Tensor, column) -> Tensor:
 class BiasedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, additive: Tensor, future_blocked: bool) -> Tensor:
+        if additive._base is not None and additive._base.numel() > additive.numel():
+            # a window of a larger tensor (XL's shifted relative logits span Tq + Tk - 1 distances
+            # per row): backward keeps only what the window shows
+            additive = additive.contiguous()
         mask = additive.expand(q.size(0), q.size(1), q.size(2), k.size(2))
         if mask.stride(-1) != 1:  # (the kernel reads the mask's rows as contiguous)
             mask = mask.contiguous()

@@ -137,14 +137,19 @@ class TransformerXL(PositionalEncoding):
         """What the prior R depends on besides the distance (kept values are recomputed on change)."""
         return (self.dims.embed_dim,)
 
-    def position_terms(self, role, layer, query, key, query_positions, key_positions, content=True):
+    def position_terms(self, role, layer, query, key, query_positions, key_positions, content=True,
+                       descending=False):
         """(rel, query + v, content) of a call: rel = W_r R_d (H, N, D) over d = i - j = low..high
-        (ascending), the query plus v, and u.k_j (B, H, 1, Tk; None unless `content`); u and v
-        scaled as the query."""
+        (ascending; `descending`: high..low), the query plus v, and u.k_j (B, H, 1, Tk; None unless
+        `content`); u and v scaled as the query."""
         heads, tq, head_dim = query.shape[1:]
         (low, high), (span_low, span_high) = self.spans(query_positions, key_positions)
         if tq == 1:  # a decoding step
-            rel = self.projected_step(role, layer, low, high)
+            rel = self.projected_step(role, layer, low, high, descending)
+        elif descending:  # flipped once per layer: each block of queries takes a view of it
+            flipped = self.memoize((role, self.name, "projected descending", layer, span_low, span_high),
+                                   lambda: self.projected(role, layer, span_low, span_high).flip(0))
+            rel = flipped[span_high - high: span_high - low + 1]
         else:
             rel = self.projected(role, layer, span_low, span_high)[low - span_low: high - span_low + 1]
         rel = rel.to(query.dtype).view(-1, heads, head_dim).transpose(0, 1)  # (H, N, D) = W_r R_d, d = low..high
@@ -180,11 +185,12 @@ class TransformerXL(PositionalEncoding):
         batch, heads, tq, _ = query.shape
         if tq == 1 and is_range(key_positions):
             return self.step_logits(role, layer, query, key, query_positions, key_positions, content_folded)
+        ranges = is_range(query_positions) and is_range(key_positions)
         rel, query_v, content = self.position_terms(role, layer, query, key, query_positions, key_positions,
-                                                    content=not content_folded)
-        if is_range(query_positions) and is_range(key_positions):
+                                                    content=not content_folded, descending=ranges)
+        if ranges:
             if future_blocked and rel.size(1) > key.size(2) + 1:
-                rel = rel[:, -(key.size(2) + 1):]  # distances -1..high: under the future mask the rest is blocked
+                rel = rel[:, :key.size(2) + 1]  # distances high..-1: under the future mask the rest is blocked
             position = self.shifted(query_v, rel, key.size(2))
         else:
             low = self.spans(query_positions, key_positions)[0][0]
@@ -254,19 +260,22 @@ class TransformerXL(PositionalEncoding):
         like the logits (about twice their size at Tq = Tk), unlike the other encodings' tables; and u.k_j."""
         if role not in SELF_ROLES:
             return None
-        rel, query_v, content = self.position_terms(role, layer, query, key, query_positions, key_positions)
+        rel, query_v, content = self.position_terms(role, layer, query, key, query_positions, key_positions,
+                                                    descending=True)
         return DistanceLogits(self.per_distance(query_v, rel), key_bias=content[:, :, 0])
 
     @staticmethod
     def per_distance(query: Tensor, rel: Tensor) -> Tensor:
-        """(B, H, Tq, N) query_i . rel_d, rel (H, N, D) over d = i - j = low..high: columns in
+        """(B, H, Tq, N) query_i . rel_d, rel (H, N, D) over d = i - j = high..low: columns in
         descending d, i.e. ascending key - query."""
-        return query @ rel.flip(1).transpose(-1, -2)[None]
+        if query.size(0) == 1:  # (bmm keeps rel as the view it is; matmul's broadcast copies it per call)
+            return torch.bmm(query[0], rel.transpose(-1, -2))[None]
+        return query @ rel.transpose(-1, -2)[None]
 
     @classmethod
     def shifted(cls, query: Tensor, rel: Tensor, keys: int) -> Tensor:
         """(B, H, Tq, Tk) query_i . rel_{i - j} for consecutive query and key positions, rel
-        (H, N, D) over d = low..high: `relative_shift` of `per_distance` (distances descending)."""
+        (H, N, D) over d = high..low: `relative_shift` of `per_distance`."""
         return relative_shift(cls.per_distance(query, rel), keys)
 
     def reset_to_identity(self):
