@@ -350,7 +350,9 @@ class PositionalAttention(MultiheadAttention):
         future_blocked = relative and not source_keys and blocks_future(attn_mask, tgt_len, src_len)
         terms = dict(encoding=encoding, binding=binding, relative=relative, k_target=k_target, k_pos=k_pos,
                      attn_mask=attn_mask, key_padding_mask=key_padding_mask, source_keys=source_keys,
-                     fused=not (need_weights or before_softmax), future_blocked=future_blocked)
+                     fused=not (need_weights or before_softmax), future_blocked=future_blocked,
+                     call_logits=bsz * heads * tgt_len * src_len)  # (of all blocks: biased.applies)
+        call_logits = terms["call_logits"]
         value_term = relative and encoding.has_relative_values(binding.role, binding.layer)
 
         # Shaw/LFHC/XL/GCDF: relative logits that need a gradient go through the explicit softmax:
@@ -382,8 +384,8 @@ class PositionalAttention(MultiheadAttention):
             # (Measured, XL, n = 1024: heap 1.22x of stock so, 1.54x recomputing no block at all;
             # time's growth exponent from n = 128 to 2048 over stock's: +0.15, +0.12, and +0.20
             # recomputing every block.)
-            fused_blocks = (future_blocked and not value_term and q.device.type == "cpu"
-                            and q.dtype == torch.float32 and self._dropout_probability() == 0.0)
+            fused_blocks = (future_blocked and not value_term and q.device.type == "cpu" and q.dtype == torch.float32
+                            and self._dropout_probability() == 0.0 and call_logits >= biased.MIN_LOGITS)
             for start in range(0, tgt_len, block):
                 rows = slice(start, min(start + block, tgt_len))
                 first = target_len - tgt_len  # position of the first query
@@ -397,7 +399,7 @@ class PositionalAttention(MultiheadAttention):
 
                 def block_output(q_rows, rows_pos=rows_pos, keys=keys, block_terms=block_terms):
                     additive = self._additive(q_rows, rows_pos, **block_terms)
-                    explicit = self._explicit_for_gradient(q_rows, additive)
+                    explicit = self._explicit_for_gradient(q_rows, additive, call_logits)
                     q_keys = q_rows if content_query is None else q_rows + content_query
                     return self._attend(q_keys, k[:, :, :keys], v[:, :, :keys], additive, value_term, rows_pos,
                                         explicit=explicit, **block_terms)[0]
@@ -440,7 +442,7 @@ class PositionalAttention(MultiheadAttention):
                     return logits.reshape(bsz * heads, tgt_len, src_len), v.reshape(bsz * heads, src_len, head_dim)
                 out, probs = self._attend(q_keys, k, v, additive, value_term, q_pos, explicit=True, **terms)
             else:
-                explicit = query_blocks and self._explicit_for_gradient(q, additive)
+                explicit = query_blocks and self._explicit_for_gradient(q, additive, call_logits)
                 out, probs = self._attend(q_keys, k, v, additive, False, q_pos, explicit=explicit, **terms)
                 probs = None
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, heads * head_dim)
@@ -465,7 +467,7 @@ class PositionalAttention(MultiheadAttention):
     def _additive(self, q: Tensor, q_pos: Tensor, encoding, binding, relative: bool, k_target: Tensor,
                   k_pos: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
                   source_keys: int, fused: bool = False, future_blocked: bool = False,
-                  content_folded: bool = False) -> Optional[Tensor]:
+                  content_folded: bool = False, **_) -> Optional[Tensor]:
         """Everything added to the scaled logits of the queries `q` (B, H, Tq, D) at positions
         `q_pos` (the rows of `attn_mask`): the position terms, the attention mask's finite part and
         the blocked entries (mask and padding) as a large negative number; (B or 1, H or 1, Tq, S).
@@ -516,7 +518,7 @@ class PositionalAttention(MultiheadAttention):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, additive: Optional[Tensor], value_term: bool, q_pos: Tensor,
                 encoding, binding, k_pos: Tensor, source_keys: int, explicit: bool = False, relative: bool = False,
                 attn_mask: Optional[Tensor] = None, key_padding_mask: Optional[Tensor] = None, fused: bool = False,
-                future_blocked: bool = False, **_) -> Tuple[Tensor, Optional[Tensor]]:
+                future_blocked: bool = False, call_logits: int = 0, **_) -> Tuple[Tensor, Optional[Tensor]]:
         """Attention output (B, H, Tq, D) of the queries `q` and the probabilities where they are
         computed explicitly (weights asked for, or a relative value term); otherwise fused:
         FlexAttention with the encoding's per-distance terms (`_flex_applies`), or SDPA."""
@@ -526,7 +528,7 @@ class PositionalAttention(MultiheadAttention):
             out = flex.attend(q, k, v, distance, attn_mask, key_padding_mask, blocked_fill_value(q.dtype))
             return out, None
         if not (explicit or value_term):
-            if biased.applies(q, additive, self._dropout_probability()):
+            if biased.applies(q, additive, self._dropout_probability(), call_logits):
                 out = biased.attend(q, k, v, additive, future_blocked)  # (CPU: SDPA has no fused gradient for its mask)
             else:
                 if additive is not None:
@@ -558,12 +560,12 @@ class PositionalAttention(MultiheadAttention):
             flush_subnormals_in_backward(out, products)
         return out, probs
 
-    def _explicit_for_gradient(self, q: Tensor, additive: Optional[Tensor]) -> bool:
+    def _explicit_for_gradient(self, q: Tensor, additive: Optional[Tensor], call_logits: int) -> bool:
         """Relative logits that need a gradient take the explicit softmax, unless the fused CPU
         path with its own backward serves them (biased_attention.py): SDPA's unfused fallback for
         such a mask keeps more memory than the explicit softmax."""
         return (additive is not None and additive.requires_grad
-                and not biased.applies(q, additive, self._dropout_probability()))
+                and not biased.applies(q, additive, self._dropout_probability(), call_logits))
 
     def _flex_applies(self, q: Tensor, encoding, binding, relative: bool, attn_mask: Optional[Tensor],
                       source_keys: int, fused: bool) -> bool:

@@ -7,6 +7,7 @@ from posenc_fairseq import biased_attention as biased
 from posenc_fairseq.attention import blocked_fill_value
 
 B, H, D = 2, 3, 8
+LARGE = biased.MIN_LOGITS
 
 
 def explicit(q, k, v, additive):
@@ -94,10 +95,11 @@ def test_only_the_asked_gradients(needs):
 def test_applies_only_where_the_fused_kernel_computes_the_same():
     q = torch.randn(1, 2, 3, 4)
     term = torch.randn(1, 2, 3, 3, requires_grad=True)
-    assert biased.applies(q, term, 0.0)
-    assert not biased.applies(q, term, 0.1)  # (the kernel has no attention dropout)
-    assert not biased.applies(q, term.detach(), 0.0)  # (no gradient: SDPA's fused kernel itself)
-    assert not biased.applies(q, None, 0.0)
-    assert not biased.applies(q.bfloat16(), term.bfloat16(), 0.0)
+    assert biased.applies(q, term, 0.0, LARGE)
+    assert not biased.applies(q, term, 0.0, biased.MIN_LOGITS - 1)  # (small calls: the explicit softmax)
+    assert not biased.applies(q, term, 0.1, LARGE)  # (the kernel has no attention dropout)
+    assert not biased.applies(q, term.detach(), 0.0, LARGE)  # (no gradient: SDPA's fused kernel itself)
+    assert not biased.applies(q, None, 0.0, LARGE)
+    assert not biased.applies(q.bfloat16(), term.bfloat16(), 0.0, LARGE)
     with torch.no_grad():
-        assert not biased.applies(q, term, 0.0)
+        assert not biased.applies(q, term, 0.0, LARGE)
