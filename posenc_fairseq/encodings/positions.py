@@ -124,6 +124,80 @@ def relative_shift(per_distance: Tensor, keys: int) -> Tensor:
                                    per_distance.storage_offset() + queries - 1)
 
 
+#: elements of one chunk's (B, H, rows, N) products in `shifted_product` (4 MiB in float32)
+SHIFT_CHUNK_ELEMENTS = 2 ** 20
+
+
+def per_distance(query: Tensor, rel: Tensor) -> Tensor:
+    """(B, H, Tq, N) query_i . rel_c of `query` (B, H, Tq, D) and `rel` (H, N, D)."""
+    if query.size(0) == 1:  # (bmm keeps rel as the view it is; matmul's broadcast copies it per call)
+        return torch.bmm(query[0], rel.transpose(-1, -2))[None]
+    return query @ rel.transpose(-1, -2)[None]
+
+
+def _shift_chunks(query: Tensor, n: int, keys: int):
+    """Chunks of `shifted_product`'s queries: (rows, first column, last column + 1, width). A chunk
+    of m queries r0..r1-1 reads the columns Tq - r1 .. Tq - 1 - r0 + Tk - 1 of `rel` (m + Tk - 1 of
+    them, fewer where N stops first); `width` = m + Tk - 1 lays them out for `relative_shift`."""
+    batch, heads, queries = query.shape[:3]
+    step = max(16, SHIFT_CHUNK_ELEMENTS // max(1, batch * heads * (n + keys)))
+    for start in range(0, queries, step):
+        stop = min(start + step, queries)
+        low = queries - stop
+        yield slice(start, stop), low, max(low, min(n, queries - 1 - start + keys)), stop - start + keys - 1
+
+
+class _ShiftedProduct(torch.autograd.Function):
+    """See `shifted_product`."""
+
+    @staticmethod
+    def forward(ctx, query: Tensor, rel: Tensor, keys: int) -> Tensor:
+        batch, heads, queries, _ = query.shape
+        out = query.new_empty(batch, heads, queries, keys)
+        for rows, low, high, width in _shift_chunks(query, rel.size(1), keys):
+            chunk = per_distance(query[:, :, rows], rel[:, low:high])  # (B, H, m, high - low)
+            if high - low < width:  # columns past N (pairs the future mask blocks): zeros
+                chunk = torch.nn.functional.pad(chunk, (0, width - (high - low)))
+            out[:, :, rows] = relative_shift(chunk, keys)
+        ctx.save_for_backward(query, rel)
+        ctx.keys = keys
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        query, rel = ctx.saved_tensors
+        keys = ctx.keys
+        grad_query = torch.empty_like(query) if ctx.needs_input_grad[0] else None
+        grad_rel = torch.zeros_like(rel) if ctx.needs_input_grad[1] else None
+        buffer = None  # one chunk's gradient per distance, reused by the chunks of its size
+        for rows, low, high, width in _shift_chunks(query, rel.size(1), keys):
+            count = rows.stop - rows.start
+            if buffer is None or buffer.shape[2:] != (count, width):
+                buffer = grad.new_empty(grad.size(0), grad.size(1), count, width)
+            buffer.zero_()
+            relative_shift(buffer, keys).copy_(grad[:, :, rows])  # each pair's gradient at its distance
+            grad_distance = buffer[..., : high - low]
+            if grad_query is not None:
+                grad_query[:, :, rows] = grad_distance @ rel[:, low:high][None]
+            if grad_rel is not None:
+                for batch in range(query.size(0)):  # (summed over the batch without a copy)
+                    grad_rel[:, low:high].baddbmm_(grad_distance[batch].transpose(-1, -2), query[batch, :, rows])
+        return grad_query, grad_rel, None
+
+
+def shifted_product(query: Tensor, rel: Tensor, keys: int) -> Tensor:
+    """`relative_shift(per_distance(query, rel), keys)`: (B, H, Tq, Tk) query_i . rel_c(i, j),
+    c(i, j) = Tq - 1 - i + j (rel over descending distances: each pair's distance), computed a
+    chunk of queries at a time against only the columns the chunk reads. No (B, H, Tq, N) product
+    exists (allocating it, page faults included, cost more than the product at n = 2048), and the
+    columns no row of a chunk reads are not computed. Where N < Tq + Tk - 1 (under the future mask
+    N = Tk + 1) a pair past column N - 1 reads zero, a finite value the mask replaces."""
+    assert rel.size(1) == query.size(2) + keys - 1 or keys < rel.size(1) < query.size(2) + keys - 1, \
+        (query.shape, rel.shape, keys)
+    return _ShiftedProduct.apply(query, rel, keys)
+
+
 class _Toeplitz(torch.autograd.Function):
     """See `toeplitz`. Backward: the gradient's diagonals summed through `relative_shift`'s strided
     layout (a zero buffer, one strided copy, one sum); index_put's accumulation, the backward of an

@@ -99,3 +99,58 @@ def test_toeplitz_equals_index_by_distance_with_gradients(queries, keys):
     (grad,) = torch.autograd.grad((got * weights).sum(), values)
     (expected_grad,) = torch.autograd.grad((expected * weights).sum(), values)
     assert torch.allclose(grad, expected_grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch,queries,keys,columns", [
+    (1, 40, 40, None), (3, 40, 40, None), (2, 37, 50, None), (1, 1, 5, None), (2, 17, 17, None),
+    (1, 40, 40, 41), (2, 37, 50, 51), (2, 33, 33, 34)])  # columns = keys + 1: the future mask's distances
+def test_shifted_product_equals_the_product_at_each_pairs_distance(monkeypatch, batch, queries, keys, columns):
+    """out[i, j] = q_i . rel[Tq - 1 - i + j], in chunks of 16 queries; with N = Tk + 1 columns only
+    the pairs the future mask leaves open are defined (the others must be finite)."""
+    from posenc_fairseq.encodings import positions
+
+    monkeypatch.setattr(positions, "SHIFT_CHUNK_ELEMENTS", 1)  # chunks of 16 queries
+    columns = columns or queries + keys - 1
+    query = torch.randn(batch, 3, queries, 8, dtype=torch.float64, requires_grad=True)
+    rel = torch.randn(3, columns, 8, dtype=torch.float64, requires_grad=True)
+    column = queries - 1 - torch.arange(queries)[:, None] + torch.arange(keys)[None, :]
+    defined = column < columns
+    assert defined.all() or columns == keys + 1
+    padded = torch.cat([rel, rel.new_zeros(3, queries + keys - 1 - columns, 8)], dim=1)
+    expected = torch.einsum("bhid,hijd->bhij", query, padded[:, column])  # naive: every pair's row of rel
+    got = positions.shifted_product(query, rel, keys)
+    assert got.isfinite().all()
+    assert torch.allclose(got[..., defined], expected[..., defined], rtol=0, atol=1e-12)
+    weights = torch.randn_like(expected) * defined
+    grads = torch.autograd.grad((got * weights).sum(), (query, rel))
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (query, rel))
+    for grad, expected_grad in zip(grads, expected_grads):
+        assert torch.allclose(grad, expected_grad, rtol=0, atol=1e-12)
+
+
+def test_shifted_product_computes_only_the_columns_a_chunk_reads(monkeypatch):
+    """No product of every query with all Tq + Tk - 1 distances: each chunk of m queries meets
+    m + Tk - 1 of them (under the future mask's N = Tk + 1 columns, fewer)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from posenc_fairseq.encodings import positions
+
+    monkeypatch.setattr(positions, "SHIFT_CHUNK_ELEMENTS", 1)  # chunks of 16 queries
+    products = []
+
+    class Products(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__.startswith(("bmm", "mm", "matmul")):
+                products.append(tuple(out.shape))
+            return out
+
+    query = torch.randn(1, 2, 64, 8)
+    with Products():
+        positions.shifted_product(query, torch.randn(2, 64 + 64 - 1, 8), 64)
+    assert products and all(shape[-1] <= 16 + 64 - 1 for shape in products), products
+    products.clear()
+    with Products():
+        positions.shifted_product(query, torch.randn(2, 64 + 1, 8), 64)
+    # per head: chunks of 16 queries meet 17, 33, 49, 65 of the 65 distances (not 4 x 65)
+    assert sum(shape[-2] * shape[-1] for shape in products) == 16 * (17 + 33 + 49 + 65), products
