@@ -226,6 +226,44 @@ def toeplitz(values: Tensor, queries: int) -> Tensor:
     return _Toeplitz.apply(values, queries)
 
 
+class _SumRuns(torch.autograd.Function):
+    """See `sum_by_distance_runs`."""
+
+    @staticmethod
+    def forward(ctx, probs: Tensor, runs: List[Tuple[int, int, int]], rows: int) -> Tensor:
+        batch, heads, queries, keys = probs.shape
+        skewed = probs.new_zeros(batch, heads, queries, queries + keys - 1)  # column c: distance high - c
+        relative_shift(skewed, keys).copy_(probs)
+        out = probs.new_zeros(batch, heads, queries, rows)
+        column = 0
+        for first, count, step in runs:
+            piece = skewed[..., column: column + count]
+            if step == 0:
+                out[..., first] += piece.sum(-1)
+            elif step == 1:
+                out[..., first: first + count] += piece
+            else:
+                out[..., first - count + 1: first + 1] += piece.flip(-1)
+            column += count
+        ctx.runs, ctx.keys = runs, keys
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        return relative_shift(take_runs(grad, ctx.runs), ctx.keys).contiguous(), None, None
+
+
+def sum_by_distance_runs(probs: Tensor, runs: List[Tuple[int, int, int]], rows: int) -> Tensor:
+    """(B, H, Tq, rows): for each query, the sum of its `probs` (B, H, Tq, Tk) over the keys whose
+    distance falls in each row, for consecutive positions and `runs` (`row_runs`) giving the row of
+    each distance high..low (the order `relative_shift` reads): what scatter_add with a (Tq, Tk)
+    index computes, without the index. The pairs are laid out by distance (`relative_shift`), each
+    run of distances is one slice (a clipped end: one sum), and the backward is `take_runs` of the
+    gradient read back through the same layout."""
+    return _SumRuns.apply(probs, runs, rows)
+
+
 def row_runs(rows: List[int]) -> List[Tuple[int, int, int]]:
     """`rows` (a Python list of table rows, one per column) as pieces (first, count, step): step
     +1 or -1 is a slice of `count` consecutive rows from `first`, step 0 is row `first` repeated

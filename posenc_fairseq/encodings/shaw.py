@@ -31,8 +31,8 @@ from torch import Tensor, nn
 
 from .base import DistanceLogits, PositionalEncoding, StepTerms, register_encoding
 from .option_types import Checker, check_size, checked, one_of, option
-from .positions import (bounds, first_of_runs, is_range, range_values, relative_shift, row_runs, signature, take_runs,
-                        use_kept_values)
+from .positions import (bounds, first_of_runs, is_range, range_values, relative_shift, row_runs, signature,
+                        sum_by_distance_runs, take_runs, use_kept_values)
 
 SELF_ROLES = ("encoder", "decoder")
 #: parse-time bound of k (2k+1 table rows per layer); build time checks the exact table size
@@ -234,11 +234,16 @@ class Shaw(PositionalEncoding):
     def relative_values(self, role, layer, probs, query_positions, key_positions):
         if not self.has_relative_values(role, layer):
             return None
-        index, low, high = self.buckets(role, layer, query_positions, key_positions)
-        table = self.value_tables[f"{role}{layer}"][low: high + 1]
         batch, heads, tq, tk = probs.shape
-        per_bucket = probs.new_zeros(batch, heads, tq, table.size(0))
-        per_bucket = per_bucket.scatter_add(-1, index.expand(batch, heads, tq, tk), probs)
+        if tq > 1 and is_range(query_positions) and is_range(key_positions):
+            # the attention's consecutive positions: probabilities summed per run of distances
+            runs, low, high = self.distance_runs(role, layer, query_positions, key_positions)
+            per_bucket = sum_by_distance_runs(probs, runs, high - low + 1)
+        else:
+            index, low, high = self.buckets(role, layer, query_positions, key_positions)
+            per_bucket = probs.new_zeros(batch, heads, tq, high - low + 1)
+            per_bucket = per_bucket.scatter_add(-1, index.expand(batch, heads, tq, tk), probs)
+        table = self.value_tables[f"{role}{layer}"][low: high + 1]
         return per_bucket @ table.to(probs.dtype)  # (B, H, Tq, D)
 
     def reset_to_identity(self):

@@ -154,3 +154,30 @@ def test_shifted_product_computes_only_the_columns_a_chunk_reads(monkeypatch):
         positions.shifted_product(query, torch.randn(2, 64 + 1, 8), 64)
     # per head: chunks of 16 queries meet 17, 33, 49, 65 of the 65 distances (not 4 x 65)
     assert sum(shape[-2] * shape[-1] for shape in products) == 16 * (17 + 33 + 49 + 65), products
+
+
+@pytest.mark.parametrize("queries,keys", [(7, 7), (5, 9), (9, 5), (1, 6), (12, 12)])
+@pytest.mark.parametrize("bucket", ["clip2", "clip20", "floor3"])
+def test_sum_by_distance_runs_equals_scatter_add_with_gradients(queries, keys, bucket):
+    """Per query, the probabilities summed per row of each key's distance: against scatter_add
+    with the (Tq, Tk) index of rows (Shaw's clip(j - i, k) and an LFHC-like floor(x / 3))."""
+    from posenc_fairseq.encodings.positions import row_runs, sum_by_distance_runs
+
+    def row_of(distance):  # distance = query - key
+        if bucket == "floor3":
+            return torch.div(distance, 3, rounding_mode="floor").clamp(-2, 2) + 2
+        clip = int(bucket[4:])
+        return (-distance).clamp(-clip, clip) + clip
+
+    probs = torch.rand(2, 3, queries, keys, dtype=torch.float64, requires_grad=True)
+    rows = row_of(torch.arange(queries)[:, None] - torch.arange(keys)[None, :])
+    low, high = int(rows.min()), int(rows.max())
+    expected = probs.new_zeros(2, 3, queries, high - low + 1).scatter_add(
+        -1, (rows - low).expand(2, 3, queries, keys), probs)
+    runs = row_runs((row_of(torch.arange(queries - 1, -keys, -1)) - low).tolist())  # distances high..low
+    got = sum_by_distance_runs(probs, runs, high - low + 1)
+    assert torch.allclose(got, expected, rtol=0, atol=1e-12)
+    weights = torch.randn_like(expected)
+    (grad,) = torch.autograd.grad((got * weights).sum(), probs)
+    (expected_grad,) = torch.autograd.grad((expected * weights).sum(), probs)
+    assert torch.equal(grad, expected_grad)  # each probability's gradient is its row's weight
