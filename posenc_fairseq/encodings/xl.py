@@ -10,10 +10,11 @@ R_d^k = lambda * Phi(d / sigma_k), sigma_k = d_model^(k/d_model), k = 0..d_model
 formula for negative d.
 
 Memory: R and W_r R are computed once per forward and layer for the distinct distances of the
-call only (Tq + Tk - 1 of them); the query (plus v) meets the distances of its own call,
-(B, H, Tq, #distances), and the result is gathered to (B, H, Tq, Tk). On long inputs
-PositionalAttention calls this one block of queries at a time (`query_blocks`), so only a block's
-Bq + Tk - 1 distances meet it at once, never (B, H, n, 2n - 1). No table sized to a maximum
+call only (Tq + Tk - 1 of them). For consecutive positions the query (plus v) meets them a chunk
+of queries at a time, each chunk only the distances its pairs have, read into (B, H, Tq, Tk)
+through the strided relative shift (`positions.shifted_product`); other positions: the whole
+(B, H, Tq, #distances) product, gathered. On long inputs PositionalAttention calls this one block
+of queries at a time (`query_blocks`), never (B, H, n, 2n - 1). No table sized to a maximum
 length, no (n, n, d) tensor. Nothing on cross-attention.
 """
 import math
