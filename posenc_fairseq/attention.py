@@ -380,9 +380,7 @@ class PositionalAttention(MultiheadAttention):
         q_keys = q if content_query is None else q + content_query
         query_blocks = relative and getattr(encoding, "query_blocks", False)
         # whether the blocks' terms (if they need a gradient) take the fused CPU path: see `_attend`
-        fused_path = (not value_term and torch.is_grad_enabled() and q.device.type == "cpu"
-                      and q.dtype == torch.float32 and self._dropout_probability() == 0.0
-                      and call_logits >= biased.MIN_LOGITS)
+        fused_path = not value_term and biased.serves_call(q, self._dropout_probability(), call_logits)
         block = query_block_size(bsz * heads, src_len, fused=fused_path)
         if query_blocks and not (need_weights or before_softmax) and tgt_len > block:
             # Long input, relative terms: one block of queries at a time, so that the relative terms

@@ -38,12 +38,18 @@ MIN_BLOCK_ROWS = 16
 MIN_LOGITS = 2 ** 23
 
 
-def applies(q: Tensor, additive, dropout_p: float, logits: int) -> bool:
-    """Whether `attend` serves this call: CPU, float32, a term with gradient, no attention dropout,
-    and `logits` (the whole call's B * H * Tq * Tk) at least MIN_LOGITS."""
-    return (additive is not None and additive.requires_grad and torch.is_grad_enabled() and dropout_p == 0.0
-            and q.device.type == "cpu" and q.dtype == torch.float32 and additive.dtype == torch.float32
+def serves_call(q: Tensor, dropout_p: float, logits: int) -> bool:
+    """Whether `attend` serves a call of queries `q` whose terms need a gradient: with gradients on,
+    CPU, float32, no attention dropout, and `logits` (the whole call's B * H * Tq * Tk) at least
+    MIN_LOGITS. (What `applies` asks before looking at the term.)"""
+    return (torch.is_grad_enabled() and dropout_p == 0.0 and q.device.type == "cpu" and q.dtype == torch.float32
             and logits >= MIN_LOGITS)
+
+
+def applies(q: Tensor, additive, dropout_p: float, logits: int) -> bool:
+    """Whether `attend` serves this call: `serves_call`, and a float32 term with gradient."""
+    return (additive is not None and additive.requires_grad and additive.dtype == torch.float32
+            and serves_call(q, dropout_p, logits))
 
 
 def _block_rows(q: Tensor, keys: int) -> int:
@@ -72,8 +78,8 @@ class BiasedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, additive: Tensor, future_blocked: bool) -> Tensor:
         if additive._base is not None and additive._base.numel() > additive.numel():
-            # a window of a larger tensor (XL's shifted relative logits span Tq + Tk - 1 distances
-            # per row): backward keeps only what the window shows
+            # a window of a larger tensor (Shaw/LFHC's shifted relative logits span Tq + Tk - 1
+            # distances per row): backward keeps only what the window shows
             additive = additive.contiguous()
         mask = additive.expand(q.size(0), q.size(1), q.size(2), k.size(2))
         if mask.stride(-1) != 1:  # (the kernel reads the mask's rows as contiguous)

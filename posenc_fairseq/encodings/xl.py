@@ -197,7 +197,7 @@ class TransformerXL(PositionalEncoding):
         if ranges:
             if future_blocked and rel.size(1) > key.size(2) + 1:
                 rel = rel[:, :key.size(2) + 1]  # distances high..-1: under the future mask the rest is blocked
-            position = self.shifted(query_v, rel, key.size(2))
+            position = shifted_product(query_v, rel, key.size(2))  # rel over d = high..low
         else:
             low = self.spans(query_positions, key_positions)[0][0]
             index = self._index(role, query_positions, key_positions, low)  # (Tq, Tk)
@@ -268,20 +268,7 @@ class TransformerXL(PositionalEncoding):
             return None
         rel, query_v, content = self.position_terms(role, layer, query, key, query_positions, key_positions,
                                                     descending=True)
-        return DistanceLogits(self.per_distance(query_v, rel), key_bias=content[:, :, 0])
-
-    @staticmethod
-    def per_distance(query: Tensor, rel: Tensor) -> Tensor:
-        """(B, H, Tq, N) query_i . rel_d, rel (H, N, D) over d = i - j = high..low: columns in
-        descending d, i.e. ascending key - query."""
-        return per_distance(query, rel)
-
-    @staticmethod
-    def shifted(query: Tensor, rel: Tensor, keys: int) -> Tensor:
-        """(B, H, Tq, Tk) query_i . rel_{i - j} for consecutive query and key positions, rel
-        (H, N, D) over d = high..low: `relative_shift` of `per_distance`, a chunk of queries at a
-        time (`shifted_product`)."""
-        return shifted_product(query, rel, keys)
+        return DistanceLogits(per_distance(query_v, rel), key_bias=content[:, :, 0])  # d = high..low
 
     def reset_to_identity(self):
         with torch.no_grad():
