@@ -16,8 +16,10 @@ setup(
     # fork `fairseq-fixed==0.12.3.1`, whose metadata requires torchaudio; there is no CPU
     # build of torchaudio, so resolving it replaces torch with a multi-GB CUDA build.
     # Install fairseq-fixed with `--no-deps --no-build-isolation` first (the Makefile does).
+    # torch 2.5: torch.nn.attention.flex_attention (imported by the package); tested with 2.13 (CPU)
+    # and 2.11 (CUDA, scripts/gpu_check.py)
     install_requires=[
-        "torch>=2.1",
+        "torch>=2.5",
         "numpy",
         "torchdiffeq>=0.2.3",
     ],

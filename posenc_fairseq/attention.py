@@ -53,7 +53,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fairseq.modules import MultiheadAttention
 
-from .encodings.base import PositionalEncoding, StepTerms, in_backward
+from .encodings.base import PositionalEncoding, StepTerms
 from . import biased_attention as biased
 from . import flex_attention as flex
 from .encodings.positions import position_range
@@ -112,8 +112,7 @@ def flush_subnormals_in_backward(last: Tensor, first: Tensor) -> None:
 
     Why: position terms of wide range (ALiBi's slope times distance, T5's far buckets, XL's
     relative logits) put many probabilities at exp(-87..-103), the subnormal range, and CPU
-    arithmetic on subnormals is tens of times slower: one SDPA backward at n = 1024 with ALiBi's
-    bias took 58 ms, 12 ms flushed. What is flushed is below 1.2e-38, far below what fp32 resolves
+    arithmetic on subnormals is tens of times slower (docs/benchmarks.md). What is flushed is below 1.2e-38, far below what fp32 resolves
     in the sums it enters (the probabilities sum to 1). The thread's setting is restored at `first`,
     and at the end of the backward pass whatever happens in between."""
     if torch.compiler.is_compiling() or last.grad_fn is None or first.grad_fn is None or last.device.type != "cpu":
@@ -177,8 +176,7 @@ QUERY_BLOCK_ELEMENTS = 2 ** 20
 #: ... times this on the fused CPU training path (biased_attention.py), which keeps a block's terms
 #: but not its logits and probabilities: each block's backward gives full-size gradients of the
 #: keys, values and the encoding's distance terms, summed over the blocks, so fewer blocks cost
-#: less (XL, B 1, n = 2048, one training step: 1.41 s with 128-query blocks, 1.21 s with 512,
-#: 1.30-1.45 s with 1024; heap 481 -> 445 MB)
+#: less (docs/benchmarks.md)
 FUSED_BLOCK_FACTOR = 4
 
 
@@ -189,17 +187,6 @@ def query_block_size(batch_heads: int, keys: int, fused: bool = False) -> int:
     elements."""
     elements = QUERY_BLOCK_ELEMENTS * (FUSED_BLOCK_FACTOR if fused else 1)
     return max(QUERY_BLOCK, elements // max(1, batch_heads * keys))
-
-
-def recorded(encoding, function):
-    """`function` run inside `encoding.recorded_block`, with one record shared by its forward and
-    its recomputation during backward."""
-    record = []
-
-    def run(*args):
-        with encoding.recorded_block(record):
-            return function(*args)
-    return run
 
 
 class PositionalAttention(MultiheadAttention):
@@ -364,8 +351,7 @@ class PositionalAttention(MultiheadAttention):
         value_term = relative and encoding.has_relative_values(binding.role, binding.layer)
 
         # Shaw/LFHC/XL/GCDF: relative logits that need a gradient go through the explicit softmax:
-        # SDPA with such a mask falls back to its unfused kernel, which keeps more (measured: XL 2.3x
-        # the memory of one layer's forward and backward at n = 1024)
+        # SDPA with such a mask falls back to its unfused kernel, which keeps more memory
         step_terms = self._step_terms(binding, relative, tgt_len, source_keys, need_weights or before_softmax,
                                       q_pos, k_pos)
         # XL/GCDF's u.k_j: folded into the product with the keys, (q + u).k_j, where every key
@@ -390,10 +376,8 @@ class PositionalAttention(MultiheadAttention):
             parts = []
             # The fused CPU path (biased_attention.py) keeps a block's output, log-sum-exp and terms
             # only (not its logits and probabilities). Under the future mask those terms cover the
-            # keys up to the block's last query, half of all pairs: such blocks are not recomputed.
-            # (Measured, XL, n = 1024: heap 1.22x of stock so, 1.54x recomputing no block at all;
-            # time's growth exponent from n = 128 to 2048 over stock's: +0.15, +0.12, and +0.20
-            # recomputing every block.)
+            # keys up to the block's last query, half of all pairs: such blocks are not recomputed
+            # (the trade-off measured in docs/benchmarks.md).
             fused_blocks = future_blocked and fused_path
             for start in range(0, tgt_len, block):
                 rows = slice(start, min(start + block, tgt_len))
@@ -413,12 +397,13 @@ class PositionalAttention(MultiheadAttention):
                     return self._attend(q_keys, k[:, :, :keys], v[:, :, :keys], additive, value_term, rows_pos,
                                         explicit=explicit, **block_terms)[0]
 
-                if torch.is_grad_enabled() and not in_backward() and not fused_blocks:
+                if torch.is_grad_enabled() and not encoding.in_recorded_run() and not fused_blocks:
                     # Keep only the block's inputs for backward and recompute its relative terms and
                     # probabilities there (same dropout mask: the RNG state is restored), so a
                     # training step holds one block's (B, H, block, S) at a time, not the whole
-                    # (B, H, n, S) per layer.
-                    parts.append(checkpoint(recorded(encoding, block_output), q[:, :, rows], use_reentrant=False))
+                    # (B, H, n, S) per layer. (Inside a checkpointed layer the layer's checkpoint
+                    # covers the blocks.)
+                    parts.append(checkpoint(encoding.recorded(block_output), q[:, :, rows], use_reentrant=False))
                 else:
                     parts.append(block_output(q[:, :, rows]))
             out = torch.cat(parts, dim=2)

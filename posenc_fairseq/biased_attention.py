@@ -32,9 +32,7 @@ MIN_BLOCK_ROWS = 16
 
 
 #: (B, H, Tq, Tk) logits of a whole call (all its blocks of queries) from which `attend` serves
-#: it. Measured, fwd + bwd of one attention, 2 threads, as ratios fused / explicit softmax:
-#: B 4 n 256 1.2 (future mask 1.8), B 4 n 512 1.0 (1.4), B 1 n 1024 1.0 (1.0), B 4 n 1024 0.6
-#: (0.6), B 1 n 2048 0.7: the explicit softmax wins on small calls, whose logits stay in cache.
+#: it: the explicit softmax wins on smaller calls, whose logits stay in cache (docs/benchmarks.md).
 MIN_LOGITS = 2 ** 23
 
 

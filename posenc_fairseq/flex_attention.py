@@ -11,20 +11,24 @@ for Tq = Tk).
 
 Where it is used (`MODE`, from the environment variable POSENC_FLEX_ATTENTION, read at import;
 tests and scripts may set the attribute):
-    "auto" (default)  on CUDA, with `torch.compile(flex_attention)` (compiled once, lazily)
-    "on"              also on other devices, in eager mode and only where no gradient is needed
+    "off" (default)   never
+    "on"              on CUDA with `torch.compile(flex_attention)` (compiled once, lazily), forward and
+                      backward; on other devices in eager mode and only where no gradient is needed
                       (FlexAttention's eager CPU path runs forward only); how tests compare it
-    "off"             never
-and only where nothing needs the explicit path (`PositionalAttention._flex_applies`): no
+Off by default: the default paths are the tested ones, and this one becomes the CUDA default only
+after a GPU run has shown it equal to them (forward and backward, varying shapes, every precision)
+and faster (`scripts/gpu_check.py --device cuda`, docs/gpu_check.md).
+It is used only where nothing needs the explicit path (`PositionalAttention._flex_applies`): no
 attention weights or logits asked for, no relative value term (Shaw's default, LFHC's
 `--lfhc-values on`), no attention dropout (training with --attention-dropout > 0,
 --retain-dropout), no head pruning, no --cross-self-attention, a 2-D attn_mask, and on CUDA a head
-dimension of at least 16 (FlexAttention's kernel). Everything else takes the existing paths, and so
-does every call after `torch.compile(flex_attention)` failed once in the process (with a warning).
+dimension of at least 16 (FlexAttention's kernel). Everything else takes the existing paths.
+A compilation that fails raises an error naming POSENC_FLEX_ATTENTION: no silent switch of kernels
+mid-training (every rank would decide on its own).
 
 Masks are exact, as in `PositionalAttention._additive`: the attn_mask's -inf (or True) entries and
-the padded keys get the finite `blocked_fill_value` (a fully masked row gives uniform weights,
-not NaN), its finite entries are added. No BlockMask: masked blocks (the causal upper triangle)
+the padded keys get a finite fill (a fully masked row gives uniform weights as on the explicit
+path, not NaN or zeros), its finite entries are added. No BlockMask: masked blocks (the causal upper triangle)
 are computed and then filled rather than skipped.
 """
 import os
@@ -37,12 +41,12 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from .encodings.base import DistanceLogits, PositionalEncoding
 
-MODES = ("auto", "on", "off")
-MODE = os.environ.get("POSENC_FLEX_ATTENTION", "auto")
+MODES = ("off", "on")
+MODE = os.environ.get("POSENC_FLEX_ATTENTION", "off")
 #: FlexAttention's CUDA kernel needs a head dimension of at least this
 MIN_CUDA_HEAD_DIM = 16
 
-#: torch.compile(flex_attention), made at the first CUDA call; False after it failed to compile
+#: torch.compile(flex_attention), made at the first CUDA call
 _compiled = None
 
 
@@ -53,8 +57,8 @@ def available(q: Tensor) -> bool:
     if MODE == "off":
         return False
     if q.is_cuda:
-        return q.size(-1) >= MIN_CUDA_HEAD_DIM and _compiled is not False
-    return MODE == "on" and not torch.is_grad_enabled()
+        return q.size(-1) >= MIN_CUDA_HEAD_DIM
+    return not torch.is_grad_enabled()
 
 
 def supports(encoding: PositionalEncoding) -> bool:
@@ -68,19 +72,19 @@ def attend(q: Tensor, k: Tensor, v: Tensor, distance: Optional[DistanceLogits], 
     entries (attn_mask -inf or True, padded keys) at `fill`. `attn_mask` (Tq, Tk): these queries'
     rows; `key_padding_mask` (B, Tk), True (non-zero) at padding."""
     global _compiled
-    score_mod = _score_mod(q, distance, attn_mask, key_padding_mask, fill)
-    if q.is_cuda and _compiled is not False:
+    # FlexAttention scales the scores by log2(e) before exp2: finfo.min would overflow to -inf, and a
+    # fully masked row would give zeros instead of the explicit path's uniform weights
+    score_mod = _score_mod(q, distance, attn_mask, key_padding_mask, fill / 2)
+    if q.is_cuda:
         if _compiled is None:
             _compiled = torch.compile(flex_attention)
         try:
             return _compiled(q, k, v, score_mod=score_mod, scale=1.0)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as error:  # noqa: BLE001 - a compiler failure should not end a training run
-            _compiled = False  # `available` says no from now on: the existing paths take over
-            warnings.warn(f"posenc_fairseq: torch.compile(flex_attention) failed ({type(error).__name__}: "
-                          f"{str(error)[:300]}); the attention no longer uses FlexAttention in this process")
-    with warnings.catch_warnings():  # eager: the unfused reference (this call, or "on" off CUDA)
+        except torch._dynamo.exc.TorchDynamoException as error:  # compilation only, not CUDA faults
+            raise RuntimeError(f"posenc_fairseq: torch.compile(flex_attention) failed ({type(error).__name__}); "
+                               "unset POSENC_FLEX_ATTENTION (off is the default) to use the default attention "
+                               "paths") from error
+    with warnings.catch_warnings():  # eager: the unfused reference (MODE "on" off CUDA)
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         return flex_attention(q, k, v, score_mod=score_mod, scale=1.0)
 

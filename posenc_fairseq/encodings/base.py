@@ -7,7 +7,6 @@ encoding overrides only where its position information enters. This file does no
 fairseq: encodings are plain torch and testable in milliseconds.
 """
 import argparse
-import contextlib
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
@@ -105,43 +104,46 @@ class PositionalEncoding(nn.Module):
 
     def memoize(self, key: tuple, compute: Callable[[], Tensor]) -> Tensor:
         """Compute a position-only term once per forward and share it across layers.
-        `key[0]` must be the role whose next `begin` invalidates it.
-
-        A term is shared only within one grad mode, and never inside a backward pass: activation
-        checkpointing (fairseq's --checkpoint-activations) runs each layer under no_grad and
-        recomputes it during backward, where each layer needs a term with a graph of its own.
-        Inside `recorded_block` (a block of queries that backward recomputes) the recomputation
-        repeats the forward's hits and misses instead (see there)."""
+        `key[0]` must be the role whose next `begin` invalidates it. A term is shared only within
+        one grad mode. Inside a `recorded` function (a checkpointed layer or block of queries) the
+        recomputation during backward repeats the forward's hits and misses (see there)."""
         key = (*key, torch.is_grad_enabled())
-        block = self.__dict__.get("_block_record")
+        block = self.__dict__.get("_record")
         if block is not None:
             return block.memoize(self._memo, key, compute)
-        if in_backward():
-            return compute()
         if key not in self._memo:
             self._memo[key] = compute()
         return self._memo[key]
 
-    @contextlib.contextmanager
-    def recorded_block(self, record: list):
-        """Around one block of queries that autograd recomputes during backward (attention.py's
-        blocked training path, non-reentrant activation checkpointing). The recomputation must
-        do exactly the autograd operations of the forward, so `memoize` records in `record`
-        which terms the forward found memoized, and the recomputation takes those from the memo
-        again (their values, which are all it needs: gradients flow through the forward's graph)
-        and computes the others as the forward did."""
-        previous = self.__dict__.get("_block_record")
-        self.__dict__["_block_record"] = _BlockRecord(record, replay=in_backward())
-        try:
-            yield
-        finally:
-            self.__dict__["_block_record"] = previous
+    def recorded(self, function: Callable) -> Callable:
+        """`function` for non-reentrant activation checkpointing (a layer under fairseq's
+        --checkpoint-activations, a block of queries of a long input): its recomputation during
+        backward must do exactly the autograd operations of its forward, so `memoize` records in
+        the first run which terms it found memoized, and the second run (the recomputation) takes
+        those from the memo again (their values, which are all it needs: gradients flow through the
+        forward's graph) and computes the others as the forward did."""
+        record = []
+        runs = [0]
+
+        def run(*args, **kwargs):
+            previous = self.__dict__.get("_record")
+            self.__dict__["_record"] = _RunRecord(record, replay=runs[0] > 0)
+            runs[0] += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.__dict__["_record"] = previous
+        return run
+
+    def in_recorded_run(self) -> bool:
+        """Whether a `recorded` function is running (its checkpoint covers everything it calls)."""
+        return self.__dict__.get("_record") is not None
 
     def __getstate__(self):
         """Copies (fairseq's EMA deep-copies the model) start without per-forward results, which
         may hold autograd graphs that cannot be copied."""
         state = super().__getstate__()
-        state.update(_memo={}, token_positions={}, _block_record=None, _kept={}, _kept_copies=None, _kept_checked=False)
+        state.update(_memo={}, token_positions={}, _record=None, _kept={}, _kept_copies=None, _kept_checked=False)
         return state
 
     # --- the hooks, called by PositionalAttention -----------------------------------------
@@ -203,8 +205,8 @@ class PositionalEncoding(nn.Module):
         """Initialise so that the encoding adds nothing (used when converting stock checkpoints)."""
 
 
-class _BlockRecord:
-    """Which memoized terms one recorded block found in the memo (True) or computed (False)."""
+class _RunRecord:
+    """Which memoized terms one run of a `recorded` function found in the memo (True) or computed (False)."""
 
     def __init__(self, record: list, replay: bool):
         self.record, self.replay, self.next = record, replay, 0
@@ -224,11 +226,6 @@ class _BlockRecord:
             return memo[key]
         with torch.no_grad():  # the memo was cleared meanwhile: the same value, no operation recorded
             return compute()
-
-
-def in_backward() -> bool:
-    """True while autograd runs a backward pass (e.g. a checkpointed layer being recomputed)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class ModelDims:

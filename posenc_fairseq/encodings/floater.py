@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import ROLES, PositionalEncoding, in_backward, register_encoding
+from .base import ROLES, PositionalEncoding, register_encoding
 from .option_types import OptionValueError, float_in_range, int_in_range, one_of, option, positive_int
 from .positions import is_shared_range, same_values, value_copies
 
@@ -810,12 +810,12 @@ class Floater(PositionalEncoding):
         """b(t_i) - b(0) for at least positions 0..rows-1, as a forward pass now would use it
         (outside a forward pass the cached evaluation table is checked against the parameters)."""
         self._eval_checked = False
-        return self._table(rows, None).values
+        return self._table(rows).values
 
-    def _table(self, rows: int, layer_key) -> Solved:
+    def _table(self, rows: int) -> Solved:
         grad = torch.is_grad_enabled() and any(p.requires_grad for p in self._solve_inputs())
         if self.training and self._window_pass:
-            key = ("window", grad, layer_key if in_backward() else None)
+            key = ("window", grad)
             solved = self._pass_tables.get(key)
             if solved is None or solved.values.size(0) < rows:  # once per pass, shared by the layers
                 solved = self._window_table(rows)
@@ -826,9 +826,7 @@ class Floater(PositionalEncoding):
             return solved
         if not self.training and not grad:
             return self._eval_table(rows)
-        # Inside a backward pass (activation checkpointing recomputes each layer there), every
-        # layer needs a graph of its own: one table per layer, not shared.
-        key = (grad, layer_key if in_backward() else None)
+        key = (grad,)
         solved = self._pass_tables.get(key)
         if solved is None or solved.values.size(0) < rows:
             values = self.solve(rows) if solved is None else self.extend(solved.values, rows)
@@ -906,6 +904,23 @@ class Floater(PositionalEncoding):
             if given is not None and given.numel() > 0:
                 known = getattr(given, "bounds", None)  # (a shared range: no host sync)
                 self._needed = max(self._needed, (known[1] if known is not None else int(given.max())) + 1)
+        if torch.is_grad_enabled() and self._slots:
+            self._prepare_biases(role)
+
+    def _prepare_biases(self, role: str):
+        """The biases of every slot of the stack, computed before its layers run. A layer under
+        activation checkpointing (layer_checkpoint.py) is recomputed during backward and must repeat
+        exactly its forward's operations: with the pass's table and biases made here, every layer only
+        reads them, in its forward as in its recomputation."""
+        for slot_role, layer, which in self._slot_keys:
+            if ("encoder" if slot_role == "encoder" else "decoder") != role:
+                continue
+            if slot_role == "cross":  # queries: target tokens; keys and values: source tokens
+                positions = self.token_positions.get("decoder" if which == "q" else "source")
+            else:
+                positions = self.token_positions.get(slot_role)
+            if positions is not None:
+                self.projection_bias(slot_role, layer, which, positions)
 
     def _fill_step_biases(self, positions):
         """A later decoding step in inference: the target tokens' biases (decoder q/k/v, cross q) are
@@ -932,7 +947,7 @@ class Floater(PositionalEncoding):
     def projection_bias(self, role, layer, which, positions):
         """b(t_i) = b(0) + table[i] for each token of the call, (T, B, E): the projection's bias."""
         hit = self._pass_biases.get((role, layer, which))  # gathered with its group earlier in the pass
-        if hit is not None and hit[0] is positions and not in_backward():
+        if hit is not None and hit[0] is positions:
             return hit[1]
         slot = self._slot_index.get((role, layer, which))
         if slot is None or positions is None:
@@ -940,7 +955,7 @@ class Floater(PositionalEncoding):
         dtype = self._slots[slot][3].q_proj.weight.dtype
         # begin() saw every position of this forward (one host sync per stack, not one per layer)
         rows = self._needed or (int(positions.max()) + 1 if positions.numel() else 1)
-        solved = self._table(rows, ("encoder" if role == "encoder" else "decoder", layer))
+        solved = self._table(rows)
         if rows > solved.first_overflow:
             peak = float(solved.values[solved.first_overflow].abs().max())
             raise ValueError(
@@ -963,8 +978,6 @@ class Floater(PositionalEncoding):
     def _gathered(self, table: Tensor, group: tuple, positions: Tensor, dtype: torch.dtype) -> tuple:
         """b(t) of the `group`'s slots at `positions`, one (T, B, d) per slot in `dtype`: gathered
         once per forward pass and shared by the layers."""
-        if in_backward():  # a recomputed layer (activation checkpointing) keeps its own graph
-            return self._gather(self._group_table(table, group, dtype), positions)
         key = (group, id(positions), dtype)
         hit = self._pass_gathered.get(key)
         if hit is None or hit[0] is not table or hit[1] is not positions:
@@ -986,8 +999,6 @@ class Floater(PositionalEncoding):
         """b(t) = b(0) + table of the group's slots at every position of the table, (rows, slots, d)
         in `dtype`, with the live b(0) (also in a K-window, whose table is the window snapshot's):
         once per pass; in evaluation kept as long as the evaluation table (which is tied to b(0))."""
-        if in_backward():
-            return self._with_initial_values(table, group, dtype)
         cache = self._eval_group_tables if self._eval_cache is not None and table is self._eval_cache[1].values \
             else self._pass_group_tables
         hit = cache.get((group, dtype))

@@ -1,6 +1,7 @@
 """What the translation and RoBERTa models share: options, stacks that tell the encoding the
 token positions, and attaching one encoding to a model."""
 import argparse
+import copy
 import re
 
 import torch
@@ -11,6 +12,7 @@ from fairseq.models.transformer import TransformerDecoder, TransformerEncoder
 from fairseq.modules import LearnedPositionalEmbedding
 
 from ..attention import use_positional_attention
+from ..layer_checkpoint import checkpoint_layer
 from ..encodings import ENCODINGS, ModelDims, build_encoding
 from ..encodings.positions import shared_range
 
@@ -64,15 +66,45 @@ def check_length(embed_positions, length: int, limit: int):
                          "use --input-positions none/sinusoidal or a larger --max-*-positions")
 
 
+FULLY_SHARDED_MESSAGE = (
+    "posenc_fairseq does not support --ddp-backend fully_sharded: FSDP flattens the parameters of the "
+    "positional encoding that every layer shares, and the encodings' per-forward terms and kept tables are "
+    "computed from those parameters. Use --ddp-backend pytorch_ddp (c10d, the default on GPUs) or legacy_ddp, "
+    "with --checkpoint-activations (and --offload-activations) to save memory")
+
+
+def refuse_unsupported(args):
+    """Training set-ups that the encodings do not support: refused when the model is built."""
+    if getattr(args, "ddp_backend", None) == "fully_sharded":
+        raise ValueError(FULLY_SHARDED_MESSAGE)
+
+
+def checkpointing(args) -> tuple:
+    """(checkpoint, offload) that --checkpoint-activations / --offload-activations ask for, and a copy
+    of `args` for fairseq's layer builders with both off: our stacks checkpoint their layers
+    themselves, non-reentrant (layer_checkpoint.py), instead of fairseq's reentrant wrapper."""
+    offload = bool(getattr(args, "offload_activations", False))
+    wanted = offload or bool(getattr(args, "checkpoint_activations", False))
+    plain = copy.copy(args)
+    plain.checkpoint_activations = plain.offload_activations = False
+    return wanted, offload, plain
+
+
 class PositionalTransformerEncoder(TransformerEncoder):
     """fairseq's encoder with PositionalAttention; tells the encoding the source positions."""
 
     def __init__(self, args, dictionary, embed_tokens, return_fc=False):
+        refuse_unsupported(args)
         super().__init__(args, dictionary, embed_tokens, return_fc=return_fc)
         use_positional_attention(self)
         # stock's name, so that --retain-dropout-modules TransformerEncoder matches as in stock
         self.dropout_module.module_name = TransformerEncoder.__name__
         self.__dict__["encoding"] = None  # owned (and saved) by the model, not by this stack
+
+    def build_encoder_layer(self, args):
+        wanted, offload, plain = checkpointing(args)
+        layer = super().build_encoder_layer(plain)
+        return checkpoint_layer(layer, offload) if wanted else layer
 
     def bind_encoding(self, encoding):
         self.__dict__["encoding"] = encoding
@@ -91,11 +123,17 @@ class PositionalTransformerDecoder(TransformerDecoder):
     this call (the current step during incremental decoding) and the source positions."""
 
     def __init__(self, args, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
+        refuse_unsupported(args)
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
         use_positional_attention(self)
         self.dropout_module.module_name = TransformerDecoder.__name__  # as stock (--retain-dropout-modules)
         self.__dict__["encoding"] = None
+
+    def build_decoder_layer(self, args, no_encoder_attn=False):
+        wanted, offload, plain = checkpointing(args)
+        layer = super().build_decoder_layer(plain, no_encoder_attn=no_encoder_attn)
+        return checkpoint_layer(layer, offload) if wanted else layer
 
     def bind_encoding(self, encoding):
         self.__dict__["encoding"] = encoding

@@ -12,7 +12,9 @@ NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropou
 CASES = [(name, []) for name in sorted(ENCODINGS)] + [("floater", ["--floater-recompute-every", "3"])]
 
 
-def gradients(data, encoding, extra, state=None):
+def gradients(data, encoding, extra, state=None, wrap=None):
+    """The model's parameter gradients of one loss; `state`: load these parameters (else perturb
+    the encoding's away from identity); `wrap`: run the model through `wrap(model)` (e.g. DDP)."""
     torch.manual_seed(0)
     model, task, _ = build_model(data, f"transformer_{encoding}", [*TINY_TRANSFORMER, *NO_DROPOUT, *extra])
     if state is None:
@@ -22,9 +24,15 @@ def gradients(data, encoding, extra, state=None):
     model.train()
     model.set_num_updates(0)
     src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
-    logits, _ = model(src, src_lengths, prev)
+    logits, _ = (wrap(model) if wrap is not None else model)(src, src_lengths, prev)
     logits.float().log_softmax(-1)[..., 5].sum().backward()
     return model, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_gradients(actual, expected, context=""):
+    assert sorted(actual) == sorted(expected), context
+    for name, value in expected.items():
+        assert (actual[name] - value).abs().max() <= 1e-5 * (1 + value.abs().max()), (context, name)
 
 
 @pytest.mark.parametrize("flag", ["--checkpoint-activations", "--offload-activations"])
@@ -35,10 +43,8 @@ def test_activation_checkpointing_gives_the_same_gradients(translation_data, enc
     state = {k: v for k, v in plain_model.state_dict().items() if "window_" not in k}
     checkpointed_model, checkpointed = gradients(translation_data, encoding, [*extra, flag], state)
     assert any(hasattr(layer, "precheckpoint_forward") for layer in checkpointed_model.encoder.layers)
-    assert sorted(checkpointed) == sorted(plain)
+    assert_same_gradients(checkpointed, plain)
     position_parameters = [name for name in plain if name.startswith("positional_encoding.")]
-    for name, expected in plain.items():
-        assert (checkpointed[name] - expected).abs().max() <= 1e-5 * (1 + expected.abs().max()), name
     # the position parameters really get gradient (not zero in both)
     if encoding not in ("sinusoidal", "learned", "nope", "alibi", "rotary") and not extra:
         assert any(plain[name].abs().max() > 0 for name in position_parameters)
@@ -57,6 +63,4 @@ def test_activation_checkpointing_of_long_inputs(translation_data, monkeypatch, 
     monkeypatch.setattr(attention_module, "QUERY_BLOCK_ELEMENTS", 1)
     for extra in ([], ["--checkpoint-activations"]):
         _, blocked = gradients(translation_data, encoding, extra, state)
-        assert sorted(blocked) == sorted(whole)
-        for name, expected in whole.items():
-            assert (blocked[name] - expected).abs().max() <= 1e-5 * (1 + expected.abs().max()), (extra, name)
+        assert_same_gradients(blocked, whole, extra)
