@@ -544,9 +544,12 @@ class GatherSlots(torch.autograd.Function):
         if present is None:
             return None, None, None, None
         grads = [grad if grad is not None else present.new_zeros(()).expand_as(present) for grad in grads]
-        grad_table = present.new_zeros(rows, slots * width)
-        grad_table.index_add_(0, index, torch.stack(grads, dim=-2).reshape(-1, slots * width))
-        return grad_table.view(rows, slots, width), None, None, None
+        # summed over the batch (a left-padded source's positions repeat across rows): in float32 for
+        # fp16/bf16 (CUDA's index_add_ adds atomically in the tensor's dtype, each add rounded)
+        accumulate = torch.promote_types(present.dtype, torch.float32)
+        grad_table = present.new_zeros(rows, slots * width, dtype=accumulate)
+        grad_table.index_add_(0, index, torch.stack(grads, dim=-2).reshape(-1, slots * width).to(accumulate))
+        return grad_table.view(rows, slots, width).to(present.dtype), None, None, None
 
 
 class _HiddenRun:

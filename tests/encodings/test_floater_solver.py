@@ -227,3 +227,30 @@ def test_decoding_steps_into_the_overflow_fail_with_the_message(translation_data
     peaks = encoding.table(100).abs().flatten(1).amax(dim=1)
     first_overflow = int((peaks > torch.finfo(torch.float16).max).nonzero()[0, 0])
     assert 8 < steps == first_overflow < 100  # every position fp16 holds was decoded
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gathered_biases_sum_their_gradients_in_float32(dtype, device):
+    """A position that many rows of a left-padded batch share: its table row's gradient is the sum
+    of theirs in float32, rounded once (a half-precision running sum of ones stops at 256 (bf16) or
+    2048 (fp16); CUDA's index_add_ adds atomically in the tensor's dtype)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class IndexAdds(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith("index_add"):
+                dtypes.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    batch, dtypes = 5000, []
+    table = torch.zeros(3, 2, 4, dtype=dtype, device=device, requires_grad=True)
+    index = torch.ones(batch, dtype=torch.long, device=device)  # one position, every row of the batch
+    biases = floater.GatherSlots.apply(table, index, batch, 1)
+    with IndexAdds():
+        (grad,) = torch.autograd.grad(biases, table, [torch.ones_like(bias) for bias in biases])
+    assert dtypes == [torch.float32]  # (on CPU torch's index_add_ happens to sum rows exactly itself)
+    assert grad.dtype == dtype and grad[1].eq(batch).all() and not grad[[0, 2]].any()

@@ -84,3 +84,22 @@ def test_half_precision_model_gradients_close_to_fp32(translation_data, encoding
     assert sorted(gradients) == sorted(reference)
     assert all(torch.isfinite(grad).all() for grad in gradients.values())
     assert (relative_difference(gradients, reference, ENCODING_PARAMETERS) or 0.0) <= GRADIENT[dtype]
+
+
+@pytest.mark.parametrize("encoding", ["t5", "t5_nob"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bias_table_sums_the_gradients_of_its_distances_in_float32(encoding, dtype):
+    """Thousands of distances share T5's far buckets (T5-NoB's clipped rows): each table row's
+    gradient sums theirs in float32, rounded once (a half-precision running sum of ones stops at 256
+    (bf16) or 2048 (fp16))."""
+    from posenc_fairseq.encodings import ModelDims, build_encoding
+    from util import encoding_options
+
+    bias = build_encoding(encoding, encoding_options(), ModelDims(32, 4, 2, 2)).to(dtype)
+    table = bias.tables["encoder"]
+    low, high = -3000, 3000
+    (grad,) = torch.autograd.grad(bias.distance_bias("encoder", low, high).sum(), table)
+    rows = bias.rows_of(torch.arange(low, high + 1), bidirectional=True)
+    distances_per_row = torch.bincount(rows, minlength=table.size(0)).to(torch.float64)
+    assert distances_per_row.max() > 2048
+    assert grad.dtype == dtype and torch.equal(grad, distances_per_row[:, None].expand_as(grad).to(dtype))
