@@ -254,3 +254,75 @@ def test_gathered_biases_sum_their_gradients_in_float32(dtype, device):
         (grad,) = torch.autograd.grad(biases, table, [torch.ones_like(bias) for bias in biases])
     assert dtypes == [torch.float32]  # (on CPU torch's index_add_ happens to sum rows exactly itself)
     assert grad.dtype == dtype and grad[1].eq(batch).all() and not grad[[0, 2]].any()
+
+
+@pytest.mark.parametrize("device,method,adjoint,built,expected", [
+    ("cuda", "rk4", False, True, "cpu"), ("cuda", "midpoint", False, True, "cpu"), ("cuda", "euler", False, True, "cpu"),
+    ("cuda", "rk4", True, True, "cuda"),  # the continuous adjoint: torchdiffeq, on the GPU
+    ("cuda", "dopri5", False, True, "cuda"),  # adaptive steps: torchdiffeq, on the GPU
+    ("cuda", "rk4", False, False, "cuda"),  # the extension not built: the Python loops, on the GPU
+    ("cpu", "rk4", False, True, "cpu"), ("cpu", "dopri5", False, True, "cpu")])
+def test_a_cuda_fixed_grid_solve_runs_on_the_cpu_in_the_compiled_loops(device, method, adjoint, built, expected,
+                                                                       monkeypatch):
+    """On CUDA the Python loops launch dozens of tiny kernels per position: a fixed-grid solve
+    without the adjoint runs in the compiled CPU loops instead, when they are built."""
+    if not built:
+        monkeypatch.setattr(floater, "floater_solve", None)
+    assert floater.solve_device(torch.device(device), method, adjoint) == torch.device(expected)
+
+
+def floater_solve_inputs(data, device):
+    model, _, encoding = floater_model(data)
+    perturb(model)
+    model.to(device)
+    return model, encoding, [*encoding.dynamics.parameters(), *encoding.initial_parameters()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_solve_cuda_takes_equals_the_python_loops(translation_data, device, monkeypatch):
+    """The table and every gradient of a solve as CUDA runs it (inputs copied to the CPU, the
+    compiled loops, the table copied back) equal the Python loops on the inputs' own device (what
+    CUDA ran before). On CPU the same function runs with CPU inputs (the copies are no-ops there)."""
+    model, encoding, inputs = floater_solve_inputs(translation_data, device)
+    upstream = torch.randn(21, len(encoding._slots), encoding.dims.embed_dim, generator=torch.Generator().manual_seed(3))
+    with monkeypatch.context() as python_loops:
+        python_loops.setattr(floater, "floater_solve", None)
+        reference = encoding.solve(21)
+        reference_grads = torch.autograd.grad(reference, inputs, upstream.to(device))
+    consulted, compiled = [], []
+    choose = floater.solve_device
+    monkeypatch.setattr(floater, "solve_device", lambda *args: consulted.append(args) or choose(*args))
+    loops = floater.floater_solve
+    monkeypatch.setattr(floater, "floater_solve", type("Spy", (), {
+        "forward": staticmethod(lambda *args: compiled.append(args[-2][0].device) or loops.forward(*args)),
+        "backward": staticmethod(loops.backward)}))
+    table = encoding.solve(21)
+    grads = torch.autograd.grad(table, inputs, upstream.to(device))
+    assert consulted == [(torch.device(device), "rk4", False)] and compiled == [torch.device("cpu")]
+    assert table.device == reference.device and table.dtype == torch.float32
+    assert (table - reference).abs().max() <= 1e-5 * reference.abs().max() and reference.abs().max() > 0.1
+    for grad, expected in zip(grads, reference_grads):
+        assert grad.device == expected.device and (grad - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+@pytest.mark.parametrize("variant", [[], ["--floater-method", "dopri5"], ["--floater-adjoint"], "python loops"])
+def test_the_solve_stays_float32_under_autocast(translation_data, variant, monkeypatch):
+    """--amp: the solve's products stay in float32 inside an autocast region: its table and
+    gradients are exactly those without autocast (backward outside the region, as fairseq calls it;
+    the fixed-grid solves also inside it, where torch's own backward formulas would autocast)."""
+    if variant == "python loops":
+        monkeypatch.setattr(floater, "floater_solve", None)
+    model, _, encoding = floater_model(translation_data, variant if isinstance(variant, list) else [])
+    perturb(model)
+    inputs = [*encoding.dynamics.parameters(), *encoding.initial_parameters()]
+    reference = encoding.solve(9)
+    reference_grads = torch.autograd.grad(reference.pow(2).sum(), inputs)
+    fixed_grid = encoding.method in floater.FIXED_GRID and not encoding.adjoint
+    for backward_inside in (False, True) if fixed_grid else (False,):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            table = encoding.solve(9)
+            loss = table.pow(2).sum()
+            grads = torch.autograd.grad(loss, inputs) if backward_inside else None
+        grads = grads or torch.autograd.grad(loss, inputs)
+        assert table.dtype == torch.float32 and torch.equal(table, reference)
+        assert all(torch.equal(grad, expected) for grad, expected in zip(grads, reference_grads))
