@@ -135,8 +135,10 @@ def test_one_part_under_a_python_dispatch_mode(monkeypatch):
         torch.set_num_threads(previous)
 
 
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float16, 0.02), (torch.bfloat16, 0.05)])
-def test_half_precision_model_at_2048_tokens_is_close_to_fp32(translation_data, dtype, tolerance):
+# (table, logits) differences from fp32 relative to their largest fp32 value: 2-4x those measured;
+# without FLOATER's biases the logits differ by more than their largest value
+@pytest.mark.parametrize("dtype,table_tolerance,tolerance", [(torch.float16, 1e-3, 0.015), (torch.bfloat16, 0.01, 0.08)])
+def test_half_precision_model_at_2048_tokens_is_close_to_fp32(translation_data, dtype, table_tolerance, tolerance):
     model, task, encoding = floater_model(translation_data, ["--max-source-positions", "4096",
                                                              "--max-target-positions", "4096"])
     model.eval()
@@ -154,7 +156,7 @@ def test_half_precision_model_at_2048_tokens_is_close_to_fp32(translation_data, 
         half_table = encoding.table(2048)
         assert half_table.dtype == torch.float32  # solved in fp32 whatever the model's dtype
         # the same table up to the rounding of the parameters to the model's dtype
-        assert (half_table - table).abs().max() <= 0.05 * table.abs().max()
+        assert (half_table - table).abs().max() <= table_tolerance * table.abs().max()
         got, _ = model(src, src_lengths, prev)
     assert torch.isfinite(got).all()
     assert (got.float() - reference).abs().max() <= tolerance * reference.abs().max()
