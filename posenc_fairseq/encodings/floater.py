@@ -295,8 +295,8 @@ class HiddenSpaceSolve(torch.autograd.Function):
     Backward is the exact discrete adjoint of these operations, also one product per stage.
 
     The loops run compiled on CPU (csrc/floater_solve.cpp, the same operations as
-    `_hidden_forward_loops` / `_hidden_backward_loops`, which serve CUDA and installs without the
-    extension), with the rows split into parts integrated side by side on their own threads
+    `_hidden_forward_loops` / `_hidden_backward_loops`, which serve installs without the extension;
+    a CUDA model's solve runs here too, `solve_device`), with the rows split into parts integrated side by side on their own threads
     (`compiled_parts`): the rows are independent ODEs sharing h, so each part is the same solve of
     its own rows and the weights' gradients add up over the parts. At the benchmark's size a stage's
     product takes ~22 us on 27 rows and ~11 us on 14, and the operations around it cost about as much
