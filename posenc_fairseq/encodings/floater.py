@@ -172,6 +172,25 @@ def one_cpu_thread(function):
     return wrapped
 
 
+def autocast_off(device: torch.device):
+    """Autocast off for `device`'s type: the solve's products stay in its inputs' dtype (float32 or
+    better) under --amp, where autocast would run them in half precision and mix them with the
+    float32 state."""
+    return torch.autocast(device.type, enabled=False) if device.type in ("cpu", "cuda") else contextlib.nullcontext()
+
+
+def without_autocast(backward):
+    """A solve's backward with autocast off (a backward called inside an autocast region would
+    otherwise run its products in half precision)."""
+
+    @functools.wraps(backward)
+    def wrapped(ctx, grad, *grads):
+        with autocast_off(grad.device):
+            return backward(ctx, grad, *grads)
+
+    return wrapped
+
+
 class FixedGridSolve(torch.autograd.Function):
     """States b(t_i), i = first..last, of db/dt = h(t, b) by an explicit Runge-Kutta method with
     `substeps` equal steps per interval [t_i, t_i+1], and their exact discrete gradient.
@@ -208,6 +227,7 @@ class FixedGridSolve(torch.autograd.Function):
         return states
 
     @staticmethod
+    @without_autocast
     @one_cpu_thread
     def backward(ctx, grad_states: Tensor):
         states, w1, c1, w2, c2, *kept = ctx.saved_tensors
@@ -275,8 +295,8 @@ class HiddenSpaceSolve(torch.autograd.Function):
     Backward is the exact discrete adjoint of these operations, also one product per stage.
 
     The loops run compiled on CPU (csrc/floater_solve.cpp, the same operations as
-    `_hidden_forward_loops` / `_hidden_backward_loops`, which serve CUDA and installs without the
-    extension), with the rows split into parts integrated side by side on their own threads
+    `_hidden_forward_loops` / `_hidden_backward_loops`, which serve installs without the extension;
+    a CUDA model's solve runs here too, `solve_device`), with the rows split into parts integrated side by side on their own threads
     (`compiled_parts`): the rows are independent ODEs sharing h, so each part is the same solve of
     its own rows and the weights' gradients add up over the parts. At the benchmark's size a stage's
     product takes ~22 us on 27 rows and ~11 us on 14, and the operations around it cost about as much
@@ -304,6 +324,7 @@ class HiddenSpaceSolve(torch.autograd.Function):
         return states
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad_states: Tensor):
         states, w1, c1, w2, c2, *kept = ctx.saved_tensors
         tableau, first, last, delta, substeps = ctx.settings
@@ -431,6 +452,24 @@ def compiled_parts(y0: Tensor, hidden: int) -> Optional[List[slice]]:
     return [slice(start, end) for start, end in zip(bounds[:-1], bounds[1:])]
 
 
+def solve_device(device: torch.device, method: str, adjoint: bool) -> torch.device:
+    """Where a solve of inputs on `device` runs. A CUDA solve by a fixed-grid method without the
+    adjoint runs on the CPU in the compiled loops, its table then copied to the GPU: on CUDA the
+    loops are Python's, dozens of tiny kernel launches per position (launch-bound whatever the GPU).
+    Elsewhere (CPU, the extension not built, dopri5 or the adjoint: torchdiffeq) on `device`."""
+    if device.type == "cuda" and floater_solve is not None and method in FIXED_GRID and not adjoint:
+        return torch.device("cpu")
+    return device
+
+
+def solved_on(device: torch.device, solve, y0: Tensor, *weights: Tensor) -> Tensor:
+    """solve(y0, *weights) computed on `device`, returned on y0's device (autograd's copies carry
+    the gradients back to the inputs' device)."""
+    if device == y0.device:
+        return solve(y0, *weights)
+    return solve(y0.to(device), *(weight.to(device) for weight in weights)).to(y0.device)
+
+
 def fixed_grid_solve(tableau, first, last, delta, substeps, y0, *weights) -> Tensor:
     """States b(t_i), i = first..last (see `FixedGridSolve`): in h's hidden space when that is
     cheaper (one (N, hidden) x (hidden, hidden) product per stage instead of two with (hidden, d))."""
@@ -505,9 +544,12 @@ class GatherSlots(torch.autograd.Function):
         if present is None:
             return None, None, None, None
         grads = [grad if grad is not None else present.new_zeros(()).expand_as(present) for grad in grads]
-        grad_table = present.new_zeros(rows, slots * width)
-        grad_table.index_add_(0, index, torch.stack(grads, dim=-2).reshape(-1, slots * width))
-        return grad_table.view(rows, slots, width), None, None, None
+        # summed over the batch (a left-padded source's positions repeat across rows): in float32 for
+        # fp16/bf16 (CUDA's index_add_ adds atomically in the tensor's dtype, each add rounded)
+        accumulate = torch.promote_types(present.dtype, torch.float32)
+        grad_table = present.new_zeros(rows, slots * width, dtype=accumulate)
+        grad_table.index_add_(0, index, torch.stack(grads, dim=-2).reshape(-1, slots * width).to(accumulate))
+        return grad_table.view(rows, slots, width).to(present.dtype), None, None, None
 
 
 class _HiddenRun:
@@ -744,9 +786,16 @@ class Floater(PositionalEncoding):
         return self.dynamics.weights(dtype), self.initial_values().to(dtype)
 
     def _odeint(self, y0: Tensor, first: int, last: int, weights) -> Tensor:
-        """States b(t_i) for positions i = first..last, shape (last - first + 1, N, d)."""
-        if self.method in FIXED_GRID and not self.adjoint:
-            return fixed_grid_solve(TABLEAUS[self.method], first, last, self.delta, self.substeps, y0, *weights)
+        """States b(t_i) for positions i = first..last, shape (last - first + 1, N, d), on y0's
+        device and in its dtype (autocast off: the solve stays in float32 under --amp)."""
+        with autocast_off(y0.device):
+            if self.method in FIXED_GRID and not self.adjoint:
+                solve = functools.partial(fixed_grid_solve, TABLEAUS[self.method], first, last, self.delta, self.substeps)
+                return solved_on(solve_device(y0.device, self.method, self.adjoint), solve, y0, *weights)
+            return self._torchdiffeq(y0, first, last, weights)
+
+    def _torchdiffeq(self, y0: Tensor, first: int, last: int, weights) -> Tensor:
+        """`_odeint` by torchdiffeq: dopri5, or the continuous adjoint."""
         import torchdiffeq
 
         times = grid_times(first, last, self.delta).to(y0.device)

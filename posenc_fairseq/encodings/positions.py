@@ -169,7 +169,10 @@ class _ShiftedProduct(torch.autograd.Function):
         query, rel = ctx.saved_tensors
         keys = ctx.keys
         grad_query = torch.empty_like(query) if ctx.needs_input_grad[0] else None
-        grad_rel = torch.zeros_like(rel) if ctx.needs_input_grad[1] else None
+        # rel's gradient is a sum over the chunks and the batch: in float32 for fp16/bf16 (a
+        # half-precision running sum stops growing once it is 2^8 (bf16) or 2^11 times a term)
+        accumulate = torch.promote_types(rel.dtype, torch.float32)
+        grad_rel = rel.new_zeros(rel.shape, dtype=accumulate) if ctx.needs_input_grad[1] else None
         buffer = None  # one chunk's gradient per distance, reused by the chunks of its size
         for rows, low, high, width in _shift_chunks(query, rel.size(1), keys):
             count = rows.stop - rows.start
@@ -181,9 +184,11 @@ class _ShiftedProduct(torch.autograd.Function):
             if grad_query is not None:
                 grad_query[:, :, rows] = grad_distance @ rel[:, low:high][None]
             if grad_rel is not None:
-                for batch in range(query.size(0)):  # (summed over the batch without a copy)
-                    grad_rel[:, low:high].baddbmm_(grad_distance[batch].transpose(-1, -2), query[batch, :, rows])
-        return grad_query, grad_rel, None
+                # (summed over the batch without a copy; in half precision, one copy per chunk in float32)
+                grad_distance, rows_query = grad_distance.to(accumulate), query[:, :, rows].to(accumulate)
+                for batch in range(query.size(0)):
+                    grad_rel[:, low:high].baddbmm_(grad_distance[batch].transpose(-1, -2), rows_query[batch])
+        return grad_query, grad_rel.to(rel.dtype) if grad_rel is not None else None, None
 
 
 def shifted_product(query: Tensor, rel: Tensor, keys: int) -> Tensor:

@@ -225,7 +225,9 @@ class _TableBias(ScalarBias):
         table = self.tables[key]
         distances = torch.arange(low, high + 1, device=table.device)
         rows = self.rows_of(distances, bidirectional=self.key_role(key) == "encoder")
-        return table[rows].t()  # (heads, D)
+        # gathered from a float32 copy in fp16/bf16: the backward sums the gradients of a row's distances
+        # (thousands share the far rows), which index_put would round at every add in half precision
+        return table.to(torch.promote_types(table.dtype, torch.float32))[rows].t().to(table.dtype)  # (heads, D)
 
     def reset_to_identity(self):
         with torch.no_grad():

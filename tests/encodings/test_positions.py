@@ -181,3 +181,16 @@ def test_sum_by_distance_runs_equals_scatter_add_with_gradients(queries, keys, b
     (grad,) = torch.autograd.grad((got * weights).sum(), probs)
     (expected_grad,) = torch.autograd.grad((expected * weights).sum(), probs)
     assert torch.equal(grad, expected_grad)  # each probability's gradient is its row's weight
+
+
+@pytest.mark.parametrize("dtype,batch", [(torch.bfloat16, 600), (torch.float16, 5000)])
+def test_shifted_product_sums_half_precision_gradients_in_float32(dtype, batch):
+    """rel's gradient is a sum over the batch items: a half-precision running sum of ones stops at
+    256 (bf16) or 2048 (fp16); summed in float32 it is the count, rounded once."""
+    from posenc_fairseq.encodings import positions
+
+    query = torch.ones(batch, 1, 2, 1, dtype=dtype, requires_grad=True)
+    rel = torch.ones(1, 3, 1, dtype=dtype, requires_grad=True)
+    (grad,) = torch.autograd.grad(positions.shifted_product(query, rel, 2).sum(), rel)
+    # pair (i, j) reads column 1 - i + j: (1, 0) column 0, (0, 0) and (1, 1) column 1, (0, 1) column 2
+    assert grad.dtype == dtype and grad.view(-1).tolist() == [batch, 2 * batch, batch]

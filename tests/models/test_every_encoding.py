@@ -1,6 +1,8 @@
 """Model-level behaviour, parametrised over every encoding the plugin registers: an encoding
 added later is covered here without new test code."""
 
+import copy
+
 import pytest
 import torch
 
@@ -56,6 +58,26 @@ def perturb_away_from_identity(model):
     with torch.no_grad():
         for parameter in model.positional_encoding.parameters():
             parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
+
+
+#: the hooks through which an encoding changes the attention (returning None: it adds nothing)
+POSITION_HOOKS = ("projection_bias", "step_terms", "logit_bias", "relative_logits", "content_query",
+                  "relative_values", "distance_logits")
+
+
+def without_position_term(model):
+    """A copy of `model` that has lost its position information: its encoding's hooks add nothing and
+    its stacks have no absolute position embedding (what a path that dropped the term would give)."""
+    model = copy.deepcopy(model)
+    encoding = model.positional_encoding
+    for hook in POSITION_HOOKS:
+        setattr(encoding, hook, lambda *args, **kwargs: None)
+    encoding.has_relative_values = lambda role, layer: False
+    encoding.project = lambda role, layer, which, x, positions: x
+    for stack in (getattr(model, "encoder", None), model.decoder):
+        if stack is not None:
+            stack.embed_positions = None
+    return model
 
 
 @pytest.mark.parametrize("encoding", EVERY_ENCODING)
@@ -152,14 +174,30 @@ def test_every_parameter_receives_a_gradient(translation_data, masked_lm_data, e
     assert not unused
 
 
+# |half - fp32| of the logits over the largest fp32 logit: about twice the largest difference measured
+# over the encodings (here and in test_lm.py), well below what losing the position term changes
+HALF_PRECISION_LOGITS = {torch.bfloat16: 0.02, torch.float16: 0.003}
+
+
+def assert_half_precision_close(model, inputs, dtype, has_position_term=True):
+    """`model` (fp32) converted to `dtype`: finite logits within HALF_PRECISION_LOGITS of fp32's, a
+    bound that the same model without its position term exceeds (it would catch a dropped term)."""
+    with torch.no_grad():
+        reference, _ = model(*inputs)
+        dropped, _ = without_position_term(model)(*inputs)
+        half, _ = model.to(dtype)(*inputs)
+    bound = HALF_PRECISION_LOGITS[dtype] * reference.abs().max()
+    assert torch.isfinite(half).all()
+    assert (half.float() - reference).abs().max() <= bound
+    if has_position_term:
+        assert (dropped - reference).abs().max() > bound
+
+
 @pytest.mark.parametrize("encoding", EVERY_ENCODING)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_forward_is_finite_and_close(translation_data, encoding, dtype):
-    """Padded batch (left-padded source, causal decoder) in bf16/fp16: dtype-aware masks, no NaN."""
+    """Padded batch (left-padded source, causal decoder) in bf16/fp16: dtype-aware masks, no NaN,
+    the logits as close to fp32's as the dtype's rounding allows."""
     model, task = perturbed_translation_model(translation_data, encoding)
     src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
-    with torch.no_grad():
-        reference, _ = model(src, src_lengths, prev)
-        half, _ = model.to(dtype)(src, src_lengths, prev)
-    assert torch.isfinite(half).all()
-    assert (half.float() - reference).abs().max() <= 0.1 * reference.abs().max()
+    assert_half_precision_close(model, (src, src_lengths, prev), dtype, has_position_term=encoding != "nope")

@@ -16,6 +16,7 @@ from fairseq.models.transformer_lm import TransformerLanguageModelConfig
 from posenc_fairseq import convert
 from posenc_fairseq.encodings import ENCODINGS
 from posenc_fairseq.models.lm import SIZES, PositionalLanguageModel
+from test_every_encoding import assert_half_precision_close
 from util import QUICK_TRAIN, REPO, USER_DIR, build_model, run, run_distributed
 
 EVERY_ENCODING = sorted(ENCODINGS)
@@ -202,11 +203,9 @@ def test_half_precision_forward_is_finite_and_close(masked_lm_data, encoding, dt
     model, task, _ = lm_model(masked_lm_data, encoding)
     tokens = random_tokens(task.source_dictionary, batch=2, length=9)
     tokens[1, 6:] = task.source_dictionary.pad()
-    with torch.no_grad():
-        reference, _ = model(tokens)
-        half, _ = model.to(dtype)(tokens)
-    assert torch.isfinite(half).all()
-    assert (half.float() - reference).abs().max() <= 0.1 * reference.abs().max()
+    # AT5's buckets 1 - exp(-gamma d / L) are all near 0 over 9 causal distances: its term hardly
+    # moves this language model's logits (it does the translation model's: test_every_encoding.py)
+    assert_half_precision_close(model, (tokens,), dtype, has_position_term=encoding not in ("nope", "at5", "at5_nob"))
 
 
 @pytest.mark.parametrize("encoding", EVERY_ENCODING)

@@ -1,0 +1,105 @@
+"""Mixed precision, every encoding: training under torch.autocast (fairseq's --amp) and in bf16 / fp16
+models (--bf16 / --fp16: model.bfloat16() / model.half()) against the same weights in fp32: the loss,
+which parameters get gradients, and the encoding's own parameters' gradients (relative to their norm)."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from posenc_fairseq.encodings import ENCODINGS
+from test_every_encoding import perturb_away_from_identity
+from util import TINY_TRANSFORMER, build_model, random_batch
+
+EVERY_ENCODING = sorted(ENCODINGS)
+ENCODING_PARAMETERS = "positional_encoding."
+
+# Relative to fp32 (loss; the encoding's parameters' gradients as one vector): each bound about 2-3x
+# the largest difference measured over the encodings on this batch. bf16 keeps 8 significant bits,
+# fp16 11; gradients that mostly cancel (GCDF's all-positive prior, T5/AT5's per-bucket sums of the
+# logits' gradients) differ most.
+LOSS = {"autocast": 2e-3, torch.bfloat16: 2e-3, torch.float16: 2e-4}
+GRADIENT = {"autocast": 0.1, torch.bfloat16: 0.15, torch.float16: 0.04}
+FP16_LOSS_SCALE = 128.0
+SMALL_GRADIENT = 1e-3  # fairseq's --fp16 starts its dynamic loss scale at 2^7
+
+
+def training_setup(data, encoding):
+    """Tiny transformer_{encoding} in training mode without dropout (runs compare exactly), its
+    encoding moved away from identity, and a padded batch (left-padded source) with targets."""
+    torch.manual_seed(0)
+    model, task, _ = build_model(data, f"transformer_{encoding}", [*TINY_TRANSFORMER, "--dropout", "0"])
+    model.train()
+    perturb_away_from_identity(model)
+    dictionary = task.source_dictionary
+    src, src_lengths, prev = random_batch(dictionary, batch=3, src_len=9, tgt_len=7)
+    target = torch.randint(dictionary.nspecial, len(dictionary), prev.shape, generator=torch.Generator().manual_seed(2))
+    return model, (src, src_lengths, prev), target
+
+
+def loss_and_gradients(model, batch, target, autocast=None, loss_scale=1.0):
+    """Cross-entropy (computed in fp32, as fairseq's criterion does under --amp) and every
+    parameter's gradient in fp32, unscaled; forward under CPU autocast to `autocast` if given."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        logits, _ = model(*batch)
+    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), target.view(-1))
+    (loss * loss_scale).backward()
+    gradients = {name: p.grad.float() / loss_scale for name, p in model.named_parameters() if p.grad is not None}
+    return float(loss), gradients
+
+
+def relative_difference(got, expected, prefix=""):
+    """|got - expected| / |expected| of the gradients whose names start with `prefix`, all of them
+    as one vector (None if there are none). (Per tensor, a gradient that cancels to almost nothing,
+    e.g. a key projection's bias, which softmax ignores, keeps the half-precision error of the
+    terms that cancel: larger than itself.)"""
+    names = [name for name in expected if name.startswith(prefix)]
+    if not names:
+        return None
+    difference = torch.cat([(got[name] - expected[name]).reshape(-1) for name in names])
+    return float(difference.norm() / torch.cat([expected[name].reshape(-1) for name in names]).norm())
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_trains_under_autocast_close_to_fp32(translation_data, encoding):
+    model, batch, target = training_setup(translation_data, encoding)
+    reference_loss, reference = loss_and_gradients(model, batch, target)
+    loss, gradients = loss_and_gradients(model, batch, target, autocast=torch.bfloat16)
+    assert abs(loss - reference_loss) <= LOSS["autocast"] * reference_loss
+    assert sorted(gradients) == sorted(reference)  # every parameter fp32 trains gets a gradient
+    assert all(torch.isfinite(grad).all() for grad in gradients.values())
+    assert (relative_difference(gradients, reference, ENCODING_PARAMETERS) or 0.0) <= GRADIENT["autocast"]
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_model_gradients_close_to_fp32(translation_data, encoding, dtype):
+    model, batch, target = training_setup(translation_data, encoding)
+    reference_loss, reference = loss_and_gradients(model, batch, target)
+    half = copy.deepcopy(model).to(dtype)
+    scale = FP16_LOSS_SCALE if dtype == torch.float16 else 1.0
+    loss, gradients = loss_and_gradients(half, batch, target, loss_scale=scale)
+    assert abs(loss - reference_loss) <= LOSS[dtype] * reference_loss
+    assert sorted(gradients) == sorted(reference)
+    assert all(torch.isfinite(grad).all() for grad in gradients.values())
+    assert (relative_difference(gradients, reference, ENCODING_PARAMETERS) or 0.0) <= GRADIENT[dtype]
+
+
+@pytest.mark.parametrize("encoding", ["t5", "t5_nob"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bias_table_sums_the_gradients_of_its_distances_in_float32(encoding, dtype):
+    """Thousands of distances share T5's far buckets (T5-NoB's clipped rows): each table row's
+    gradient sums theirs in float32, rounded once (a half-precision running sum of ones stops at 256
+    (bf16) or 2048 (fp16))."""
+    from posenc_fairseq.encodings import ModelDims, build_encoding
+    from util import encoding_options
+
+    bias = build_encoding(encoding, encoding_options(), ModelDims(32, 4, 2, 2)).to(dtype)
+    table = bias.tables["encoder"]
+    low, high = -3000, 3000
+    (grad,) = torch.autograd.grad(bias.distance_bias("encoder", low, high).sum(), table)
+    rows = bias.rows_of(torch.arange(low, high + 1), bidirectional=True)
+    distances_per_row = torch.bincount(rows, minlength=table.size(0)).to(torch.float64)
+    assert distances_per_row.max() > 2048
+    assert grad.dtype == dtype and torch.equal(grad, distances_per_row[:, None].expand_as(grad).to(dtype))
