@@ -603,6 +603,8 @@ def check_ddp(models, budget):
                 plain = models.build(arch, argv).to(models.device)
                 checkpointed = models.build(arch, [*argv, "--checkpoint-activations"],
                                             state=plain.state_dict()).to(models.device)
+                if not any(hasattr(layer, "precheckpoint_forward") for layer in checkpointed.encoder.layers):
+                    raise CheckFailed("--checkpoint-activations left the layers unwrapped: nothing to compare")
                 # as fairseq's c10d backend (DistributedFairseqModel, ddp_backend=pytorch_ddp) wraps it
                 wrapped = DistributedDataParallel(
                     checkpointed, device_ids=[models.device.index] if models.cuda else None,
