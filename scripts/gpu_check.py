@@ -1,0 +1,869 @@
+#!/usr/bin/env python
+"""The acceptance run on one GPU (issue 26): does every encoding train on CUDA as it does on CPU?
+
+    python scripts/gpu_check.py --device cuda            # ~5 minutes on one H100
+    python scripts/gpu_check.py --device cpu [--quick]   # what the CPU can check
+
+Checks (each prints a markdown table and its elapsed seconds; `--only a,c` picks some):
+  a. every encoding: a tiny transformer_NAME trained one batch (forward + backward) on the device
+     against the same weights on CPU in fp32 (with --device cpu: against float64): loss and every
+     gradient, relative to the reference's largest entry.
+  b. FlexAttention (`posenc_fairseq.flex_attention.MODE = "on"`) against the reference path ("off")
+     for the encodings whose `distance_logits` it reads: logits and every gradient over batches of
+     mixed lengths and padding, Dynamo's compiles (a recompile limit reached or a failed compile
+     shows as frames not compiled), and forward + backward time of both. CPU: forward only under
+     no_grad (FlexAttention's eager CPU path has no backward).
+  c. fp16 / bf16 models (`model.half()`, `model.bfloat16()`) and autocast (`torch.autocast`, as
+     fairseq's --amp) against fp32 on the device: loss, the encoding's parameter gradients, all
+     finite, every parameter gets a gradient. CPU: bf16 and autocast-bf16.
+  d. torch DistributedDataParallel (one process; nccl on CUDA, gloo on CPU; wrapped as fairseq's
+     c10d backend does) around a model built with --checkpoint-activations: gradients of two
+     batches against the plain model, every encoding and T5/AT5 with one table shared by all layers.
+  e. FLOATER: its table solved on the device against the CPU solve (CPU: the Python loops, the path
+     CUDA takes, against the compiled ones), and the time of a training step against
+     transformer_sinusoidal of the same size (reported, no limit).
+  f. T5's buckets (`relative_position_bucket`) on CUDA against CPU for distances far past
+     max_distance (CUDA only).
+A failing row does not stop the others; a check that spends its time budget (`--budget`) reports
+the rows it did not run as failures. Exit status 1 if any row failed. Check b runs last: it
+compiles, the slowest and least predictable part.
+"""
+import argparse
+import logging
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+USER_DIR = str(REPO / "posenc_fairseq")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+CHECKS = {
+    "a": "every encoding: forward + backward on the device vs the CPU",
+    "b": "FlexAttention vs the reference attention",
+    "c": "fp16 / bf16 / autocast vs fp32",
+    "d": "torch DDP + --checkpoint-activations vs the plain model",
+    "e": "FLOATER: table on the device vs the CPU, step time vs sinusoidal",
+    "f": "T5 buckets: CUDA vs CPU",
+}
+RUN_ORDER = "facdeb"
+#: seconds per check on CUDA (`--budget` overrides): together under 8 minutes, the device run's limit with set-up;
+#: CPU and --quick runs are small enough not to need one
+CUDA_BUDGETS = {"a": 45, "b": 240, "c": 60, "d": 45, "e": 60, "f": 15}
+CPU_BUDGETS = {"a": 300, "b": 300, "c": 300, "d": 300, "e": 300, "f": 60}
+
+NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0"]
+
+
+def sizes(dim, heads, layers, ffn=None):
+    """fairseq's size options of an encoder-decoder transformer."""
+    ffn = ffn or 2 * dim
+    return ["--encoder-layers", str(layers), "--decoder-layers", str(layers),
+            "--encoder-embed-dim", str(dim), "--decoder-embed-dim", str(dim),
+            "--encoder-ffn-embed-dim", str(ffn), "--decoder-ffn-embed-dim", str(ffn),
+            "--encoder-attention-heads", str(heads), "--decoder-attention-heads", str(heads)]
+
+
+TINY = sizes(32, 4, 2)
+#: FlexAttention's CUDA kernel needs a head dimension of at least 16
+FLEX_SIZES = sizes(64, 4, 2)
+#: options that give an encoding a term FlexAttention can read (Shaw's default value term needs the explicit path)
+FLEX_OPTIONS = {"shaw": ["--shaw-values", "off"]}
+#: the flex check runs these first (one of each kind of table) so that a spent budget still covers every kind
+FLEX_FIRST = ["t5", "alibi", "xl", "lfhc", "shaw"]
+SHARED_TABLES = ["--scalar-bias-layers", "all", "--scalar-bias-share-layers"]
+
+# Pass limits. fp32 against fp32 (another device or kernel) or float64: rounding only.
+FP32_LIMIT = 1e-4
+#: half precision against fp32 on the same device: (loss, gradients), relative. bf16 keeps 8 bits
+#: of mantissa, fp16 11; a CPU run of the tiny models gave at most (1e-4, 3e-2) in fp16 and
+#: (5e-4, 5e-2) in bf16, models and autocast; a position term dropped moves the gradients by ~100 %
+HALF_LIMITS = {torch.float16: (2e-3, 1e-1), torch.bfloat16: (1e-2, 2e-1)}
+#: fairseq's --fp16 starts its loss scale at 2**7: without one, small fp16 gradients flush to zero
+FP16_LOSS_SCALE = 128.0
+
+
+# --- reporting ----------------------------------------------------------------------------------
+class CheckFailed(Exception):
+    """A row's comparison failed: the message is the row's detail."""
+
+
+@dataclass
+class Row:
+    cells: dict
+    status: str  # PASS, FAIL, SKIP (not applicable here), INFO (a measurement without a limit)
+    detail: str = ""
+
+
+class Table:
+    def __init__(self, key, columns):
+        self.key, self.columns, self.rows = key, columns, []
+        self.note = ""  # printed under the table
+
+    def add(self, status, detail="", **cells):
+        self.rows.append(Row(cells, status, detail))
+
+    def markdown(self):
+        columns = [*self.columns, "status", "detail"]
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        for row in self.rows:
+            values = [row.cells.get(column, "") for column in self.columns] + [row.status, row.detail]
+            values = ["—" if value is None else value for value in values]
+            lines.append("| " + " | ".join(str(value).replace("|", "/").replace("\n", " ") for value in values) + " |")
+        return "\n".join(lines)
+
+    def count(self, status):
+        return sum(row.status == status for row in self.rows)
+
+
+class Budget:
+    def __init__(self, seconds):
+        self.seconds, self.start = seconds, time.perf_counter()
+
+    def elapsed(self):
+        return time.perf_counter() - self.start
+
+    def spent(self):
+        return self.elapsed() > self.seconds
+
+
+def short_error(error):
+    text = f"{type(error).__name__}: {error}".strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:300]
+
+
+def guarded(table, budget, label_column, label, make_row):
+    """One row: make_row() -> (cells, status, detail); an exception becomes a FAIL row (traceback on
+    stderr), and so does a row the check's time budget leaves no time for."""
+    if budget.spent():
+        table.add("FAIL", f"not run: the check's time budget ({budget.seconds:g} s) was spent", **{label_column: label})
+        return
+    try:
+        cells, status, detail = make_row()
+    except CheckFailed as failure:
+        cells, status, detail = {}, "FAIL", str(failure)
+    except Exception as error:  # noqa: BLE001 - one failing row must not end the acceptance run
+        print(f"\n--- {table.key} / {label}: {type(error).__name__}", file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+        cells, status, detail = {}, "FAIL", short_error(error)
+    table.add(status, detail, **{label_column: label, **cells})
+
+
+def fmt(value):
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.2e}" if value != 0 else "0"
+    return str(value)
+
+
+# --- models and data ------------------------------------------------------------------------------
+@dataclass
+class Batch:
+    src: torch.Tensor  # (B, S) left-padded, eos last, as fairseq's translation task
+    src_lengths: torch.Tensor
+    prev: torch.Tensor  # (B, T) eos then the target shifted right, right-padded
+    target: torch.Tensor  # (B, T) right-padded with pad
+
+    def to(self, device):
+        return Batch(*(tensor.to(device) for tensor in (self.src, self.src_lengths, self.prev, self.target)))
+
+
+class Models:
+    """Builds models as fairseq-train does (options.parse_args_and_arch + task.build_model) on a
+    dictionary-only data directory of its own."""
+
+    def __init__(self, device, quick):
+        from fairseq.data import Dictionary
+
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
+        self.quick = quick
+        self.tmp = tempfile.TemporaryDirectory(prefix="gpu_check_")
+        dictionary = Dictionary()
+        for index in range(60):
+            dictionary.add_symbol(f"w{index}")
+        for lang in ("src", "tgt"):
+            dictionary.save(os.path.join(self.tmp.name, f"dict.{lang}.txt"))
+        self.dictionary = dictionary
+
+    @property
+    def cuda(self):
+        return self.device.type == "cuda"
+
+    def build(self, arch, argv, seed=0, state=None, perturb=True):
+        """The model on CPU in fp32, train mode; its encoding moved away from identity (seeded) unless
+        not `perturb`, or `state` loaded (another build of the same architecture, other options allowed)."""
+        from fairseq import options, tasks
+
+        torch.manual_seed(seed)
+        parser = options.get_training_parser()
+        args = options.parse_args_and_arch(parser, [
+            self.tmp.name, "--task", "translation", "--source-lang", "src", "--target-lang", "tgt",
+            "--arch", arch, "--user-dir", USER_DIR, *argv])
+        model = tasks.setup_task(args).build_model(args)
+        if state is not None:
+            # not FLOATER's K-window snapshot: a first training pass opens it
+            kept = {key: value for key, value in state.items() if "window_" not in key}
+            missing, unexpected = model.load_state_dict(kept, strict=False)
+            missing = [key for key in missing if "window_" not in key]
+            if missing or unexpected:
+                raise RuntimeError(f"state of another build: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        elif perturb:
+            perturb_away_from_identity(model, seed + 1)
+        model.train()
+        if hasattr(model, "set_num_updates"):
+            model.set_num_updates(0)
+        return model
+
+    def batches(self, count, seed, max_src, max_tgt, size):
+        """Batches of mixed shapes: each batch's lengths drawn anew, rows of several lengths in it."""
+        generator = torch.Generator().manual_seed(seed)
+        dictionary = self.dictionary
+        low, high, pad, eos = dictionary.nspecial, len(dictionary), dictionary.pad(), dictionary.eos()
+
+        def draw(low_, high_):
+            return int(torch.randint(low_, high_ + 1, (1,), generator=generator))
+
+        made = []
+        for _ in range(count):
+            src_width, tgt_width = draw(3, max_src), draw(2, max_tgt)
+            src = torch.full((size, src_width), pad)
+            prev = torch.full((size, tgt_width), pad)
+            target = torch.full((size, tgt_width), pad)
+            src_lengths = torch.empty(size, dtype=torch.long)
+            for row in range(size):
+                src_len = src_width if row == 0 else draw(2, src_width)
+                tgt_len = tgt_width if row == size - 1 else draw(1, tgt_width)
+                src[row, src_width - src_len:] = torch.randint(low, high, (src_len,), generator=generator)
+                src[row, -1] = eos
+                src_lengths[row] = src_len
+                tokens = torch.randint(low, high, (tgt_len,), generator=generator)
+                tokens[-1] = eos
+                target[row, :tgt_len] = tokens
+                prev[row, 0] = eos
+                prev[row, 1:tgt_len] = tokens[:-1]
+            made.append(Batch(src, src_lengths, prev, target))
+        return made
+
+    def loss(self, model, batch):
+        """Mean token cross-entropy (in at least fp32) and the logits of one forward pass."""
+        logits, _ = model(batch.src, batch.src_lengths, batch.prev)
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        loss = F.cross_entropy(wide.reshape(-1, wide.size(-1)), batch.target.reshape(-1),
+                               ignore_index=self.dictionary.pad(), reduction="sum")
+        return loss / batch.target.ne(self.dictionary.pad()).sum(), logits
+
+
+def perturb_away_from_identity(model, seed):
+    """Encodings may start as 'adds nothing' (zero tables, FLOATER's zero last layer): move every
+    encoding parameter so that the checks compare the position terms themselves."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.positional_encoding.parameters():
+            parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator).to(parameter.dtype))
+
+
+def step(models, model, batch, loss_scale=1.0, autocast=None):
+    """Forward + backward of one batch from zeroed gradients: (loss, logits, {name: gradient in
+    float64 on CPU}); gradients unscaled; a trainable parameter without gradient is absent."""
+    model.zero_grad(set_to_none=True)
+    with autocast if autocast is not None else nullcontext():
+        loss, logits = models.loss(model, batch)
+    (loss * loss_scale).backward()
+    grads = {name: parameter.grad.detach().double().cpu() / loss_scale
+             for name, parameter in model.named_parameters() if parameter.grad is not None}
+    return loss.detach().double().cpu(), logits.detach().double().cpu(), grads
+
+
+def largest(tensor):
+    return tensor.abs().max().item() if tensor.numel() else 0.0
+
+
+def relative(value, reference, floor=0.0):
+    """max |value - reference| / max(max |reference|, floor) (0 when both are 0)."""
+    value, reference = value.double().cpu(), reference.double().cpu()
+    error = largest(value - reference)
+    if error == 0.0:
+        return 0.0
+    scale = max(largest(reference), floor)
+    return error / scale if scale > 0 else math.inf
+
+
+#: a parameter's gradient is compared relative to its largest entry, or to this fraction of the
+#: model's largest gradient entry where that is larger: some gradients are zero but for rounding
+#: (attention key biases, the last bias of AT5's MLP: softmax ignores a constant added to a row)
+GRADIENT_FLOOR = 1e-2
+
+
+def worst_gradient(grads, reference, names=None):
+    """(largest relative difference over the parameters `names` (default all), its name); a
+    gradient present in one and not the other fails."""
+    if sorted(grads) != sorted(reference):
+        only = sorted(set(grads) ^ set(reference))
+        raise CheckFailed(f"different parameters got gradients: {only[:4]}")
+    floor = GRADIENT_FLOOR * max((largest(gradient) for gradient in reference.values()), default=0.0)
+    worst, worst_name = 0.0, None
+    for name in names if names is not None else reference:
+        error = relative(grads[name], reference[name], floor)
+        if not error <= worst:  # also NaN
+            worst, worst_name = error, name
+    return worst, worst_name
+
+
+def trainable_without_gradient(model, grads):
+    return [name for name, parameter in model.named_parameters() if parameter.requires_grad and name not in grads]
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --- the checks -----------------------------------------------------------------------------------
+def check_encodings(models, budget):
+    """a. forward + backward on the device against the CPU in fp32 (CPU run: against float64)."""
+    from posenc_fairseq.encodings import ENCODINGS
+
+    reference_kind = "CPU fp32" if models.cuda else "CPU float64"
+    table = Table("a", ["encoding", "loss", f"loss rel vs {reference_kind}", "max grad rel", "worst parameter"])
+    batch = models.batches(1, seed=11, max_src=13, max_tgt=11, size=4)[0]
+    for name in sorted(ENCODINGS):
+        def row(name=name):
+            arch, argv = f"transformer_{name}", [*TINY, *NO_DROPOUT]
+            model = models.build(arch, argv)
+            reference = models.build(arch, argv, state=model.state_dict())
+            if not models.cuda:
+                reference.double()
+            model.to(models.device)
+            loss, _, grads = step(models, model, batch.to(models.device))
+            ref_loss, _, ref_grads = step(models, reference, batch)
+            missing = trainable_without_gradient(model, grads)
+            if missing:
+                raise CheckFailed(f"no gradient: {missing[:4]}")
+            if not all(torch.isfinite(g).all() for g in grads.values()) or not torch.isfinite(loss):
+                raise CheckFailed("non-finite loss or gradient")
+            loss_error = relative(loss, ref_loss)
+            grad_error, grad_name = worst_gradient(grads, ref_grads)
+            passed = loss_error <= FP32_LIMIT and grad_error <= FP32_LIMIT
+            return (dict(loss=f"{loss.item():.4f}", **{f"loss rel vs {reference_kind}": fmt(loss_error),
+                                                        "max grad rel": fmt(grad_error), "worst parameter": grad_name}),
+                    "PASS" if passed else "FAIL", "" if passed else f"limit {FP32_LIMIT:g}")
+        guarded(table, budget, "encoding", name, row)
+    return table
+
+
+@contextmanager
+def flex_mode(mode):
+    from posenc_fairseq import flex_attention
+
+    previous = flex_attention.MODE
+    flex_attention.MODE = mode
+    try:
+        yield
+    finally:
+        flex_attention.MODE = previous
+
+
+@contextmanager
+def counted_flex_calls():
+    """Counts the calls that take the FlexAttention path (a silent fallback cannot pass for equality)."""
+    from posenc_fairseq import flex_attention
+
+    calls = [0]
+    attend = flex_attention.attend
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return attend(*args, **kwargs)
+
+    flex_attention.attend = counted
+    try:
+        yield calls
+    finally:
+        flex_attention.attend = attend
+
+
+def dynamo_counts():
+    from torch._dynamo.utils import counters
+
+    frames = counters["frames"]
+    return dict(ok=frames.get("ok", 0), total=frames.get("total", 0),
+                graph_breaks=sum(counters["graph_break"].values()))
+
+
+def flex_cases():
+    from posenc_fairseq import flex_attention
+    from posenc_fairseq.encodings import ENCODINGS
+
+    supported = [name for name in sorted(ENCODINGS) if flex_attention.supports(ENCODINGS[name].__new__(ENCODINGS[name]))]
+    return sorted(supported, key=lambda name: (FLEX_FIRST.index(name) if name in FLEX_FIRST else len(FLEX_FIRST), name))
+
+
+def check_flex(models, budget):
+    """b. FlexAttention ("on") against the reference path ("off"), same model, same batches."""
+    import torch._dynamo
+
+    from posenc_fairseq import flex_attention
+
+    cuda = models.cuda
+    columns = ["encoding", "batches", "flex calls", "max logit rel", "max grad rel", "worst parameter",
+               "compiles", "recompiles", "not compiled", "graph breaks", "flex ms", "reference ms", "flex / reference"]
+    table = Table("b", columns)
+    count = 2 if models.quick else 20
+    max_len = 12 if models.quick else 96
+    batches = [batch.to(models.device) for batch in models.batches(count, seed=21, max_src=max_len, max_tgt=max_len,
+                                                                    size=3 if models.quick else 8)]
+    # quick (the CPU test): one layer, one encoding of each kind of table; FlexAttention's eager CPU
+    # path traces every call's score_mod with Dynamo (~0.5 s a call)
+    argv = [*(sizes(32, 4, 1) if models.quick else FLEX_SIZES), *NO_DROPOUT]
+    cases = [name for name in flex_cases() if name in FLEX_FIRST or not models.quick]
+    for name in cases:
+        def row(name=name):
+            model = models.build(f"transformer_{name}", [*argv, *FLEX_OPTIONS.get(name, [])]).to(models.device)
+            if not cuda:
+                model.eval()  # FlexAttention's eager CPU path: forward only
+            if cuda:
+                torch._dynamo.reset()  # each encoding compiles afresh, as in a training run of its own
+                if getattr(flex_attention, "_compiled", None) is False:  # (before FlexAttention became opt-in)
+                    flex_attention._compiled = None
+            before = dynamo_counts()
+            worst_logits, worst_grad, worst_name, done = 0.0, 0.0, None, 0
+            seconds = {"on": 0.0, "off": 0.0}
+            with counted_flex_calls() as calls, warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for index, batch in enumerate(batches):
+                    if budget.spent():
+                        break
+                    results = {}
+                    for mode in ("on", "off"):
+                        calls_before = calls[0]
+                        start = time.perf_counter()
+                        with flex_mode(mode), torch.set_grad_enabled(cuda):
+                            if cuda:
+                                results[mode] = step(models, model, batch)
+                            else:
+                                results[mode] = (None, models.loss(model, batch)[1].double().cpu(), {})
+                        seconds[mode] += time.perf_counter() - start
+                        took = calls[0] - calls_before
+                        if (mode == "on") != (took > 0):
+                            raise CheckFailed(f"batch {index}: {took} FlexAttention calls with MODE {mode!r}; "
+                                              f"warnings: {[str(w.message)[:200] for w in caught][:2]}")
+                    worst_logits = max(worst_logits, relative(results["on"][1], results["off"][1]))
+                    if cuda:
+                        error, grad_name = worst_gradient(results["on"][2], results["off"][2])
+                        if not error <= worst_grad:
+                            worst_grad, worst_name = error, grad_name
+                    done += 1
+                flex_calls = calls[0]
+            after = dynamo_counts()
+            compiled = after["ok"] - before["ok"]
+            not_compiled = (after["total"] - before["total"]) - compiled
+            if cuda:  # the compared pass compiled: time another
+                flex_ms, reference_ms = time_modes(models, model, batches[:done], budget)
+            else:
+                flex_ms, reference_ms = (seconds[mode] / done if done else None for mode in ("on", "off"))
+            cells = {"batches": f"{done}/{len(batches)}", "flex calls": flex_calls, "max logit rel": fmt(worst_logits),
+                     "max grad rel": fmt(worst_grad) if cuda else "no backward on CPU", "worst parameter": worst_name,
+                     "compiles": compiled, "recompiles": max(compiled - 1, 0), "not compiled": not_compiled,
+                     "graph breaks": after["graph_breaks"] - before["graph_breaks"],
+                     "flex ms": fmt_ms(flex_ms), "reference ms": fmt_ms(reference_ms),
+                     "flex / reference": f"{flex_ms / reference_ms:.2f}" if flex_ms and reference_ms else "—"}
+            problems = []
+            if done < len(batches):
+                problems.append(f"time budget spent after {done} batches")
+            if not (worst_logits <= FP32_LIMIT and worst_grad <= FP32_LIMIT):
+                problems.append(f"limit {FP32_LIMIT:g}")
+            if not_compiled:
+                problems.append("frames left uncompiled (recompile limit or a failed compile: eager FlexAttention)")
+            compile_warnings = [str(w.message)[:200] for w in caught if "flex_attention" in str(w.message)
+                                and "without torch.compile" not in str(w.message)]
+            if compile_warnings:
+                problems.append(compile_warnings[0])
+            return cells, "FAIL" if problems else "PASS", "; ".join(problems)
+        guarded(table, budget, "encoding", name, row)
+    table.note = ("compiles: frames Dynamo compiled for the encoding (torch._dynamo.utils.counters, after "
+                  "torch._dynamo.reset(); none on CPU, where FlexAttention runs eagerly); not compiled: frames it "
+                  "gave up on (recompile limit, failed compile). ms: mean time per batch: CUDA forward + backward "
+                  "over the same batches again after the compared (compiling) pass; CPU forward of the compared pass")
+    return table
+
+
+def fmt_ms(seconds):
+    return f"{1000 * seconds:.1f}" if seconds else "—"
+
+
+def time_modes(models, model, batches, budget):
+    """Mean seconds of forward + backward per batch of each mode over `batches`."""
+    if not batches or budget.spent():
+        return None, None
+    means = []
+    for mode in ("on", "off"):
+        with flex_mode(mode):
+            synchronize(models.device)
+            start = time.perf_counter()
+            for batch in batches:
+                model.zero_grad(set_to_none=True)
+                models.loss(model, batch)[0].backward()
+            synchronize(models.device)
+            means.append((time.perf_counter() - start) / len(batches))
+    return means
+
+
+def check_precision(models, budget):
+    """c. half-precision models and autocast against fp32 on the same device."""
+    from posenc_fairseq.encodings import ENCODINGS
+
+    device_type = models.device.type
+    variants = ([("fp16", "model", torch.float16), ("bf16", "model", torch.bfloat16),
+                 ("amp fp16", "autocast", torch.float16), ("amp bf16", "autocast", torch.bfloat16)]
+                if models.cuda else [("bf16", "model", torch.bfloat16), ("amp bf16", "autocast", torch.bfloat16)])
+    columns = ["encoding", "fp32 loss"] + [label for label, _, _ in variants]
+    table = Table("c", columns)
+    batch = models.batches(1, seed=31, max_src=13, max_tgt=11, size=4)[0].to(models.device)
+    for name in sorted(ENCODINGS):
+        def row(name=name):
+            arch, argv = f"transformer_{name}", [*TINY, *NO_DROPOUT]
+            model = models.build(arch, argv).to(models.device)
+            loss32, _, grads32 = step(models, model, batch)
+            state = model.state_dict()
+            own = [key for key in grads32 if key.startswith("positional_encoding.")]
+            cells, problems = {"fp32 loss": f"{loss32.item():.4f}"}, []
+            for label, kind, dtype in variants:
+                loss_limit, grad_limit = HALF_LIMITS[dtype]
+                try:
+                    variant = models.build(arch, argv, state=state).to(models.device)
+                    scale = FP16_LOSS_SCALE if dtype == torch.float16 else 1.0
+                    if kind == "model":
+                        loss, _, grads = step(models, variant.to(dtype), batch, scale)
+                    else:
+                        loss, _, grads = step(models, variant, batch, scale, torch.autocast(device_type, dtype=dtype))
+                    missing = trainable_without_gradient(variant, grads)
+                    finite = bool(torch.isfinite(loss)) and all(torch.isfinite(g).all() for g in grads.values())
+                    loss_error = relative(loss, loss32)
+                    grad_error, grad_name = worst_gradient(grads, grads32, own) if own else (None, None)
+                    cells[label] = f"{fmt(loss_error)} / {fmt(grad_error)}"
+                    if missing:
+                        problems.append(f"{label}: no gradient for {missing[:3]}")
+                    elif not finite:
+                        problems.append(f"{label}: non-finite loss or gradient")
+                    elif not (loss_error <= loss_limit and (grad_error is None or grad_error <= grad_limit)):
+                        problems.append(f"{label}: over ({loss_limit:g} / {grad_limit:g}) at {grad_name}")
+                except CheckFailed as failure:
+                    cells[label] = "—"
+                    problems.append(f"{label}: {failure}")
+                except Exception as error:  # noqa: BLE001 - the other precisions still run
+                    print(f"\n--- c / {name} {label}: {type(error).__name__}", file=sys.stderr)
+                    traceback.print_exc(file=sys.stderr)
+                    cells[label] = "error"
+                    problems.append(f"{label}: {short_error(error)}")
+            return cells, "FAIL" if problems else "PASS", "; ".join(problems)
+        guarded(table, budget, "encoding", name, row)
+    table.note = ("cells: loss rel / max encoding-parameter grad rel against fp32 ('—': the encoding has no parameters); "
+                  "limits (loss / grad): " + ", ".join(f"{str(d).replace('torch.', '')} {l:g} / {g:g}"
+                                                       for d, (l, g) in HALF_LIMITS.items())
+                  + f"; fp16 gradients with a loss scale of {FP16_LOSS_SCALE:g}")
+    return table
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def check_ddp(models, budget):
+    """d. torch DDP (one process) around a --checkpoint-activations model against the plain model."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from posenc_fairseq.encodings import ENCODINGS
+
+    table = Table("d", ["case", "max grad rel (2 batches)", "worst parameter"])
+    cases = [(name, []) for name in sorted(ENCODINGS)] + [("t5", SHARED_TABLES), ("at5", SHARED_TABLES)]
+    backend = "nccl" if models.cuda else "gloo"
+    if models.cuda:
+        torch.cuda.set_device(models.device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0,
+                            timeout=timedelta(seconds=120))
+    try:
+        batches = [batch.to(models.device) for batch in models.batches(2, seed=41, max_src=13, max_tgt=11, size=4)]
+        for name, extra in cases:
+            def row(name=name, extra=extra):
+                arch, argv = f"transformer_{name}", [*TINY, *NO_DROPOUT, *extra]
+                plain = models.build(arch, argv).to(models.device)
+                checkpointed = models.build(arch, [*argv, "--checkpoint-activations"],
+                                            state=plain.state_dict()).to(models.device)
+                if not any(hasattr(layer, "precheckpoint_forward") for layer in checkpointed.encoder.layers):
+                    raise CheckFailed("--checkpoint-activations left the layers unwrapped: nothing to compare")
+                # as fairseq's c10d backend (DistributedFairseqModel, ddp_backend=pytorch_ddp) wraps it
+                wrapped = DistributedDataParallel(
+                    checkpointed, device_ids=[models.device.index] if models.cuda else None,
+                    output_device=models.device.index if models.cuda else None,
+                    broadcast_buffers=False, bucket_cap_mb=25, find_unused_parameters=False)
+                worst, worst_name = 0.0, None
+                for batch in batches:  # a second batch: DDP raises there if the first left a gradient unreduced
+                    _, _, expected = step(models, plain, batch)
+                    _, _, grads = step(models, wrapped, batch)
+                    grads = {key.removeprefix("module."): value for key, value in grads.items()}
+                    error, error_name = worst_gradient(grads, expected)
+                    if not error <= worst:
+                        worst, worst_name = error, error_name
+                passed = worst <= FP32_LIMIT
+                return ({"max grad rel (2 batches)": fmt(worst), "worst parameter": worst_name},
+                        "PASS" if passed else "FAIL", "" if passed else f"limit {FP32_LIMIT:g}")
+            guarded(table, budget, "case", " ".join([name, *extra]), row)
+    finally:
+        dist.destroy_process_group()
+    return table
+
+
+def check_floater(models, budget):
+    """e. FLOATER's table on the device against the CPU solve; its training step against sinusoidal's."""
+    from posenc_fairseq.encodings import floater as floater_module
+
+    table = Table("e", ["measure", "FLOATER", "reference", "value"])
+    dim, layers = (32, 2) if models.quick else (256, 6)
+    size_argv = [*sizes(dim, 4, layers, 4 * dim), *NO_DROPOUT]
+    rows = 64 if models.quick else 256
+
+    def floater_model():
+        """FLOATER with dynamics h whose table stays O(1) over `rows` positions (the other checks'
+        perturbation gives h a Jacobian of ~3 at d=256: the table would grow like e^(3t), t up to 25.6)."""
+        model = models.build("transformer_floater", size_argv, perturb=False)
+        fc2 = model.positional_encoding.dynamics.fc2
+        generator = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            fc2.weight.copy_(torch.randn(fc2.weight.shape, generator=generator) * 0.05 / math.sqrt(fc2.in_features))
+            fc2.bias.copy_(0.1 * torch.randn(fc2.bias.shape, generator=generator))
+        return model
+
+    def table_row():
+        model = floater_model()
+        encoding = model.positional_encoding
+        if models.cuda:
+            with torch.no_grad():
+                expected = encoding.solve(rows).double()
+                device_path = "CUDA"
+                got = model.to(models.device).positional_encoding.solve(rows).double().cpu()
+            reference = "CPU (compiled loops)" if floater_module.floater_solve is not None else "CPU (Python loops)"
+        else:
+            if floater_module.floater_solve is None:
+                return ({"FLOATER": "CPU, Python loops", "reference": "compiled loops"}, "SKIP",
+                        "the C++ extension is not built: nothing to compare the Python loops with")
+            with torch.no_grad():
+                expected = encoding.solve(rows).double()
+                compiled, floater_module.floater_solve = floater_module.floater_solve, None
+                try:
+                    got = encoding.solve(rows).double()
+                finally:
+                    floater_module.floater_solve = compiled
+            device_path, reference = "CPU, Python loops (CUDA's path)", "CPU, compiled loops"
+        difference = (got - expected).abs().max().item()
+        error = relative(got, expected)
+        passed = error <= FP32_LIMIT
+        return ({"measure": f"table b(t)-b(0), {rows} positions, d={dim}", "FLOATER": device_path, "reference": reference,
+                 "value": f"max abs {fmt(difference)} (rel {fmt(error)}, largest entry {expected.abs().max().item():.3g})"},
+                "PASS" if passed else "FAIL", "" if passed else f"limit {FP32_LIMIT:g} relative")
+
+    def cost_row():
+        batch = models.batches(1, seed=51, max_src=24 if models.quick else 64, max_tgt=24 if models.quick else 64,
+                               size=4 if models.quick else 32)[0].to(models.device)
+        warm, timed = (1, 2) if models.quick else (2, 5)
+        seconds = {}
+        for arch in ("transformer_floater", "transformer_sinusoidal"):
+            model = (floater_model() if arch == "transformer_floater" else models.build(arch, size_argv)).to(models.device)
+            for _ in range(warm):
+                step(models, model, batch)
+            synchronize(models.device)
+            start = time.perf_counter()
+            for _ in range(timed):
+                model.zero_grad(set_to_none=True)
+                models.loss(model, batch)[0].backward()
+            synchronize(models.device)
+            seconds[arch] = (time.perf_counter() - start) / timed
+        floater, sinusoidal = seconds["transformer_floater"], seconds["transformer_sinusoidal"]
+        return ({"measure": f"training step (forward + backward), {layers}+{layers} layers d={dim}, "
+                            f"{tuple(batch.src.shape)} source, {tuple(batch.prev.shape)} target",
+                 "FLOATER": f"{1000 * floater:.1f} ms", "reference": f"sinusoidal {1000 * sinusoidal:.1f} ms",
+                 "value": f"ratio {floater / sinusoidal:.2f}"}, "INFO", "")
+
+    guarded(table, budget, "measure", "table", table_row)
+    guarded(table, budget, "measure", "step time", cost_row)
+    return table
+
+
+T5_BUCKET_CASES = [(True, 32, 128), (False, 32, 128), (True, 64, 1000), (False, 16, 9)]
+
+
+def check_buckets(models, budget):
+    """f. T5's bucket of each relative position computed on CUDA against CPU."""
+    from posenc_fairseq.encodings.t5 import relative_position_bucket
+
+    table = Table("f", ["bidirectional, buckets, max distance", "distances", "mismatches"])
+    distances = torch.cat([torch.arange(-5000, 5001), torch.tensor([-(2 ** 20), -99999, 99999, 2 ** 20])])
+    for bidirectional, buckets, max_distance in T5_BUCKET_CASES:
+        label = f"{bidirectional}, {buckets}, {max_distance}"
+        if not models.cuda:
+            table.add("SKIP", "CUDA only", **{"bidirectional, buckets, max distance": label})
+            continue
+
+        def row(bidirectional=bidirectional, buckets=buckets, max_distance=max_distance):
+            expected = relative_position_bucket(distances, bidirectional, buckets, max_distance)
+            got = relative_position_bucket(distances.to(models.device), bidirectional, buckets, max_distance).cpu()
+            wrong = (got != expected).nonzero().flatten()
+            detail = "" if not len(wrong) else (f"first at distance {int(distances[wrong[0]])}: "
+                                                f"CUDA {int(got[wrong[0]])}, CPU {int(expected[wrong[0]])}")
+            return ({"distances": f"{len(distances)} in [-2^20, 2^20]", "mismatches": len(wrong)},
+                    "FAIL" if len(wrong) else "PASS", detail)
+        guarded(table, budget, "bidirectional, buckets, max distance", label, row)
+    return table
+
+
+RUNNERS = {"a": check_encodings, "b": check_flex, "c": check_precision, "d": check_ddp, "e": check_floater,
+           "f": check_buckets}
+
+
+# --- main -----------------------------------------------------------------------------------------
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--only", default=",".join(sorted(CHECKS)),
+                        help="checks to run, e.g. a,c (default all: " + ",".join(sorted(CHECKS)) + ")")
+    parser.add_argument("--budget", default=None,
+                        help="seconds per check: one number for all, or e.g. b=300,e=60 (default on CUDA: "
+                             + ",".join(f"{key}={value}" for key, value in CUDA_BUDGETS.items()) + ")")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer batches and smaller models (the CPU test's run)")
+    args = parser.parse_args(argv)
+    only = [key for key in args.only.replace(",", " ").split()]
+    unknown = [key for key in only if key not in CHECKS]
+    if unknown:
+        parser.error(f"--only: unknown checks {unknown}; expected some of {', '.join(sorted(CHECKS))}")
+    args.only = set(only)
+    budgets = dict(CUDA_BUDGETS if args.device == "cuda" else CPU_BUDGETS)
+    if args.budget:
+        for part in args.budget.split(","):
+            key, _, seconds = part.rpartition("=")
+            try:
+                value = float(seconds)
+            except ValueError:
+                parser.error(f"--budget {args.budget!r}: expected seconds or CHECK=seconds, e.g. b=300")
+            for name in ([key] if key else budgets):
+                if name not in CHECKS:
+                    parser.error(f"--budget: unknown check {name!r}")
+                budgets[name] = value
+    args.budgets = budgets
+    return args
+
+
+def header(args):
+    import fairseq
+
+    from posenc_fairseq import flex_attention
+    from posenc_fairseq.encodings import floater
+
+    lines = ["# gpu_check", "", "| | |", "|---|---|"]
+
+    def add(key, value):
+        lines.append(f"| {key} | {value} |")
+
+    add("device", args.device)
+    if args.device == "cuda":
+        properties = torch.cuda.get_device_properties(0)
+        add("card", f"{torch.cuda.get_device_name(0)}, {properties.total_memory / 2 ** 30:.0f} GiB, "
+                    f"compute capability {properties.major}.{properties.minor}")
+        add("CUDA (torch build)", torch.version.cuda)
+        matmul = torch.backends.cuda.matmul
+        add("fp32 matmul", getattr(matmul, "fp32_precision", None) or f"allow_tf32={matmul.allow_tf32}")
+    else:
+        add("card", "none (CPU run: the CUDA-only comparisons are skipped)")
+    add("torch", torch.__version__)
+    add("python", platform.python_version())
+    add("fairseq", f"{fairseq.__version__} ({Path(fairseq.__file__).parent})")
+    add("posenc_fairseq", _commit())
+    add("FLOATER compiled solve", "built" if floater.floater_solve is not None else "not built (Python loops)")
+    add("POSENC_FLEX_ATTENTION default", f"{flex_attention.MODE!r} (the checks set it; only b uses 'on')")
+    add("checks", ", ".join(key for key in RUN_ORDER if key in args.only)
+        + ("  (quick)" if args.quick else ""))
+    return "\n".join(lines)
+
+
+def _commit():
+    try:
+        done = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h %s"], capture_output=True, text=True,
+                              timeout=10)
+        return done.stdout.strip()[:80] or "(no git)"
+    except (OSError, subprocess.SubprocessError):
+        return "(no git)"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: --device cuda but torch sees no CUDA device (use --device cpu)", file=sys.stderr)
+        return 2
+    logging.getLogger("fairseq").setLevel(logging.WARNING)
+    logging.getLogger("posenc_fairseq").setLevel(logging.WARNING)
+    import posenc_fairseq  # noqa: F401
+    from posenc_fairseq import flex_attention
+
+    previous_mode = flex_attention.MODE
+    flex_attention.MODE = "off"  # the reference path everywhere but in check b
+    try:
+        return run_checks(args)
+    finally:
+        flex_attention.MODE = previous_mode
+
+
+def run_checks(args):
+    from posenc_fairseq import flex_attention
+
+    print(header(args), flush=True)
+    models = Models(args.device, args.quick)
+    summary = []
+    for key in RUN_ORDER:
+        if key not in args.only:
+            continue
+        budget = Budget(args.budgets[key])
+        print(f"\n## {key}. {CHECKS[key]}\n", flush=True)
+        try:
+            table = RUNNERS[key](models, budget)
+        except Exception as error:  # noqa: BLE001 - e.g. a process group that does not start
+            print(f"\n--- check {key}: {type(error).__name__}", file=sys.stderr)
+            traceback.print_exc(file=sys.stderr)
+            table = Table(key, ["check"])
+            table.add("FAIL", short_error(error), check=key)
+        finally:
+            flex_attention.MODE = "off"
+        elapsed = budget.elapsed()
+        print(table.markdown())
+        if table.note:
+            print(f"\n{table.note}")
+        print(f"\nelapsed {elapsed:.1f} s (budget {budget.seconds:g} s)", flush=True)
+        summary.append((key, table, elapsed))
+    failed = sum(table.count("FAIL") for _, table, _ in summary)
+    print("\n## summary\n")
+    print("| check | pass | fail | skip | info | seconds |\n|---|---|---|---|---|---|")
+    for key, table, elapsed in summary:
+        print(f"| {key}. {CHECKS[key]} | {table.count('PASS')} | {table.count('FAIL')} | {table.count('SKIP')} "
+              f"| {table.count('INFO')} | {elapsed:.1f} |")
+    print(f"\n{'FAILED: ' + str(failed) + ' rows' if failed else 'all checks passed'}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
