@@ -495,11 +495,59 @@ def check_flex(models, budget):
                 problems.append(compile_warnings[0])
             return cells, "FAIL" if problems else "PASS", "; ".join(problems)
         guarded(table, budget, "encoding", name, row)
+    flex_extra_rows(models, budget, table, argv)
     table.note = ("compiles: frames Dynamo compiled for the encoding (torch._dynamo.utils.counters, after "
                   "torch._dynamo.reset(); none on CPU, where FlexAttention runs eagerly); not compiled: frames it "
                   "gave up on (recompile limit, failed compile). ms: mean time per batch: CUDA forward + backward "
                   "over the same batches again after the compared (compiling) pass; CPU forward of the compared pass")
     return table
+
+
+#: check b's extra rows: half-precision models, and a fully padded source row (all keys masked)
+FLEX_HALF = [("t5", torch.bfloat16), ("xl", torch.float16)]
+FLEX_MASKED = ["alibi", "xl"]
+
+
+def flex_extra_rows(models, budget, table, argv):
+    """FlexAttention against the reference path in bf16/fp16 models (CUDA only), and with one source
+    row all padding, whose queries and cross-attention see no key: uniform weights on both paths."""
+    batches = [batch.to(models.device) for batch in models.batches(3, seed=23, max_src=48, max_tgt=48, size=4)]
+    src = batches[0].src.clone()
+    src[1, :] = models.dictionary.pad()
+    masked = [Batch(src, batches[0].src_lengths, batches[0].prev, batches[0].target)]
+    cases = [(f"{name}, {str(dtype).split('.')[-1]} model", name, dtype, batches) for name, dtype in FLEX_HALF]
+    cases += [(f"{name}, a source row all padding", name, torch.float32, masked) for name in FLEX_MASKED]
+    for label, name, dtype, data in cases:
+        def row(name=name, dtype=dtype, data=data):
+            if dtype != torch.float32 and not models.cuda:
+                return {}, "SKIP", "half-precision FlexAttention: CUDA only here"
+            model = models.build(f"transformer_{name}", [*argv, *FLEX_OPTIONS.get(name, [])]).to(models.device, dtype)
+            if not models.cuda:
+                model.eval()
+            scale = FP16_LOSS_SCALE if dtype == torch.float16 else 1.0
+            worst_logits, worst_grad, worst_name = 0.0, 0.0, None
+            with counted_flex_calls() as calls:
+                for batch in data:
+                    results = {}
+                    for mode in ("on", "off"):
+                        with flex_mode(mode), torch.set_grad_enabled(models.cuda):
+                            results[mode] = step(models, model, batch, loss_scale=scale) if models.cuda else \
+                                (None, models.loss(model, batch)[1].double().cpu(), {})
+                    if not torch.isfinite(results["on"][1]).all():
+                        raise CheckFailed("FlexAttention gave non-finite logits")
+                    worst_logits = max(worst_logits, relative(results["on"][1], results["off"][1]))
+                    if models.cuda:
+                        error, grad_name = worst_gradient(results["on"][2], results["off"][2])
+                        if not error <= worst_grad:
+                            worst_grad, worst_name = error, grad_name
+            if calls[0] == 0:
+                raise CheckFailed("no call took the FlexAttention path")
+            limit = FP32_LIMIT if dtype == torch.float32 else HALF_LIMITS[dtype][1]
+            cells = {"batches": f"{len(data)}/{len(data)}", "flex calls": calls[0], "max logit rel": fmt(worst_logits),
+                     "max grad rel": fmt(worst_grad) if models.cuda else "—", "worst parameter": worst_name or "—"}
+            good = worst_logits <= limit and worst_grad <= limit
+            return cells, "PASS" if good else "FAIL", "" if good else f"limit {limit:g}"
+        guarded(table, budget, "encoding", label, row)
 
 
 def fmt_ms(seconds):
