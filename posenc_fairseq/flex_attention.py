@@ -12,12 +12,14 @@ for Tq = Tk).
 Where it is used (`MODE`, from the environment variable POSENC_FLEX_ATTENTION, read at import;
 tests and scripts may set the attribute):
     "off" (default)   never
-    "on"              on CUDA with `torch.compile(flex_attention)` (compiled once, lazily), forward and
-                      backward; on other devices in eager mode and only where no gradient is needed
-                      (FlexAttention's eager CPU path runs forward only); how tests compare it
-Off by default: the default paths are the tested ones, and this one becomes the CUDA default only
-after a GPU run has shown it equal to them (forward and backward, varying shapes, every precision)
-and faster (`scripts/gpu_check.py --device cuda`, docs/gpu_check.md).
+    "on"              where no gradient is needed (inference, validation): on CUDA compiled with
+                      `torch.compile(flex_attention)` (once, lazily), elsewhere in eager mode
+    "train"           also with gradients on CUDA. Experimental: in the H100 run of
+                      scripts/gpu_check.py its gradients differed from the reference paths (AT5,
+                      GCDF; docs/gpu_check.md). For measuring, not for training
+Off by default: the default paths are the tested ones, and this one becomes a default only after a
+GPU run has shown it equal to them (forward and backward, varying shapes, every precision) and
+faster (`scripts/gpu_check.py --device cuda`, docs/gpu_check.md).
 It is used only where nothing needs the explicit path (`PositionalAttention._flex_applies`): no
 attention weights or logits asked for, no relative value term (Shaw's default, LFHC's
 `--lfhc-values on`), no attention dropout (training with --attention-dropout > 0,
@@ -41,7 +43,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from .encodings.base import DistanceLogits, PositionalEncoding
 
-MODES = ("off", "on")
+MODES = ("off", "on", "train")
 MODE = os.environ.get("POSENC_FLEX_ATTENTION", "off")
 #: FlexAttention's CUDA kernel needs a head dimension of at least this
 MIN_CUDA_HEAD_DIM = 16
@@ -57,8 +59,8 @@ def available(q: Tensor) -> bool:
     if MODE == "off":
         return False
     if q.is_cuda:
-        return q.size(-1) >= MIN_CUDA_HEAD_DIM
-    return not torch.is_grad_enabled()
+        return q.size(-1) >= MIN_CUDA_HEAD_DIM and (MODE == "train" or not torch.is_grad_enabled())
+    return not torch.is_grad_enabled()  # (FlexAttention's eager CPU path has no backward)
 
 
 def supports(encoding: PositionalEncoding) -> bool:
@@ -84,7 +86,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, distance: Optional[DistanceLogits], 
             raise RuntimeError(f"posenc_fairseq: torch.compile(flex_attention) failed ({type(error).__name__}); "
                                "unset POSENC_FLEX_ATTENTION (off is the default) to use the default attention "
                                "paths") from error
-    with warnings.catch_warnings():  # eager: the unfused reference (MODE "on" off CUDA)
+    with warnings.catch_warnings():  # eager: the unfused reference (off CUDA)
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         return flex_attention(q, k, v, score_mod=score_mod, scale=1.0)
 

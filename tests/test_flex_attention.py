@@ -230,3 +230,18 @@ def test_off_by_default():
     out = subprocess.run([sys.executable, "-c", "from posenc_fairseq import flex_attention as f; print(f.MODE)"],
                          env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "off"
+
+
+@pytest.mark.parametrize("mode,grad,expected", [("off", False, False), ("on", False, True), ("on", True, False),
+                                                ("train", True, True), ("train", False, True)])
+def test_cuda_takes_flex_with_gradients_only_in_train_mode(monkeypatch, mode, grad, expected):
+    """On CUDA, "on" serves calls without gradient only: the compiled backward's gradients differed
+    from the reference paths in the H100 run (docs/gpu_check.md); "train" is for measuring them."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(flex_attention, "MODE", mode)
+    cuda_queries = SimpleNamespace(is_cuda=True, size=lambda dim: 16)
+    with torch.set_grad_enabled(grad):
+        assert flex_attention.available(cuda_queries) == expected
+    small_heads = SimpleNamespace(is_cuda=True, size=lambda dim: 8)
+    assert not flex_attention.available(small_heads)
