@@ -352,7 +352,8 @@ def test_adam_moves_the_effective_parameters_further(gradient_scale):
         for key in HeadMLPs.PARAMETERS:
             new_step, old_step = (getattr(mlp, key) - before[key]).abs(), (plain[key] - before[key]).abs()
             moved = old_step > 0
-            assert moved.any() and (new_step[moved] >= 0.99 * MLP_STEP_SCALE * old_step[moved]).all(), key
+            ratio = new_step[moved] / old_step[moved]
+            assert moved.any() and (ratio >= 0.99 * MLP_STEP_SCALE).all() and (ratio >= 10).all(), key
         new_relative = (encoding.gamma(name) / gamma_before).log().abs()
         old_relative = (plain_gamma / gamma_before).log().abs()
         assert (new_relative > 5 * old_relative).all()
