@@ -211,7 +211,7 @@ def test_smallest_allowed_values_are_honoured():
     at5 = build_encoding("at5", encoding_options("--at5-length-scale", "1", "--at5-gamma-range", "0", "0.5",
                                                  "--at5-mlp-widths", "1", "1", "--at5-dropout", "0"), DIMS)
     assert at5.length_scale == 1.0 and at5.mlps["encoder_minus"].w2.shape == (4, 1, 1)
-    gammas = torch.cat(list(at5.gammas.values()))
+    gammas = torch.cat([at5.gamma(name) for name in at5.raw_gammas])
     assert (gammas >= 0).all() and (gammas <= 0.5).all()
     assert build_encoding("rotary", encoding_options("--rotary-base", "1"), DIMS).base == 1.0
     assert build_encoding("gcdf", encoding_options("--gcdf-lambda", "0.001"), DIMS).scale == 0.001

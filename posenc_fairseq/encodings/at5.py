@@ -3,8 +3,8 @@ and its ablation AT5-NoB.
 
 For relative position d = j - i (key minus query) and head h, with A = 1 / length scale:
 
-    d > 0:   b+ = 1 - exp(-A * relu(gamma+_h) * d)        e_h(d) = MLP+_h(b+)    (paper eqs. 17-18)
-    d <= 0:  b- = 1 - exp( A * relu(gamma-_h) * d)        e_h(d) = MLP-_h(b-)    (paper eqs. 19-20)
+    d > 0:   b+ = 1 - exp(-A * gamma+_h * d)        e_h(d) = MLP+_h(b+)    (paper eqs. 17-18)
+    d <= 0:  b- = 1 - exp( A * gamma-_h * d)        e_h(d) = MLP-_h(b-)    (paper eqs. 19-20)
 
 and e_h(d) is added to the scaled logits (paper eq. 5). The causal decoder uses only the d <= 0
 branch (as the authors' code; keys after the query, masked anyway, get e_h(0)). gamma is per
@@ -13,6 +13,11 @@ head and direction, initialised uniformly in [Gamma_min, Gamma_max]; A is a cons
 depends on the batch and b saturates to 1 at long distances (any length works). Each MLP is
 1 -> h1 -> h2 -> 1 with the chosen activation after both hidden layers and dropout after the
 first, one per head and direction (run for all heads at once with batched weights).
+
+The paper writes max(0, gamma) of a free gamma; here gamma = exp(GAMMA_STEP_SCALE * raw) > 0 and
+every MLP parameter is MLP_STEP_SCALE * raw (the same functions at initialisation, steps an
+ordinary optimiser can take: see the constants below and docs/scalar_bias.md). Checkpoints of
+the old parameterisation (gammas.*, mlps.*.w1 ..) load converted to the same bias.
 
 AT5-NoB: the same MLPs fed the raw distance scaled to [0, 1], min(|d| * A, 1); no gamma (the
 paper's text). `--at5-nob-input learned` is the authors' code instead (BDBC-KG-NLP/AAAI2021-
@@ -36,8 +41,20 @@ from .t5 import ScalarBias, _add_once, add_scalar_bias_args, prior_distribution 
 
 ACTIVATIONS = {"sigmoid": torch.sigmoid, "relu": F.relu, "tanh": torch.tanh, "gelu": F.gelu}
 NOB_INPUTS = ("distance", "learned")
-#: gamma beyond this saturates b at every distance (and overflows float32 products)
+#: gamma beyond this saturates b at every distance (and overflows float32 products); also the cap
+#: of the learned gamma, so that exp never overflows to inf (inf * 0 at d = 0 would give NaN)
 MAX_GAMMA = 1e4
+#: The parameterisation (issue 27): Adam moves every stored value by about lr per update whatever its
+#: gradient, and AT5's effective weights need to travel far (MLP slopes of tens per unit of b, gamma
+#: in the tens to hundreds) from gradients at or below Adam's eps. So each MLP parameter is stored
+#: divided by MLP_STEP_SCALE and used multiplied by it (the same function, a step and a gradient
+#: that many times larger; a power of two, so s * (theta / s) == theta exactly), and gamma is
+#: exp(GAMMA_STEP_SCALE * stored value): always positive (relu(gamma) of a raw value could be
+#: pushed below 0 and never come back) and moved by a relative step of about GAMMA_STEP_SCALE * lr.
+MLP_STEP_SCALE = 32.0
+GAMMA_STEP_SCALE = 8.0
+#: the smallest gamma represented (an old checkpoint's gamma <= 0): b = 0 at every distance in float32
+GAMMA_FLOOR = 1e-30
 MAX_WIDTH = 1024
 gamma_type = float_in_range(0.0, MAX_GAMMA)
 length_scale_type = Checker(float, 1.0, name="at5_length_scale")
@@ -45,22 +62,42 @@ width_type = int_in_range(1, MAX_WIDTH)
 
 
 class HeadMLPs(nn.Module):
-    """One MLP 1 -> h1 -> h2 -> 1 per head, evaluated for every head at once: (heads, D) -> (heads, D)."""
+    """One MLP 1 -> h1 -> h2 -> 1 per head, evaluated for every head at once: (heads, D) -> (heads, D).
+
+    Each weight and bias is stored as `NAME_raw` and used as MLP_STEP_SCALE * NAME_raw (see
+    MLP_STEP_SCALE); the properties w1 .. b3 give the effective values."""
+
+    PARAMETERS = ("w1", "b1", "w2", "b2", "w3", "b3")
 
     def __init__(self, heads: int, widths, activation: str, dropout: float):
         super().__init__()
         h1, h2 = widths
-        self.w1, self.b1 = nn.Parameter(torch.empty(heads, h1)), nn.Parameter(torch.empty(heads, h1))
-        self.w2, self.b2 = nn.Parameter(torch.empty(heads, h1, h2)), nn.Parameter(torch.empty(heads, h2))
-        self.w3, self.b3 = nn.Parameter(torch.empty(heads, h2)), nn.Parameter(torch.empty(heads))
+        shapes = {"w1": (heads, h1), "b1": (heads, h1), "w2": (heads, h1, h2), "b2": (heads, h2),
+                  "w3": (heads, h2), "b3": (heads,)}
+        fan_ins = {"w1": 1, "b1": 1, "w2": h1, "b2": h1, "w3": h2, "b3": h2}
         self.activation = ACTIVATIONS[activation]
         self.dropout = nn.Dropout(dropout)
-        # nn.Linear's default initialisation, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), per layer
-        for fan_in, tensors in ((1, (self.w1, self.b1)), (h1, (self.w2, self.b2)), (h2, (self.w3, self.b3))):
-            for tensor in tensors:
-                nn.init.uniform_(tensor, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+        for name in self.PARAMETERS:
+            # nn.Linear's default initialisation, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), per layer, drawn in
+            # the same order as before the rescaling (same seed, same MLP), then stored divided by the scale
+            raw = nn.Parameter(torch.empty(shapes[name]))
+            nn.init.uniform_(raw, -1 / math.sqrt(fan_ins[name]), 1 / math.sqrt(fan_ins[name]))
+            with torch.no_grad():
+                raw.div_(MLP_STEP_SCALE)
+            self.register_parameter(f"{name}_raw", raw)
+
+    def effective(self, name: str) -> Tensor:
+        return MLP_STEP_SCALE * getattr(self, f"{name}_raw")
+
+    w1 = property(lambda self: self.effective("w1"))
+    b1 = property(lambda self: self.effective("b1"))
+    w2 = property(lambda self: self.effective("w2"))
+    b2 = property(lambda self: self.effective("b2"))
+    w3 = property(lambda self: self.effective("w3"))
+    b3 = property(lambda self: self.effective("b3"))
 
     def forward(self, x: Tensor) -> Tensor:
+        x = x.to(self.w1_raw.dtype)
         hidden = self.activation(x[:, :, None] * self.w1[:, None, :] + self.b1[:, None, :])  # (H, D, h1)
         hidden = self.dropout(hidden)
         hidden = self.activation(torch.einsum("hdi,hij->hdj", hidden, self.w2) + self.b2[:, None, :])
@@ -68,8 +105,23 @@ class HeadMLPs(nn.Module):
 
     def reset_to_identity(self):
         with torch.no_grad():
-            self.w3.zero_()
-            self.b3.zero_()
+            self.w3_raw.zero_()
+            self.b3_raw.zero_()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # checkpoints from before the rescaling store the effective values under the plain names
+        for name in self.PARAMETERS:
+            if prefix + name in state_dict and prefix + name + "_raw" not in state_dict:
+                state_dict[prefix + name + "_raw"] = state_dict.pop(prefix + name) / MLP_STEP_SCALE
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+
+def raw_gamma(gamma: Tensor) -> Tensor:
+    """The stored parameter of gamma: log(gamma) / GAMMA_STEP_SCALE; gamma <= 0 (relu's dead zone
+    in the old parameterisation) maps to GAMMA_FLOOR, whose bucket is 0 at every distance as relu(gamma)'s."""
+    return gamma.clamp(min=GAMMA_FLOOR).log() / GAMMA_STEP_SCALE
 
 
 @register_encoding("at5")
@@ -84,13 +136,13 @@ class AT5Bias(ScalarBias):
         gamma_range = option_pair(args, "at5_gamma_range", gamma_type, (1.0, 10.0), ordered=True)
         if gamma_range[1] == 0:
             raise OptionValueError("--at5-gamma-range 0 0: expected MAX > 0 (gamma = 0 gives "
-                                   "relu(gamma) no gradient: b would stay 0)")
+                                   "b = 0 at every distance and no gradient to gamma)")
         widths = option_pair(args, "at5_mlp_widths", width_type, (32, 4))
         activation = option(args, "at5_activation", one_of(*sorted(ACTIVATIONS)), "sigmoid")
         dropout = option(args, "at5_dropout", probability, 0.0)
         self.nob_input = option(args, "at5_nob_input", one_of(*NOB_INPUTS), "distance")
         self.mlps = nn.ModuleDict()
-        self.gammas = nn.ParameterDict()
+        self.raw_gammas = nn.ParameterDict()  # gamma = exp(GAMMA_STEP_SCALE * raw), see gamma()
         names = [f"{key}_{direction}" for key in self.table_keys() for direction in self.directions(key)]
         h1, h2 = widths
         check_size(f"--at5-mlp-widths {h1} {h2}", len(names) * dims.heads * (2 * h1 + h1 * h2 + 2 * h2 + 1),
@@ -98,7 +150,8 @@ class AT5Bias(ScalarBias):
         for name in names:
             self.mlps[name] = HeadMLPs(dims.heads, widths, activation, dropout)
             if self.uses_gamma:
-                self.gammas[name] = nn.Parameter(torch.empty(dims.heads).uniform_(*gamma_range))
+                gamma = torch.empty(dims.heads).uniform_(*gamma_range)
+                self.raw_gammas[name] = nn.Parameter(raw_gamma(gamma))
 
     @staticmethod
     def add_args(parser):
@@ -108,7 +161,7 @@ class AT5Bias(ScalarBias):
                   help=f"at5: gamma+- initialised uniformly in [MIN, MAX], 0 <= MIN <= MAX <= {MAX_GAMMA:g}, MAX > 0; "
                        "default 1 10 (the paper's MT run: 1 15)")
         _add_once(parser, "--at5-length-scale", type=length_scale_type, metavar="L",
-                  help="at5/at5_nob: A = 1/L in b = 1 - exp(-A relu(gamma) |d|) (at5_nob: input min(|d|/L, 1)); "
+                  help="at5/at5_nob: A = 1/L in b = 1 - exp(-A gamma |d|) (at5_nob: input min(|d|/L, 1)); "
                        "a constant length in tokens (>= 1), not the batch length; default 256")
         _add_once(parser, "--at5-mlp-widths", type=width_type, nargs=2, metavar=("H1", "H2"),
                   help=f"at5/at5_nob: hidden widths of the per-head MLP 1 -> H1 -> H2 -> 1, 1..{MAX_WIDTH}; default 32 4")
@@ -124,24 +177,47 @@ class AT5Bias(ScalarBias):
         """The encoder looks both ways; the causal decoder only at d <= 0."""
         return ("minus", "plus") if self.key_role(key) == "encoder" else ("minus",)
 
+    def gamma(self, name: str) -> Tensor:
+        """(heads,) effective gamma of one direction, in float32 or wider (fp16 would overflow exp)."""
+        raw = self.raw_gammas[name]
+        log_gamma = GAMMA_STEP_SCALE * raw.to(torch.promote_types(raw.dtype, torch.float32))
+        return log_gamma.clamp(max=math.log(MAX_GAMMA)).exp()
+
     def bucket(self, name: str, distance: Tensor) -> Tensor:
         """(heads, D) input of the MLP for the non-negative distances |d| on one side."""
-        scale = distance.to(self.gammas[name].dtype) / self.length_scale
-        return 1 - torch.exp(-F.relu(self.gammas[name])[:, None] * scale[None, :])
+        gamma = self.gamma(name)
+        scale = distance.to(gamma.dtype) / self.length_scale
+        return 1 - torch.exp(-gamma[:, None] * scale[None, :])
+
+    def side_bias(self, name: str, distance: Tensor) -> Tensor:
+        return self.mlps[name](self.bucket(name, distance))
 
     def distance_bias(self, key, low, high):
-        device = next(self.mlps.parameters()).device
+        # the device of the parameters this call uses (not next(self.parameters()): a wrapper that
+        # flattens parameters leaves the module's parameter list empty)
+        device = self.mlps[f"{key}_minus"].w1_raw.device
         if self.key_role(key) != "encoder":  # causal: one branch, future keys as d = 0
             distance = torch.arange(low, high + 1, device=device).neg().clamp(min=0)
-            return self.mlps[f"{key}_minus"](self.bucket(f"{key}_minus", distance))
+            return self.side_bias(f"{key}_minus", distance)
         parts = []
         if low <= 0:  # d = low .. min(high, 0)
             distance = torch.arange(low, min(high, 0) + 1, device=device).neg()
-            parts.append(self.mlps[f"{key}_minus"](self.bucket(f"{key}_minus", distance)))
+            parts.append(self.side_bias(f"{key}_minus", distance))
         if high > 0:  # d = max(low, 1) .. high
             distance = torch.arange(max(low, 1), high + 1, device=device)
-            parts.append(self.mlps[f"{key}_plus"](self.bucket(f"{key}_plus", distance)))
+            parts.append(self.side_bias(f"{key}_plus", distance))
         return torch.cat(parts, dim=1)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # checkpoints from before the reparameterisation store gamma itself (used as relu(gamma))
+        old, new = prefix + "gammas.", prefix + "raw_gammas."
+        for key in [key for key in state_dict if key.startswith(old)]:
+            if new + key[len(old):] not in state_dict:
+                gamma = state_dict.pop(key)
+                state_dict[new + key[len(old):]] = raw_gamma(gamma.float()).to(gamma.dtype)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     def reset_to_identity(self):
         for mlp in self.mlps.values():
@@ -176,7 +252,8 @@ class AT5NoBuckets(AT5Bias):
         return super().directions(key)
 
     def bucket(self, name, distance):
-        scaled = (distance.to(self.mlps[name].w1.dtype) / self.length_scale).clamp(max=1.0)
+        dtype = torch.promote_types(self.mlps[name].w1_raw.dtype, torch.float32)
+        scaled = (distance.to(dtype) / self.length_scale).clamp(max=1.0)
         return scaled[None, :].expand(self.dims.heads, -1)
 
     def distance_bias(self, key, low, high):

@@ -1,13 +1,14 @@
 """AT5 and AT5-NoB: the bias each head receives against a naive double loop over (i, j) from the
-paper's equations 17-20, the prior, saturation on long inputs, identity reset, gradients, and
-training through fairseq-train."""
+paper's equations 17-20, the prior, saturation on long inputs, identity reset, gradients, the
+parameterisation (same bias as the old relu/plain-weight one at init and from an old checkpoint,
+gamma cannot die, larger Adam steps), and training through fairseq-train."""
 import math
 
 import pytest
 import torch
 
 from posenc_fairseq.encodings import ModelDims, build_encoding
-from posenc_fairseq.encodings.at5 import prior_distribution
+from posenc_fairseq.encodings.at5 import GAMMA_STEP_SCALE, MLP_STEP_SCALE, HeadMLPs, prior_distribution, raw_gamma
 from util import encoding_options, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, random_batch, run
 
 
@@ -21,6 +22,11 @@ def sigmoid(x):
     return 1 / (1 + math.exp(-x))
 
 
+def effective_parameters(mlp):
+    """{'w1': .., 'b3': ..}: the weights the MLP computes with."""
+    return {name: getattr(mlp, name) for name in HeadMLPs.PARAMETERS}
+
+
 def naive_mlp(params, head, x, activation=sigmoid):
     """1 -> h1 -> h2 -> 1 written out with scalars."""
     w1, b1, w2, b2, w3, b3 = (params[name][head].tolist() for name in ("w1", "b1", "w2", "b2", "w3", "b3"))
@@ -29,9 +35,11 @@ def naive_mlp(params, head, x, activation=sigmoid):
     return sum(hidden2[m] * w3[m] for m in range(len(b2))) + b3
 
 
-def naive_at5(encoding, role, i, j, head, nob):
+def naive_at5(encoding, role, i, j, head, nob, gammas=None, mlps=None):
     """e_h(j - i): paper eqs. 17-20 with A = 1 / length scale; d > 0 uses the + branch, d <= 0
-    the - branch; the causal decoder only has the - branch (future keys read d = 0)."""
+    the - branch; the causal decoder only has the - branch (future keys read d = 0). `gammas`
+    ({name: (heads,) gamma as the paper's free parameter}, used as max(0, gamma)) and `mlps`
+    ({name: {'w1': ..}}) default to the encoding's effective values."""
     d = j - i
     A = 1 / encoding.length_scale
     if role == "decoder":
@@ -41,9 +49,9 @@ def naive_at5(encoding, role, i, j, head, nob):
     if nob:
         x = min(abs(d) * A, 1.0)
     else:
-        gamma = max(0.0, encoding.gammas[name][head].item())
+        gamma = max(0.0, (gammas[name] if gammas else encoding.gamma(name))[head].item())
         x = 1 - math.exp(-d * A * gamma) if d > 0 else 1 - math.exp(d * A * gamma)
-    params = dict(encoding.mlps[name].named_parameters())
+    params = mlps[name] if mlps else effective_parameters(encoding.mlps[name])
     return naive_mlp(params, head, x)
 
 
@@ -51,9 +59,9 @@ def naive_at5(encoding, role, i, j, head, nob):
 @pytest.mark.parametrize("name", ["at5", "at5_nob"])
 def test_bias_equals_naive_double_loop(name, role):
     encoding = make(name, at5_length_scale=16.0, at5_mlp_widths=[5, 3]).double()
-    if name == "at5":  # one head with a negative gamma: relu makes its bucket constant 0
+    if name == "at5":  # one head with a small gamma: its bucket stays near 0
         with torch.no_grad():
-            encoding.gammas[f"{role}_minus"][1] = -0.5
+            encoding.raw_gammas[f"{role}_minus"][1] = raw_gamma(torch.tensor(0.05))
     encoding.eval()
     queries, keys = torch.arange(10, 30), torch.arange(0, 45)
     encoding.begin(role)
@@ -72,13 +80,14 @@ def test_options_and_parameter_layout():
     assert set(names) == {f"{p}.{key}_{direction}{suffix}"
                           for key, directions in (("encoder", ("minus", "plus")), ("decoder", ("minus",)))
                           for direction in directions
-                          for p, suffixes in (("gammas", ("",)), ("mlps", (".w1", ".b1", ".w2", ".b2", ".w3", ".b3")))
+                          for p, suffixes in (("raw_gammas", ("",)),
+                                              ("mlps", (".w1_raw", ".b1_raw", ".w2_raw", ".b2_raw", ".w3_raw", ".b3_raw")))
                           for suffix in suffixes}
     for direction in ("encoder_minus", "encoder_plus", "decoder_minus"):
-        gamma = encoding.gammas[direction]
-        assert gamma.shape == (3,) and (gamma >= 2).all() and (gamma <= 3).all()
-    assert names["mlps.encoder_plus.w2"].shape == (3, 7, 2)
-    assert "gammas" not in {name.split(".")[0] for name, _ in make("at5_nob").named_parameters()}
+        gamma = encoding.gamma(direction)
+        assert gamma.shape == (3,) and (gamma >= 2 - 1e-5).all() and (gamma <= 3 + 1e-5).all()
+    assert names["mlps.encoder_plus.w2_raw"].shape == (3, 7, 2)
+    assert "raw_gammas" not in {name.split(".")[0] for name, _ in make("at5_nob").named_parameters()}
     every = make("at5", scalar_bias_layers="all")
     assert {name.split(".")[1] for name, _ in every.named_parameters()} == {
         "encoder_0_minus", "encoder_0_plus", "encoder_1_minus", "encoder_1_plus", "decoder_0_minus", "decoder_1_minus"}
@@ -105,8 +114,7 @@ def naive_nob_learned(encoding, role, i, j, head):
     if role == "decoder":
         d = min(d, 0)
     s = encoding.inputs[role][head, d + limit].item()
-    params = dict(encoding.mlps[f"{role}_both"].named_parameters())
-    return naive_mlp(params, head, sigmoid(s))
+    return naive_mlp(effective_parameters(encoding.mlps[f"{role}_both"]), head, sigmoid(s))
 
 
 @pytest.mark.parametrize("role", ["encoder", "decoder"])
@@ -114,7 +122,7 @@ def test_nob_learned_input_equals_the_authors_formula(role):
     encoding = make("at5_nob", at5_nob_input="learned", at5_length_scale=8.0, at5_mlp_widths=[5, 3]).double()
     assert encoding.inputs["encoder"].shape == (3, 17) and encoding.inputs["decoder"].shape == (3, 9)
     assert ((encoding.inputs[role] >= 0) & (encoding.inputs[role] < 1)).all()  # U(0, 1), as the authors' code
-    assert sorted(encoding.mlps) == ["decoder_both", "encoder_both"] and len(encoding.gammas) == 0
+    assert sorted(encoding.mlps) == ["decoder_both", "encoder_both"] and len(encoding.raw_gammas) == 0
     with torch.no_grad():
         encoding.inputs[role].add_(torch.randn_like(encoding.inputs[role]))
     encoding.eval()
@@ -195,7 +203,7 @@ def test_gradients_reach_gamma_and_mlp(translation_data, name):
     logits, _ = model(src, src_lengths, prev)
     logits.logsumexp(-1).mean().backward()
     names = dict(model.positional_encoding.named_parameters())
-    assert any(name.startswith("gammas.") for name in names) == (name == "at5")
+    assert any(name.startswith("raw_gammas.") for name in names) == (name == "at5")
     for parameter_name, parameter in names.items():
         assert parameter.grad is not None and parameter.grad.abs().sum() > 0, parameter_name
 
@@ -218,3 +226,136 @@ def test_fairseq_train_roberta(masked_lm_data, tmp_path, arch):
                "--tokens-per-sample", "64", *TINY_ROBERTA, *QUICK_TRAIN, "--save-dir", tmp_path, "--max-update", "3",
                "--scalar-bias-layers", "all", "--scalar-bias-share-layers"])
     assert "num_updates 3" in out
+
+
+# --- the parameterisation (issue 27): same bias as the old one, gamma cannot die, larger Adam steps ---
+
+def old_initial_values(seed, heads=3, widths=(32, 4), gamma_range=(1.0, 10.0)):
+    """What the old code drew at `make`'s seed: per parameter set (encoder minus, plus, decoder
+    minus), nn.Linear's U(+-1/sqrt(fan_in)) for w1, b1, w2, b2, w3, b3, then gamma U(range)."""
+    h1, h2 = widths
+    torch.manual_seed(seed)
+    gammas, mlps = {}, {}
+    for name in ("encoder_minus", "encoder_plus", "decoder_minus"):
+        shapes = [((heads, h1), 1), ((heads, h1), 1), ((heads, h1, h2), h1), ((heads, h2), h1), ((heads, h2), h2),
+                  ((heads,), h2)]
+        values = [torch.empty(shape).uniform_(-fan_in ** -0.5, fan_in ** -0.5) for shape, fan_in in shapes]
+        mlps[name] = dict(zip(HeadMLPs.PARAMETERS, values))
+        gammas[name] = torch.empty(heads).uniform_(*gamma_range)
+    return gammas, mlps
+
+
+def assert_bias_is_naive(encoding, gammas, mlps, tolerance, roles=("encoder", "decoder")):
+    encoding.eval()
+    for role in roles:
+        encoding.begin(role)
+        with torch.no_grad():
+            bias = encoding.bias(role, 0, torch.arange(12), torch.arange(12))
+        for head in range(3):
+            for i in range(12):
+                for j in range(12):
+                    expected = naive_at5(encoding, role, i, j, head, nob=False, gammas=gammas, mlps=mlps)
+                    assert abs(bias[head, i, j].item() - expected) < tolerance, (role, head, i, j)
+
+
+def test_bias_at_init_is_the_old_parameterisations():
+    """Same seed, same draws: the bias the old relu(gamma) / plain-weight code started from."""
+    gammas, mlps = old_initial_values(seed=0)
+    encoding = make("at5")  # seeds 0 itself
+    for name, values in mlps.items():  # the MLP weights: bit for bit (the scale is a power of two)
+        for parameter, value in values.items():
+            assert torch.equal(getattr(encoding.mlps[name], parameter), value), (name, parameter)
+        assert torch.allclose(encoding.gamma(name), gammas[name], rtol=1e-6)
+    assert_bias_is_naive(encoding, gammas, mlps, tolerance=1e-5)
+
+
+def test_old_state_dict_loads_to_the_same_bias(masked_lm_data):
+    """A checkpoint of the old parameterisation (keys gammas.*, mlps.*.w1 ..; gamma used as
+    relu(gamma), one of them negative) loads through fairseq's model.load_state_dict (strict) and
+    gives the bias the old formula gives; the encoding's own state dict is in the new form."""
+    model, _, _ = build_model(masked_lm_data, "roberta_at5", [*TINY_ROBERTA, "--scalar-bias-layers", "all",
+                                                              "--scalar-bias-share-layers"], task="masked_lm")
+    encoding = model.positional_encoding
+    prefix = next(name for name, module in model.named_modules() if module is encoding) + "."
+    generator = torch.Generator().manual_seed(3)
+    old, gammas, mlps = {}, {}, {}
+    for key, value in model.state_dict().items():
+        if not key.startswith(prefix):
+            old[key] = value
+            continue
+        local = key[len(prefix):]
+        if local.startswith("raw_gammas."):
+            name = local.split(".")[1]
+            gammas[name] = torch.rand(value.shape, generator=generator) * 10 - 1  # some below 0
+            gammas[name][0] = -0.5
+            old[prefix + "gammas." + name] = gammas[name]
+        else:  # mlps.NAME.w1_raw -> mlps.NAME.w1 holding the effective value
+            _, name, parameter = local.split(".")
+            parameter = parameter[:-len("_raw")]
+            mlps.setdefault(name, {})[parameter] = torch.randn(value.shape, generator=generator)
+            old[f"{prefix}mlps.{name}.{parameter}"] = mlps[name][parameter]
+    model.load_state_dict(old, strict=True)
+    assert_bias_is_naive(encoding, gammas, mlps, tolerance=1e-4, roles=("encoder",))
+    saved = model.state_dict()
+    assert not any(".gammas." in key or key.endswith((".w1", ".b3")) for key in saved)
+    assert all(torch.equal(saved[prefix + f"mlps.{name}.w2_raw"] * MLP_STEP_SCALE, mlps[name]["w2"]) for name in mlps)
+
+
+def test_gamma_cannot_die():
+    """relu(gamma) of a raw value pushed below 0 has no gradient (its side of the bias is fixed at
+    MLP(0) for good); gamma = exp(scale * raw) keeps a gradient after any push down."""
+    raw = torch.tensor(-0.5, requires_grad=True)
+    (1 - torch.exp(-torch.relu(raw) * 3 / 256)).backward()
+    assert raw.grad == 0  # the old parameterisation: dead
+    encoding = make("at5")
+    optimizer = torch.optim.Adam(encoding.parameters(), lr=0.5)
+    for _ in range(30):  # drive every gamma down as hard as Adam goes (b -> 0)
+        optimizer.zero_grad()
+        sum(encoding.bucket(name, torch.arange(1, 20)).sum() for name in encoding.raw_gammas).backward()
+        optimizer.step()
+    optimizer.zero_grad()
+    for role in ("encoder", "decoder"):
+        encoding.begin(role)
+        encoding.logit_bias(role, 0, torch.arange(30), torch.arange(30)).pow(2).sum().backward()
+    for name, raw in encoding.raw_gammas.items():
+        assert (encoding.gamma(name) > 0).all() and (raw.grad != 0).all(), name
+
+
+@pytest.mark.parametrize("gradient_scale", [1.0, 1e-9])  # a usual gradient and one below Adam's eps
+def test_adam_moves_the_effective_parameters_further(gradient_scale):
+    """One torch.optim.Adam step on the same loss of the same effective values: the MLP weights move
+    at least MLP_STEP_SCALE times as far as plain parameters (the old layout) would, and gamma by a
+    relative step of about GAMMA_STEP_SCALE * lr instead of lr / gamma (more where gradients are
+    below eps)."""
+    lr, name = 1e-3, "encoder_plus"
+    encoding = make("at5").double()
+    mlp = encoding.mlps[name]
+    before = {key: value.detach().clone() for key, value in effective_parameters(mlp).items()}
+    gamma_before = encoding.gamma(name).detach().clone()
+    plain = {key: value.clone().requires_grad_(True) for key, value in before.items()}
+    plain_gamma = gamma_before.clone().requires_grad_(True)
+    distance = torch.arange(0, 40, dtype=torch.float64)
+
+    def loss(gamma, params):  # the bias of one side (paper eqs. 17-18) against a fixed target
+        bucket = 1 - torch.exp(-gamma[:, None] * distance[None, :] / encoding.length_scale)
+        hidden = torch.sigmoid(bucket[:, :, None] * params["w1"][:, None, :] + params["b1"][:, None, :])
+        hidden = torch.sigmoid(torch.einsum("hdi,hij->hdj", hidden, params["w2"]) + params["b2"][:, None, :])
+        out = torch.einsum("hdj,hj->hd", hidden, params["w3"]) + params["b3"][:, None]
+        return gradient_scale * (out * torch.linspace(-1, 2, len(distance))).sum()
+
+    loss(encoding.gamma(name), effective_parameters(mlp)).backward()
+    loss(plain_gamma, plain).backward()
+    assert torch.allclose(mlp.w1_raw.grad / MLP_STEP_SCALE, plain["w1"].grad, rtol=1e-9, atol=0)  # same loss
+    torch.optim.Adam(encoding.parameters(), lr=lr).step()
+    torch.optim.Adam([*plain.values(), plain_gamma], lr=lr).step()
+    with torch.no_grad():
+        for key in HeadMLPs.PARAMETERS:
+            new_step, old_step = (getattr(mlp, key) - before[key]).abs(), (plain[key] - before[key]).abs()
+            moved = old_step > 0
+            ratio = new_step[moved] / old_step[moved]
+            assert moved.any() and (ratio >= 0.99 * MLP_STEP_SCALE).all() and (ratio >= 10).all(), key
+        new_relative = (encoding.gamma(name) / gamma_before).log().abs()
+        old_relative = (plain_gamma / gamma_before).log().abs()
+        assert (new_relative > 5 * old_relative).all()
+        if gradient_scale == 1.0:  # gradients above eps: Adam's first step is lr per stored value
+            assert torch.allclose(new_relative, torch.full_like(new_relative, GAMMA_STEP_SCALE * lr), rtol=0.05)

@@ -1,0 +1,51 @@
+"""examples/claims/: the papers' small claims at toy size. Process-50 (AT5 paper, table 1): the data
+follow the description (two Markov chains, P(repeat) 0.57 / 0.43, balanced classes, Bayes rate from
+the exact formula matches the Bayes classifier on generated data), and the runner goes through
+fairseq-preprocess, fairseq-train and fairseq-validate and prints its table."""
+import importlib.util
+import random
+import re
+import sys
+
+from util import BIN, REPO, run
+
+SCRIPT = REPO / "examples" / "claims" / "process50.py"
+
+
+def process50():
+    spec = importlib.util.spec_from_file_location("process50", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_process50_data_follow_the_description(tmp_path):
+    module = process50()
+    module.write_split(tmp_path, "train", 4000, random.Random(0))
+    sequences = [list(map(int, line.split())) for line in (tmp_path / "train.input0").read_text().splitlines()]
+    labels = [int(line) for line in (tmp_path / "train.label").read_text().splitlines()]
+    assert len(sequences) == len(labels) == 4000 and sum(labels) == 2000
+    assert all(len(sequence) == 50 and set(sequence) <= {0, 1} for sequence in sequences)
+    repeats = [sum(a == b for a, b in zip(sequence, sequence[1:])) for sequence in sequences]
+    for label, expected in ((0, 0.57), (1, 0.43)):
+        rate = sum(r for r, y in zip(repeats, labels) if y == label) / (49 * labels.count(label))
+        assert abs(rate - expected) < 0.01, (label, rate)
+    ones = sum(map(sum, sequences)) / (50 * 4000)
+    assert abs(ones - 0.5) < 0.01  # symbol counts carry no class information
+    bayes = sum((r > 24.5) == (y == 0) for r, y in zip(repeats, labels)) / 4000  # the Bayes classifier
+    assert abs(module.bayes_accuracy() - 0.839) < 0.001 and abs(bayes - module.bayes_accuracy()) < 0.02
+
+
+def test_process50_runs_through_fairseq_and_prints_the_table(tmp_path):
+    out = run([sys.executable, SCRIPT, "--out", tmp_path, "--train", "200", "--valid", "64", "--test", "64",
+               "--epochs", "1", "--batch-size", "32", "--jobs", "2",
+               "--arch", "roberta_t5", "roberta_at5:--at5-length-scale 50"], env={"PATH": str(BIN)})
+    rows = {row.split("|")[1].strip(): row for row in out.splitlines() if row.startswith("| `")}
+    assert set(rows) == {"`roberta_t5`", "`roberta_at5:--at5-length-scale 50`"}
+    for row in rows.values():
+        test_accuracy = float(row.split("|")[2])
+        assert 0 <= test_accuracy <= 1
+    assert "| 0.808 |" in rows["`roberta_t5`"]  # the paper's number beside ours
+    assert (tmp_path / "results.md").read_text() in out
+    assert re.search(r"at5_length_scale.: 50|--at5-length-scale', '50'|--at5-length-scale 50",
+                     (tmp_path / "roberta_at5_--at5-length-scale_50" / "train.log").read_text())
