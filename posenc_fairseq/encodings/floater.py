@@ -96,14 +96,15 @@ class Dynamics(nn.Module):
     `max_speed` S and `decay` L bound the flow: db/dt = exp(-L tau) S tanh(h / S), so every coordinate
     moves at most S exp(-L tau) per unit of time and |b(t) - b(0)| <= S / L for every t, coordinate by
     coordinate, whatever the weights: past the training lengths the biases settle instead of running
-    away. Both keep h == 0 the identity."""
+    away. `stop_time` T: db/dt = 0 for t > T (b(t) = b(T) from there on, as a clipped relative distance
+    or the last row of a learned table). All keep h == 0 the identity."""
 
     def __init__(self, dim: int, hidden: int, init: str = "zero", autonomous: bool = False,
-                 max_speed: Optional[float] = None, decay: float = 0.0):
+                 max_speed: Optional[float] = None, decay: float = 0.0, stop_time: Optional[float] = None):
         super().__init__()
         self.fc1 = nn.Linear(dim + 1, hidden)
         self.fc2 = nn.Linear(hidden + 1, dim)
-        self.autonomous, self.max_speed, self.decay = autonomous, max_speed, decay
+        self.autonomous, self.max_speed, self.decay, self.stop_time = autonomous, max_speed, decay, stop_time
         self.initialise(init)
 
     def initialise(self, init: str):
@@ -127,11 +128,11 @@ class Dynamics(nn.Module):
     @property
     def is_paper_form(self) -> bool:
         """h = W2 [relu(...); tau] + c2 exactly: the form the fast fixed-grid integrators are written for."""
-        return self.max_speed is None and not self.decay
+        return self.max_speed is None and not self.decay and self.stop_time is None
 
     def function(self, weights: List[Tensor]):
         """h(t, b) with these (W1, c1, W2, c2) and this network's bounds, for torchdiffeq."""
-        return dynamics_function(*weights, max_speed=self.max_speed, decay=self.decay)
+        return dynamics_function(*weights, max_speed=self.max_speed, decay=self.decay, stop_time=self.stop_time)
 
 
 def without_time_column(weight: Tensor) -> Tensor:
@@ -140,9 +141,9 @@ def without_time_column(weight: Tensor) -> Tensor:
 
 
 def dynamics_function(w1: Tensor, c1: Tensor, w2: Tensor, c2: Tensor, max_speed: Optional[float] = None,
-                      decay: float = 0.0):
-    """h as a function of (t, b) with the given weights, for torchdiffeq; with `max_speed` S and
-    `decay` L (see `Dynamics`), exp(-L t) S tanh(h / S)."""
+                      decay: float = 0.0, stop_time: Optional[float] = None):
+    """h as a function of (t, b) with the given weights, for torchdiffeq; with `max_speed` S,
+    `decay` L and `stop_time` T (see `Dynamics`), exp(-L t) S tanh(h / S) up to T and 0 after."""
 
     def h(t: Tensor, state: Tensor) -> Tensor:
         tau = t.to(state.dtype)
@@ -152,6 +153,8 @@ def dynamics_function(w1: Tensor, c1: Tensor, w2: Tensor, c2: Tensor, max_speed:
             velocity = max_speed * torch.tanh(velocity / max_speed)
         if decay:
             velocity = velocity * torch.exp(-decay * tau)
+        if stop_time is not None:
+            velocity = velocity * (tau <= stop_time)
         return velocity
 
     return h
@@ -654,7 +657,11 @@ class Floater(PositionalEncoding):
         if self.autonomous and self.recompute_every > 1:  # (a window's snapshot holds the raw time columns)
             raise OptionValueError("--floater-autonomous with --floater-recompute-every > 1 is not supported")
         max_speed, decay = floater("max_speed", MAX_SPEED, None), floater("decay", DECAY, 0.0)
-        self.dynamics = Dynamics(dim, hidden, self.init, self.autonomous, max_speed, decay)
+        self.stop_position = floater("stop_position", positive_int, None)
+        # halfway between the last moving position and the next: the solver's stage times of every
+        # interval lie on one side (positions >= N all get b(t_N), half an interval past t_N-1)
+        stop_time = None if self.stop_position is None else (self.stop_position - 0.5) * self.delta
+        self.dynamics = Dynamics(dim, hidden, self.init, self.autonomous, max_speed, decay, stop_time)
         if self.freeze_dynamics:
             self.dynamics.requires_grad_(False)
         if self.dynamics_lr_scale != 1.0:
@@ -696,6 +703,9 @@ class Floater(PositionalEncoding):
         group.add_argument("--floater-decay", type=DECAY, metavar="L",
                            help="db/dt multiplied by exp(-L t): with --floater-max-speed S, |b(t) - b(0)| <= S/L "
                                 "at every position (default 0: none)")
+        group.add_argument("--floater-stop-position", type=positive_int, metavar="N",
+                           help="the flow stops halfway between positions N-1 and N: positions >= N share one bias "
+                                "(e.g. N = the longest training input; default: never)")
         group.add_argument("--floater-first-block-only", action="store_true", default=None,
                            help="FLOATER biases only in layer 0 of each stack (paper's 'input block only')")
         group.add_argument("--floater-recompute-every", type=positive_int, metavar="K",

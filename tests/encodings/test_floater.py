@@ -643,3 +643,25 @@ def test_fairseq_train_with_the_bounded_autonomous_flow(translation_data, tmp_pa
     assert dynamics["positional_encoding.dynamics.fc2.weight"][:, -1].abs().max() == 0  # its time column not
     config = state["cfg"]["model"]
     assert (config.floater_autonomous, config.floater_max_speed, config.floater_decay) == (True, 2.0, 1.0)
+    # the stop is set when loading (the longest training input is known then), as fairseq-generate's
+    # --model-overrides does; without it the checkpoint loads as trained
+    from fairseq import checkpoint_utils
+    for overrides, stop in (None, None), ({"floater_stop_position": 4}, 4):
+        models, _ = checkpoint_utils.load_model_ensemble([str(tmp_path / "checkpoint_last.pt")], arg_overrides=overrides)
+        encoding = models[0].positional_encoding
+        assert encoding.stop_position == stop and encoding.dynamics.max_speed == 2.0
+        table = encoding.solve(30).detach()
+        assert table.abs().max() <= 2.0 / 1.0 and table[-1].abs().max() > 0
+        assert torch.equal(table[4:], table[4:5].expand_as(table[4:])) == (stop is not None)
+
+
+def test_the_flow_stops_at_the_stop_position(translation_data):
+    model, _, encoding = floater_model(translation_data, ["--floater-stop-position", "9"])
+    model.double().eval()
+    perturb(model)
+    b0 = encoding.initial_values().detach()
+    reference = reference_solve(make_h(encoding.dynamics), b0, 9, encoding.delta, encoding.substeps, "rk4_38") - b0
+    table = encoding.solve(40).detach()
+    assert (table[:9] - reference).abs().max() <= 1e-12  # positions 0..N-1: the paper's flow
+    assert torch.equal(table[9:], table[9:10].expand_as(table[9:]))  # N on: one bias
+    assert (table[9] - table[8]).abs().max() > 1e-3  # (half an interval more than N-1)
