@@ -2,7 +2,7 @@
 """FLOATER paper, figure 2 ("short to long"), at toy scale on CPU: train on short sentences, report
 BLEU per source-length bin up to 3x the longest training sentence, FLOATER against sinusoidal.
 
-  python examples/claims/short_to_long.py WORK [--variants sinusoidal,floater,...] [--max-update 1000]
+  python examples/claims/short_to_long.py WORK [--variants sinusoidal,floater,floater_bounded] [--max-update 1000]
 
 Task: the toy translation of posenc_fairseq.toy_data (every word mapped to its partner, the word
 order reversed: the model must use positions). Training sources have 3-16 words; the test split
@@ -12,7 +12,9 @@ examples/extrapolation/make_s2l.py (the split), examples/translation/prepare.py 
 sentencepiece, fairseq-preprocess), examples/translation/train.sh (one model per variant),
 examples/translation/evaluate.py --bins 3,17,25,33, examples/extrapolation/report.py (WORK/s2l.md
 and WORK/s2l.png). Model: 2+2 layers, d = 64, 4 heads, FFN 256; Adam, lr 2e-3, 300 warm-up updates,
-4096 tokens per batch; every variant trains with the same seed and number of updates.
+4096 tokens per batch; every variant trains with the same seed and number of updates. Every FLOATER
+variant is evaluated twice: as trained, and with `--floater-stop-position 17` set at loading
+(--model-overrides; positions 0-16 are the ones training saw: 16 words and </s>), row NAME+stop17.
 Measured results and what they show: docs/floater.md, "Length extrapolation: measured".
 """
 import argparse
@@ -38,7 +40,10 @@ VARIANTS = {
     "floater": ("transformer_floater", []),
     "floater_delta0.01": ("transformer_floater", ["--floater-delta", "0.01"]),
     "floater_autonomous": ("transformer_floater", ["--floater-autonomous"]),
+    "floater_max_speed": ("transformer_floater", ["--floater-max-speed", "5"]),
+    "floater_bounded": ("transformer_floater", ["--floater-max-speed", "5", "--floater-decay", "1"]),
 }
+STOP_POSITION = TRAIN_LENGTHS[1] + 1  # the first position training never saw (16 words + </s>: 0..16)
 
 
 def make_corpus(raw: Path, sentences: int, per_bin: int):
@@ -60,7 +65,7 @@ def run(command, env=None):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("work", type=Path)
-    p.add_argument("--variants", default="sinusoidal,floater", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default="sinusoidal,floater,floater_bounded", help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--sentences", type=int, default=10000, help="training sentences (default 10000)")
     p.add_argument("--per-bin", type=int, default=200, help="test sentences per length bin (default 200)")
     p.add_argument("--max-update", type=int, default=1000)
@@ -86,9 +91,15 @@ def main(argv=None):
              "--no-epoch-checkpoints", "--disable-validation", *extra],
             dict(env, ARCH=arch, LR="2e-3", WARMUP="300", MAX_TOKENS="4096", UPDATE_FREQ="1",
                  MAX_UPDATE=str(args.max_update), DROPOUT="0.1"))
-        results.append(work / f"bleu_{name}.json")
-        run([PYTHON, TRANSLATION / "evaluate.py", data / "bin", work / name / "checkpoint_last.pt", "--cpu",
-             "--beam", str(args.beam), "--bins", ",".join(str(lo) for lo, _ in TEST_BINS), "--json", results[-1]], env)
+        evaluations = [(name, [])]
+        if arch == "transformer_floater":
+            evaluations.append((f"{name}+stop{STOP_POSITION}",
+                                ["--model-overrides", f"{{'floater_stop_position': {STOP_POSITION}}}"]))
+        for row, overrides in evaluations:
+            results.append(work / f"bleu_{row}.json")
+            run([PYTHON, TRANSLATION / "evaluate.py", data / "bin", work / name / "checkpoint_last.pt", "--cpu",
+                 "--beam", str(args.beam), "--bins", ",".join(str(lo) for lo, _ in TEST_BINS),
+                 "--json", results[-1], *overrides], env)
     run([PYTHON, EXTRAPOLATION / "report.py", *results, "--out", work / "s2l"], env)
 
 
