@@ -89,15 +89,15 @@ class Dynamics(nn.Module):
     """h(tau, b) = W2 [relu(W1 [b; tau] + c1); tau] + c2, applied to every row of b (N, d).
 
     `autonomous`: h(b) = W2 [relu(W1 [b; 0] + c1); 0] + c2, the time columns of W1 and W2 held at
-    zero (the parameters keep their shapes, so checkpoints load either way). The paper's h sees tau:
-    at a position past the training lengths it is then evaluated at a time input it never saw
-    (docs/floater.md, "Length extrapolation: measured").
+    zero (the parameters keep their shapes, so checkpoints load either way): a flow that is the same
+    at every position (the paper's h sees tau, also past the training lengths, where it never saw it).
 
     `max_speed` S and `decay` L bound the flow: db/dt = exp(-L tau) S tanh(h / S), so every coordinate
     moves at most S exp(-L tau) per unit of time and |b(t) - b(0)| <= S / L for every t, coordinate by
     coordinate, whatever the weights: past the training lengths the biases settle instead of running
     away. `stop_time` T: db/dt = 0 for t > T (b(t) = b(T) from there on, as a clipped relative distance
-    or the last row of a learned table). All keep h == 0 the identity."""
+    or the last row of a learned table). All keep h == 0 the identity. What each does past the
+    training lengths, measured: docs/floater.md, "Length extrapolation: measured"."""
 
     def __init__(self, dim: int, hidden: int, init: str = "zero", autonomous: bool = False,
                  max_speed: Optional[float] = None, decay: float = 0.0, stop_time: Optional[float] = None):
@@ -658,8 +658,8 @@ class Floater(PositionalEncoding):
             raise OptionValueError("--floater-autonomous with --floater-recompute-every > 1 is not supported")
         max_speed, decay = floater("max_speed", MAX_SPEED, None), floater("decay", DECAY, 0.0)
         self.stop_position = floater("stop_position", positive_int, None)
-        # halfway between the last moving position and the next: the solver's stage times of every
-        # interval lie on one side (positions >= N all get b(t_N), half an interval past t_N-1)
+        # halfway between positions N-1 and N, so that no solver interval has stage times on both sides
+        # of it at a grid point: positions < N are the plain flow's, positions >= N all get b((N - 1/2) delta)
         stop_time = None if self.stop_position is None else (self.stop_position - 0.5) * self.delta
         self.dynamics = Dynamics(dim, hidden, self.init, self.autonomous, max_speed, decay, stop_time)
         if self.freeze_dynamics:
@@ -705,7 +705,7 @@ class Floater(PositionalEncoding):
                                 "at every position (default 0: none)")
         group.add_argument("--floater-stop-position", type=positive_int, metavar="N",
                            help="the flow stops halfway between positions N-1 and N: positions >= N share one bias "
-                                "(e.g. N = the longest training input; default: never)")
+                                "(e.g. N = the longest training input in tokens, </s> included; default: never)")
         group.add_argument("--floater-first-block-only", action="store_true", default=None,
                            help="FLOATER biases only in layer 0 of each stack (paper's 'input block only')")
         group.add_argument("--floater-recompute-every", type=positive_int, metavar="K",
