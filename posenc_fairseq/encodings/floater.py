@@ -658,8 +658,9 @@ class Floater(PositionalEncoding):
             raise OptionValueError("--floater-autonomous with --floater-recompute-every > 1 is not supported")
         max_speed, decay = floater("max_speed", MAX_SPEED, None), floater("decay", DECAY, 0.0)
         self.stop_position = floater("stop_position", positive_int, None)
-        # halfway between positions N-1 and N, so that no solver interval has stage times on both sides
-        # of it at a grid point: positions < N are the plain flow's, positions >= N all get b((N - 1/2) delta)
+        # halfway between positions N-1 and N, away from both: every stage time of the intervals up to
+        # position N-1 lies before it (those positions keep the plain flow), every one after position N
+        # lies after it (positions >= N share b(t_N), the flow up to (N - 1/2) delta)
         stop_time = None if self.stop_position is None else (self.stop_position - 0.5) * self.delta
         self.dynamics = Dynamics(dim, hidden, self.init, self.autonomous, max_speed, decay, stop_time)
         if self.freeze_dynamics:
