@@ -65,7 +65,8 @@ def run(command, env=None):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("work", type=Path)
-    p.add_argument("--variants", default="sinusoidal,floater,floater_bounded", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default="sinusoidal,floater,floater_bounded",
+                   help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--sentences", type=int, default=10000, help="training sentences (default 10000)")
     p.add_argument("--per-bin", type=int, default=200, help="test sentences per length bin (default 200)")
     p.add_argument("--max-update", type=int, default=1000)

@@ -647,7 +647,8 @@ def test_fairseq_train_with_the_bounded_autonomous_flow(translation_data, tmp_pa
     # --model-overrides does; without it the checkpoint loads as trained
     from fairseq import checkpoint_utils
     for overrides, stop in (None, None), ({"floater_stop_position": 4}, 4):
-        models, _ = checkpoint_utils.load_model_ensemble([str(tmp_path / "checkpoint_last.pt")], arg_overrides=overrides)
+        models, _ = checkpoint_utils.load_model_ensemble([str(tmp_path / "checkpoint_last.pt")],
+                                                         arg_overrides=overrides)
         encoding = models[0].positional_encoding
         assert encoding.stop_position == stop and encoding.dynamics.max_speed == 2.0
         table = encoding.solve(30).detach()
