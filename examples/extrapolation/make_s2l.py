@@ -7,7 +7,8 @@ source is shorter than THRESHOLD tokens become the training split, all longer on
 RAW_DIR: train.SRC/TGT (and valid.SRC/TGT) as plain text. Lengths are whitespace tokens of the
 source line (the paper counts tokens of the tokenised WMT14 En-De corpus; 98.6% of its training
 sentences are shorter than 80). Writes OUT_DIR/{train,valid,test}.{SRC,TGT}: train = short training
-pairs, valid = short validation pairs, test = long training pairs (plus long validation pairs).
+pairs, valid = short validation pairs, test = long training pairs (plus long validation pairs, plus
+every pair of RAW_DIR/test.SRC/TGT if present, e.g. held-out short pairs for an in-length bin).
 """
 import argparse
 from pathlib import Path
@@ -37,7 +38,7 @@ def main(argv=None):
     short = lambda pair: len(pair[0].split()) < args.threshold  # noqa: E731
     train, valid = read(args.raw_dir, "train", args.src, args.tgt), read(args.raw_dir, "valid", args.src, args.tgt)
     splits = {"train": [x for x in train if short(x)], "valid": [x for x in valid if short(x)],
-              "test": [x for x in train + valid if not short(x)]}
+              "test": [x for x in train + valid if not short(x)] + read(args.raw_dir, "test", args.src, args.tgt)}
     for name, pairs in splits.items():
         write(args.out_dir, name, pairs, args.src, args.tgt)
     print(" ".join(f"{name}={len(pairs)}" for name, pairs in splits.items()),

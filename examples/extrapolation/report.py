@@ -20,7 +20,7 @@ def main(argv=None):
         name = path.stem[len("bleu_"):] if path.stem.startswith("bleu_") else path.stem
         rows[name] = json.loads(path.read_text())
     bins = [b["bin"] for b in next(iter(rows.values()))["bins"]]
-    lines = ["| encoding | " + " | ".join(f"BLEU {b}" for b in bins) + " | all long |",
+    lines = ["| encoding | " + " | ".join(f"BLEU {b}" for b in bins) + " | all |",
              "|---" * (len(bins) + 2) + "|"]
     for name, result in rows.items():
         cells = [f"{b['bleu']:.2f} (n={b['sentences']})" for b in result["bins"]]

@@ -53,6 +53,8 @@ STEP_SIZE = float_in_range(0.0, 1000.0, low_open=True)
 TOLERANCE = float_in_range(0.0, 1.0, low_open=True, high_open=True)
 HIDDEN = int_in_range(1, 65536)
 LR_SCALE = float_in_range(0.0, 1e4, low_open=True)
+MAX_SPEED = float_in_range(0.0, 1e4, low_open=True)
+DECAY = float_in_range(0.0, 1e3)
 EVAL_CHUNK = 64  # evaluation extends the table in chunks of this many positions
 MAX_SUBSTEPS = 1000  # steps per position above this are a typo (e.g. --floater-step-size 1e-7)
 KEEP_STAGES_BYTES = 256 * 2**20  # a solve keeps its stages for backward up to this size, else recomputes
@@ -84,12 +86,25 @@ TABLEAUS = {  # torchdiffeq's fixed-grid methods, same coefficients
 
 
 class Dynamics(nn.Module):
-    """h(tau, b) = W2 [relu(W1 [b; tau] + c1); tau] + c2, applied to every row of b (N, d)."""
+    """h(tau, b) = W2 [relu(W1 [b; tau] + c1); tau] + c2, applied to every row of b (N, d).
 
-    def __init__(self, dim: int, hidden: int, init: str = "zero"):
+    `autonomous`: h(b) = W2 [relu(W1 [b; 0] + c1); 0] + c2, the time columns of W1 and W2 held at
+    zero (the parameters keep their shapes, so checkpoints load either way): a flow that is the same
+    at every position (the paper's h sees tau, also past the training lengths, where it never saw it).
+
+    `max_speed` S and `decay` L bound the flow: db/dt = exp(-L tau) S tanh(h / S), so every coordinate
+    moves at most S exp(-L tau) per unit of time and |b(t) - b(0)| <= S / L for every t, coordinate by
+    coordinate, whatever the weights: past the training lengths the biases settle instead of running
+    away. `stop_time` T: db/dt = 0 for t > T (b(t) = b(T) from there on, as a clipped relative distance
+    or the last row of a learned table). All keep h == 0 the identity. What each does past the
+    training lengths, measured: docs/floater.md, "Length extrapolation: measured"."""
+
+    def __init__(self, dim: int, hidden: int, init: str = "zero", autonomous: bool = False,
+                 max_speed: Optional[float] = None, decay: float = 0.0, stop_time: Optional[float] = None):
         super().__init__()
         self.fc1 = nn.Linear(dim + 1, hidden)
         self.fc2 = nn.Linear(hidden + 1, dim)
+        self.autonomous, self.max_speed, self.decay, self.stop_time = autonomous, max_speed, decay, stop_time
         self.initialise(init)
 
     def initialise(self, init: str):
@@ -105,16 +120,42 @@ class Dynamics(nn.Module):
 
     def weights(self, dtype: torch.dtype) -> List[Tensor]:
         """(W1, c1, W2, c2) in `dtype` (a differentiable cast: gradients reach the parameters)."""
-        return [p.to(dtype) for p in (self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)]
+        w1, c1, w2, c2 = (p.to(dtype) for p in (self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias))
+        if self.autonomous:  # every solver reads these weights: zero time columns, zero gradient there
+            w1, w2 = without_time_column(w1), without_time_column(w2)
+        return [w1, c1, w2, c2]
+
+    @property
+    def is_paper_form(self) -> bool:
+        """h = W2 [relu(...); tau] + c2 exactly: the form the fast fixed-grid integrators are written for."""
+        return self.max_speed is None and not self.decay and self.stop_time is None
+
+    def function(self, weights: List[Tensor]):
+        """h(t, b) with these (W1, c1, W2, c2) and this network's bounds, for torchdiffeq."""
+        return dynamics_function(*weights, max_speed=self.max_speed, decay=self.decay, stop_time=self.stop_time)
 
 
-def dynamics_function(w1: Tensor, c1: Tensor, w2: Tensor, c2: Tensor):
-    """h as a function of (t, b) with the given weights, for torchdiffeq."""
+def without_time_column(weight: Tensor) -> Tensor:
+    """`weight` with its last (time) column replaced by zeros."""
+    return torch.cat([weight[:, :-1], weight.new_zeros(weight.size(0), 1)], dim=1)
+
+
+def dynamics_function(w1: Tensor, c1: Tensor, w2: Tensor, c2: Tensor, max_speed: Optional[float] = None,
+                      decay: float = 0.0, stop_time: Optional[float] = None):
+    """h as a function of (t, b) with the given weights, for torchdiffeq; with `max_speed` S,
+    `decay` L and `stop_time` T (see `Dynamics`), exp(-L t) S tanh(h / S) up to T and 0 after."""
 
     def h(t: Tensor, state: Tensor) -> Tensor:
-        tau = t.to(state.dtype).expand(state.size(0), 1)
-        hidden = F.relu(F.linear(torch.cat([state, tau], dim=-1), w1, c1))
-        return F.linear(torch.cat([hidden, tau], dim=-1), w2, c2)
+        tau = t.to(state.dtype)
+        hidden = F.relu(F.linear(torch.cat([state, tau.expand(state.size(0), 1)], dim=-1), w1, c1))
+        velocity = F.linear(torch.cat([hidden, tau.expand(state.size(0), 1)], dim=-1), w2, c2)
+        if max_speed is not None:
+            velocity = max_speed * torch.tanh(velocity / max_speed)
+        if decay:
+            velocity = velocity * torch.exp(-decay * tau)
+        if stop_time is not None:
+            velocity = velocity * (tau <= stop_time)
+        return velocity
 
     return h
 
@@ -654,7 +695,16 @@ class Floater(PositionalEncoding):
         if self.dynamics_lr_scale != 1.0 and isinstance(optimizer, str) and optimizer != "composite":
             raise OptionValueError(f"--floater-dynamics-lr-scale needs fairseq's composite optimizer (got --optimizer "
                                    f"{optimizer}); see docs/floater.md")
-        self.dynamics = Dynamics(dim, hidden, self.init)
+        self.autonomous = bool(floater("autonomous", bool, False))
+        if self.autonomous and self.recompute_every > 1:  # (a window's snapshot holds the raw time columns)
+            raise OptionValueError("--floater-autonomous with --floater-recompute-every > 1 is not supported")
+        max_speed, decay = floater("max_speed", MAX_SPEED, None), floater("decay", DECAY, 0.0)
+        self.stop_position = floater("stop_position", positive_int, None)
+        # halfway between positions N-1 and N, away from both: every stage time of the intervals up to
+        # position N-1 lies before it (those positions keep the plain flow), every one after position N
+        # lies after it (positions >= N share b(t_N), the flow up to (N - 1/2) delta)
+        stop_time = None if self.stop_position is None else (self.stop_position - 0.5) * self.delta
+        self.dynamics = Dynamics(dim, hidden, self.init, self.autonomous, max_speed, decay, stop_time)
         if self.freeze_dynamics:
             self.dynamics.requires_grad_(False)
         if self.dynamics_lr_scale != 1.0:
@@ -688,6 +738,17 @@ class Floater(PositionalEncoding):
         group.add_argument("--floater-hidden", type=HIDDEN, metavar="H", help="hidden width of h (default: embed dim)")
         group.add_argument("--floater-init", choices=INITS,
                            help="last layer of h: zero (exactly the stock model, default) or small random")
+        group.add_argument("--floater-autonomous", action="store_true", default=None,
+                           help="h(b) without the time input (the paper's h also sees tau); see docs/floater.md")
+        group.add_argument("--floater-max-speed", type=MAX_SPEED, metavar="S",
+                           help="db/dt = S tanh(h/S): every coordinate of b moves at most S per unit of time "
+                                "(default: unbounded, the paper's h); see docs/floater.md")
+        group.add_argument("--floater-decay", type=DECAY, metavar="L",
+                           help="db/dt multiplied by exp(-L t): with --floater-max-speed S, |b(t) - b(0)| <= S/L "
+                                "at every position (default 0: none)")
+        group.add_argument("--floater-stop-position", type=positive_int, metavar="N",
+                           help="the flow stops halfway between positions N-1 and N: positions >= N share one bias "
+                                "(e.g. N = the longest training input in tokens, </s> included; default: never)")
         group.add_argument("--floater-first-block-only", action="store_true", default=None,
                            help="FLOATER biases only in layer 0 of each stack (paper's 'input block only')")
         group.add_argument("--floater-recompute-every", type=positive_int, metavar="K",
@@ -789,13 +850,13 @@ class Floater(PositionalEncoding):
         """States b(t_i) for positions i = first..last, shape (last - first + 1, N, d), on y0's
         device and in its dtype (autocast off: the solve stays in float32 under --amp)."""
         with autocast_off(y0.device):
-            if self.method in FIXED_GRID and not self.adjoint:
+            if self.method in FIXED_GRID and not self.adjoint and self.dynamics.is_paper_form:
                 solve = functools.partial(fixed_grid_solve, TABLEAUS[self.method], first, last, self.delta, self.substeps)
                 return solved_on(solve_device(y0.device, self.method, self.adjoint), solve, y0, *weights)
             return self._torchdiffeq(y0, first, last, weights)
 
     def _torchdiffeq(self, y0: Tensor, first: int, last: int, weights) -> Tensor:
-        """`_odeint` by torchdiffeq: dopri5, or the continuous adjoint."""
+        """`_odeint` by torchdiffeq: dopri5, the continuous adjoint, or dynamics other than the paper's form."""
         import torchdiffeq
 
         times = grid_times(first, last, self.delta).to(y0.device)
@@ -803,7 +864,7 @@ class Floater(PositionalEncoding):
             kwargs = dict(method=self.method, options=dict(grid_constructor=subdivided_grid(self.substeps)))
         else:
             kwargs = dict(method=self.method, rtol=self.tolerance, atol=self.tolerance)
-        func = dynamics_function(*weights)
+        func = self.dynamics.function(weights)
         if self.adjoint:
             # gradients to b(0) flow through y0 (the adjoint returns dL/dy0); h's parameters are
             # the only ones inside the integrand
