@@ -49,3 +49,15 @@ def test_process50_runs_through_fairseq_and_prints_the_table(tmp_path):
     assert (tmp_path / "results.md").read_text() in out
     assert re.search(r"at5_length_scale.: 50|--at5-length-scale', '50'|--at5-length-scale 50",
                      (tmp_path / "roberta_at5_--at5-length-scale_50" / "train.log").read_text())
+
+
+def test_short_to_long_runs_through_fairseq_and_reports_each_bin(tmp_path):
+    """FLOATER paper, figure 2, at toy size: sinusoidal and the bounded FLOATER through the recipe's
+    steps (split, prepare, train.sh, evaluate.py with and without the stop, report.py)."""
+    script = REPO / "examples" / "claims" / "short_to_long.py"
+    run([sys.executable, script, tmp_path, "--variants", "sinusoidal,floater_bounded", "--sentences", "120",
+         "--per-bin", "4", "--max-update", "2", "--beam", "1"])
+    report = (tmp_path / "s2l.md").read_text()
+    for row in ("sinusoidal", "floater_bounded", "floater_bounded+stop17"):
+        assert re.search(rf"^\|\s*{re.escape(row)}\s*\|", report, flags=re.M), (row, report)
+    assert (tmp_path / "s2l.png").stat().st_size > 0
