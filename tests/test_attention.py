@@ -258,7 +258,7 @@ def test_subnormals_flushed_during_attention_backward_only(monkeypatch, name, ne
     never switched off when the thread already flushed them; gradients as without flushing (what is
     flushed is below 1.2e-38). An encoding that adds nothing to the logits leaves the thread alone
     (its additive term is the padding alone)."""
-    from posenc_fairseq import attention as attention_module
+    from posenc_fairseq.kernels import subnormals
     from util import bound_attention, perturbed_encoding
 
     enc = perturbed_encoding(name, dims=ModelDims(32, 4, 1, 1))
@@ -279,7 +279,7 @@ def test_subnormals_flushed_during_attention_backward_only(monkeypatch, name, ne
         padding[1, -5:] = True
         out, _ = module(inputs, inputs, inputs, key_padding_mask=padding, need_weights=need_weights)
         seen = []
-        inputs.register_hook(lambda grad: seen.append(attention_module._flushing_subnormals()))
+        inputs.register_hook(lambda grad: seen.append(subnormals._flushing_subnormals()))
         out.pow(2).sum().backward()
         monkeypatch.setattr(torch, "set_flush_denormal", set_flush)
         return inputs.grad, seen
@@ -289,7 +289,7 @@ def test_subnormals_flushed_during_attention_backward_only(monkeypatch, name, ne
         expected, _ = gradients(flush=False)
         got, seen = gradients(flush=True)
         assert seen == [already_flushing]  # off again by the time the input's gradient arrives
-        assert attention_module._flushing_subnormals() == already_flushing
+        assert subnormals._flushing_subnormals() == already_flushing
         assert switched == ([] if already_flushing or name == "sinusoidal" else [True, False])
         assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6 * expected.abs().max())
     finally:

@@ -1,10 +1,10 @@
-"""biased_attention.py: the fused CPU forward with a hand-written blockwise backward, against
+"""kernels/biased_cpu.py: the fused CPU forward with a hand-written blockwise backward, against
 autograd of the explicit formula softmax(q k^T + A) v (whole models: tests/models/test_fused_training.py)."""
 import pytest
 import torch
 
-from posenc_fairseq import biased_attention as biased
-from posenc_fairseq.attention import blocked_fill_value
+from posenc_fairseq.kernels import biased_cpu as biased
+from posenc_fairseq.kernels.masks import blocked_fill_value
 
 B, H, D = 2, 3, 8
 LARGE = biased.MIN_LOGITS

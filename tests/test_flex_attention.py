@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import posenc_fairseq  # noqa: F401
-from posenc_fairseq import attention as attention_module
+from posenc_fairseq.kernels import blocks as block_module
 from posenc_fairseq import flex_attention
 from posenc_fairseq.encodings import ModelDims
 from posenc_fairseq.encodings.base import PositionalEncoding
@@ -116,8 +116,8 @@ def test_attention_equals_the_explicit_path_in_query_blocks_with_masks(monkeypat
     got, calls = fused("on", call)
     assert calls == 1
     assert torch.isfinite(got).all() and (got - expected).abs().max() <= 1e-5
-    monkeypatch.setattr(attention_module, "QUERY_BLOCK", 4)
-    monkeypatch.setattr(attention_module, "QUERY_BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(block_module, "QUERY_BLOCK", 4)
+    monkeypatch.setattr(block_module, "QUERY_BLOCK_ELEMENTS", 1)
     blocked, calls = fused("on", call)
     assert calls == (3 if name in ("shaw", "lfhc", "xl", "gcdf") else 1)
     assert torch.isfinite(blocked).all()

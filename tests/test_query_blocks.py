@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import posenc_fairseq  # noqa: F401
-from posenc_fairseq import attention as attention_module
+from posenc_fairseq.kernels import blocks as block_module
 from posenc_fairseq.encodings import ModelDims
 from util import bound_attention, perturbed_encoding
 
@@ -15,8 +15,8 @@ CASES = [("shaw", ["--shaw-k", "3"]), ("lfhc", ["--lfhc-k", "2", "--lfhc-values"
 
 
 def blocks(monkeypatch, size):
-    monkeypatch.setattr(attention_module, "QUERY_BLOCK", size)
-    monkeypatch.setattr(attention_module, "QUERY_BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(block_module, "QUERY_BLOCK", size)
+    monkeypatch.setattr(block_module, "QUERY_BLOCK_ELEMENTS", 1)
 
 
 def run_both(monkeypatch, enc, call, queries, size=4):
@@ -109,9 +109,9 @@ def test_blocked_equals_whole_with_source_keys_and_pruned_heads(monkeypatch, nam
 
 
 def test_block_size():
-    assert attention_module.query_block_size(4, 1024) == 256  # 2^20 elements a block
-    assert attention_module.query_block_size(64, 4096) == attention_module.QUERY_BLOCK
-    assert attention_module.query_block_size(8, 64) == 2 ** 20 // 512  # short keys: one piece
+    assert block_module.query_block_size(4, 1024) == 256  # 2^20 elements a block
+    assert block_module.query_block_size(64, 4096) == block_module.QUERY_BLOCK
+    assert block_module.query_block_size(8, 64) == 2 ** 20 // 512  # short keys: one piece
 
 
 @pytest.mark.parametrize("name,argv", CASES)
@@ -153,7 +153,7 @@ def test_recomputed_blocks_drop_the_same_attention(monkeypatch, name, argv):
     results = []
     for keep_graphs in (False, True):
         if keep_graphs:
-            monkeypatch.setattr(attention_module, "checkpoint", lambda function, *args, **_: function(*args))
+            monkeypatch.setattr(block_module, "checkpoint", lambda function, *args, **_: function(*args))
         torch.manual_seed(7)
         enc.begin("decoder")
         out, _ = module(x, x, x, attn_mask=mask, need_weights=False)

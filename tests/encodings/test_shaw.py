@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import posenc_fairseq  # noqa: F401
-from posenc_fairseq import attention as attention_module
+from posenc_fairseq.kernels import blocks as block_module
 from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
 from util import attention_steps, assert_attention_runs_on, bound_attention, encoding_options, perturbed_encoding, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, run
 
@@ -88,8 +88,8 @@ CASES = [
 def test_attention_output_equals_naive_loops(name, layer, role, values, block, monkeypatch):
     """block 3: the attention computes the relative terms 3 queries at a time (long-input path)."""
     if block is not None:
-        monkeypatch.setattr(attention_module, "QUERY_BLOCK", block)
-        monkeypatch.setattr(attention_module, "QUERY_BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(block_module, "QUERY_BLOCK", block)
+        monkeypatch.setattr(block_module, "QUERY_BLOCK_ELEMENTS", 1)
     k = 2  # small, so that clipping happens within 8 tokens (LFHC layer 3: |x| > 6)
     enc = encoding(name, f"--{name}-k", str(k), f"--{name}-values", values)
     module = attention(enc, role, layer)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import posenc_fairseq  # noqa: F401
-from posenc_fairseq import attention as attention_module
+from posenc_fairseq.kernels import blocks as block_module
 from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
 from posenc_fairseq.encodings.positions import position_range
 from posenc_fairseq.encodings.xl import gcdf_prior, sinusoidal_prior
@@ -91,8 +91,8 @@ def naive(module, enc, role, layer, x, padding, causal, prior, blocked=None):
 def test_attention_output_equals_naive_loops(name, role, layer, block, monkeypatch):
     """block 3: the attention computes the relative terms 3 queries at a time (long-input path)."""
     if block is not None:
-        monkeypatch.setattr(attention_module, "QUERY_BLOCK", block)
-        monkeypatch.setattr(attention_module, "QUERY_BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(block_module, "QUERY_BLOCK", block)
+        monkeypatch.setattr(block_module, "QUERY_BLOCK_ELEMENTS", 1)
     argv = ["--gcdf-lambda", "3"] if name == "gcdf" else []
     enc = encoding(name, *argv)
     prior = (lambda d: xl_r(d, EMBED)) if name == "xl" else (lambda d: gcdf_r(d, EMBED, lam=3.0))
@@ -116,8 +116,8 @@ def test_decoder_mask_other_than_the_future_mask(name, block, future, monkeypatc
     """Under fairseq's future mask the attention skips the distances d < -1 (and a block the keys
     after its last query); a decoder mask that lets one future key through must see its term."""
     if block is not None:
-        monkeypatch.setattr(attention_module, "QUERY_BLOCK", block)
-        monkeypatch.setattr(attention_module, "QUERY_BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(block_module, "QUERY_BLOCK", block)
+        monkeypatch.setattr(block_module, "QUERY_BLOCK_ELEMENTS", 1)
     enc = encoding(name)
     prior = (lambda d: xl_r(d, EMBED)) if name == "xl" else (lambda d: gcdf_r(d, EMBED))
     module = attention(enc, "decoder", 1)
@@ -320,8 +320,8 @@ def test_content_bias_folded_into_the_key_product_gives_the_same_values_and_grad
     """u.k_j is computed as (q + u).k_j by the attention (`content_query`): relative_logits is asked
     without it, and outputs and every gradient (u's included) equal the unfolded computation."""
     if block is not None:
-        monkeypatch.setattr(attention_module, "QUERY_BLOCK", block)
-        monkeypatch.setattr(attention_module, "QUERY_BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(block_module, "QUERY_BLOCK", block)
+        monkeypatch.setattr(block_module, "QUERY_BLOCK_ELEMENTS", 1)
     enc = encoding(name)
     module = attention(enc, role, 1)
     x, padding = inputs(left=role == "encoder")

@@ -55,12 +55,12 @@ def test_activation_checkpointing_of_long_inputs(translation_data, monkeypatch, 
     """Long inputs of Shaw/LFHC/XL/GCDF run a block of queries at a time and recompute each block
     during backward: with fairseq's --checkpoint-activations on top (the blocks then run under
     no_grad and inside fairseq's recompute), and without blocks, the gradients are the same."""
-    from posenc_fairseq import attention as attention_module
+    from posenc_fairseq.kernels import blocks as block_module
 
     whole_model, whole = gradients(translation_data, encoding, [])
     state = whole_model.state_dict()
-    monkeypatch.setattr(attention_module, "QUERY_BLOCK", 3)
-    monkeypatch.setattr(attention_module, "QUERY_BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(block_module, "QUERY_BLOCK", 3)
+    monkeypatch.setattr(block_module, "QUERY_BLOCK_ELEMENTS", 1)
     for extra in ([], ["--checkpoint-activations"]):
         _, blocked = gradients(translation_data, encoding, extra, state)
         assert_same_gradients(blocked, whole, extra)

@@ -1,9 +1,9 @@
-"""Training through biased_attention.py (CPU, float32): whole models give the same gradients as
+"""Training through kernels/biased_cpu.py (CPU, float32): whole models give the same gradients as
 through the explicit softmax, for every encoding whose position terms need a gradient."""
 import pytest
 
-from posenc_fairseq import attention as attention_module
-from posenc_fairseq import biased_attention as biased
+from posenc_fairseq.kernels import blocks as block_module
+from posenc_fairseq.kernels import biased_cpu as biased
 from test_checkpoint_activations import gradients
 
 CASES = [("t5", []), ("t5_nob", []), ("at5", []), ("at5_nob", []), ("xl", []), ("gcdf", []),
@@ -21,8 +21,8 @@ def test_models_train_with_the_same_gradients_as_the_explicit_path(translation_d
     attend = biased.attend
     monkeypatch.setattr(biased, "attend", lambda *args: calls.append(1) or attend(*args))
     if query_blocks:
-        monkeypatch.setattr(attention_module, "QUERY_BLOCK", 3)
-        monkeypatch.setattr(attention_module, "QUERY_BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(block_module, "QUERY_BLOCK", 3)
+        monkeypatch.setattr(block_module, "QUERY_BLOCK_ELEMENTS", 1)
     fused_model, fused = gradients(translation_data, encoding, extra)
     assert calls
     monkeypatch.setattr(biased, "applies", lambda *args: False)

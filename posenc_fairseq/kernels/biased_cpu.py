@@ -14,7 +14,7 @@ backward by hand one block of queries at a time, so each block's probabilities s
     dv = P^T do,   dP = do v^T,   dS = P * (dP - rowsum(do * out))
     dq = dS k,     dk = dS^T q,   dA = dS   (summed over the dimensions A broadcasts)
 
-Used by `PositionalAttention` on CPU in float32 without attention dropout (the kernel has none), for
+Chosen by plan.py (`Plan.kernel_for`) on CPU in float32 without attention dropout (the kernel has none), for
 calls of at least MIN_LOGITS logits; otherwise the explicit softmax serves (tests:
 `tests/test_biased_attention.py`, against autograd of the explicit formula). Under fairseq's future
 mask (`future_blocked`) the forward sets the kernel's causal flag and each backward block leaves out

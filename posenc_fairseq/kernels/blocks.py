@@ -1,0 +1,62 @@
+"""Long inputs of the encodings with `query_blocks` (Shaw, LFHC, XL, GCDF): a kernel serves one
+block of queries at a time, so that a block's relative terms and distances are all that exist at
+once; the result is the same. Under fairseq's future mask a block leaves out the keys after its
+last query (all blocked). In training each block is recomputed during backward (activation
+checkpointing of the block alone), so a step keeps only the blocks' inputs, not the probabilities
+(B, H, n, n) of every layer, at the price of computing the blocked attention twice."""
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from ..encodings.positions import position_range
+
+#: queries per block when relative terms are computed a block at a time (see `query_block_size`)
+QUERY_BLOCK = 128
+#: ... and the size of one block's logits, in elements, below which the call is not split
+QUERY_BLOCK_ELEMENTS = 2 ** 20
+#: ... times this on the fused CPU training path (biased_cpu.py), which keeps a block's terms
+#: but not its logits and probabilities: each block's backward gives full-size gradients of the
+#: keys, values and the encoding's distance terms, summed over the blocks, so fewer blocks cost
+#: less (docs/benchmarks.md)
+FUSED_BLOCK_FACTOR = 4
+
+
+def query_block_size(batch_heads: int, keys: int, fused: bool = False) -> int:
+    """Queries per block for encodings with relative terms (Shaw, LFHC, XL, GCDF): QUERY_BLOCK, or
+    more where a block of logits would stay under QUERY_BLOCK_ELEMENTS (short keys, small batch),
+    so that short inputs run in one piece as before; `fused`: FUSED_BLOCK_FACTOR times as many
+    elements."""
+    elements = QUERY_BLOCK_ELEMENTS * (FUSED_BLOCK_FACTOR if fused else 1)
+    return max(QUERY_BLOCK, elements // max(1, batch_heads * keys))
+
+
+def attend(call, block: int, recompute: bool, serve: Callable) -> Tensor:
+    """The output (B, H, Tq, D) of the `AttentionCall` `call`, `serve(block_call)` of each block of
+    `block` queries, concatenated; `recompute`: each block is checkpointed (same dropout mask in
+    its recomputation: the RNG state is restored)."""
+    q = call.q
+    queries, source_keys = q.size(2), call.source_keys
+    target_len = call.k.size(2) - source_keys
+    first = target_len - queries  # position of the first query
+    parts = []
+    for start in range(0, queries, block):
+        rows = slice(start, min(start + block, queries))
+        target_keys = first + rows.stop if call.future_blocked else target_len
+        keys = source_keys + target_keys
+        block_call = call._replace(
+            k_target=call.k_target[:, :, :target_keys],
+            query_positions=position_range(first + rows.start, first + rows.stop, q.device),
+            key_positions=position_range(0, target_keys, q.device),
+            attn_mask=call.attn_mask[..., rows, :keys] if call.attn_mask is not None else None,
+            key_padding_mask=call.key_padding_mask[:, :keys] if call.key_padding_mask is not None else None)
+
+        def block_output(q_rows, block_call=block_call, keys=keys):
+            return serve(block_call._replace(q=q_rows, k=call.k[:, :, :keys], v=call.v[:, :, :keys]))
+
+        if recompute:
+            parts.append(checkpoint(call.encoding.recorded(block_output), q[:, :, rows], use_reentrant=False))
+        else:
+            parts.append(block_output(q[:, :, rows]))
+    return torch.cat(parts, dim=2)

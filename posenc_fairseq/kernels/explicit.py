@@ -1,0 +1,43 @@
+"""The explicit softmax: logits, probabilities and output written out in full. Serves the calls that
+need the probabilities (attention weights asked for, a relative value term mixed from them), the
+logits before softmax (fairseq's `before_softmax`), and terms with a gradient that no fused
+kernel serves well."""
+from typing import Callable, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .subnormals import flush_subnormals_in_backward
+from .terms import all_heads
+
+
+def logits(q: Tensor, k: Tensor, terms: Optional[Tensor]) -> Tensor:
+    """q k^T (+ terms), (B, H, Tq, Tk); `q` already scaled."""
+    products = q @ k.transpose(-1, -2)
+    return products if terms is None else products + terms
+
+
+def attend(call, q: Tensor, terms: Optional[Tensor], dropout: Callable[[Tensor], Tensor]) -> Tuple[Tensor, Tensor]:
+    """softmax(q k^T + terms) v of the `AttentionCall` `call` (its queries as `q`: with the content
+    query where folded), plus its relative value term; the output (B, H, Tq, D) and the
+    probabilities (B, H, Tq, Tk). `dropout`: the attention's dropout module."""
+    products = q @ call.k.transpose(-1, -2)
+    scores = products if terms is None else products + terms
+    probs = torch.softmax(scores.float(), dim=-1).type_as(scores)
+    dropped = dropout(probs) if call.dropout_p > 0 else probs
+    out = dropped @ call.v
+    if call.value_term:
+        kept = call.kept_heads
+        target_probs = dropped[..., call.source_keys:] if call.source_keys else dropped
+        if kept is None:
+            term = call.encoding.relative_values(call.role, call.layer, target_probs, call.query_positions,
+                                                 call.key_positions)
+        else:
+            term = call.encoding.relative_values(call.role, call.layer, all_heads(target_probs, 1, kept, call.full_heads),
+                                                 call.query_positions, call.key_positions)
+            term = term[:, kept] if term is not None else None
+        if term is not None:
+            out = out + term.to(out.dtype)
+    if call.logit_terms and terms is not None:
+        flush_subnormals_in_backward(out, products)
+    return out, probs

@@ -1,0 +1,13 @@
+"""PyTorch's fused attention (SDPA) with the dense terms as its float mask."""
+from typing import Optional
+
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, terms: Optional[Tensor], dropout_p: float) -> Tensor:
+    """softmax(q k^T + terms) v, (B, H, Tq, D); `q` already scaled, `terms` broadcasting against
+    (B, H, Tq, Tk) or None."""
+    if terms is not None:
+        terms = terms.expand(q.size(0), q.size(1), q.size(2), k.size(2))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=terms, scale=1.0, dropout_p=dropout_p)

@@ -1,0 +1,49 @@
+"""Runs a `Plan`: the kernel it names serves the call, whole or one block of queries at a time."""
+from typing import Callable, Optional, Tuple
+
+from torch import Tensor
+
+from . import biased_cpu, blocks, explicit, flex, sdpa, step
+from .masks import blocked_fill_value
+from .plan import AttentionCall, Kernel, Plan
+from .subnormals import flush_subnormals_in_backward
+from .terms import position_terms, with_masks
+
+
+def serve(call: AttentionCall, plan: Plan, dropout: Callable[[Tensor], Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    """The output (B, H, Tq, D) of `call` and its probabilities where they are computed (EXPLICIT,
+    whole calls); LOGITS: the logits (B, H, Tq, Tk) instead. `dropout`: the attention's dropout
+    module (EXPLICIT applies it to the probabilities)."""
+    if plan.kernel is Kernel.STEP:
+        return step.attend(call), None
+    content_query = None
+    if plan.fold_content:
+        content_query = call.encoding.content_query(call.role, call.layer, call.q.dtype)
+    if plan.query_block is None:
+        return _serve_piece(call, plan, content_query, dropout)
+    return blocks.attend(call, plan.query_block, plan.recompute_blocks,
+                         lambda piece: _serve_piece(piece, plan, content_query, dropout)[0]), None
+
+
+def _serve_piece(call: AttentionCall, plan: Plan, content_query: Optional[Tensor],
+                 dropout: Callable[[Tensor], Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    """One piece (the whole call or one block of queries)."""
+    if plan.kernel is Kernel.FLEX:
+        distance = call.encoding.distance_logits(call.role, call.layer, call.q, call.k, call.query_positions,
+                                                 call.key_positions)
+        return flex.attend(call.q, call.k, call.v, distance, call.attn_mask, call.key_padding_mask,
+                           blocked_fill_value(call.q.dtype)), None
+    terms = with_masks(call, position_terms(call, content_folded=content_query is not None))
+    q = call.q if content_query is None else call.q + content_query
+    kernel = plan.kernel_for(call, terms)
+    if kernel is Kernel.LOGITS:
+        return explicit.logits(q, call.k, terms), None
+    if kernel is Kernel.EXPLICIT:
+        return explicit.attend(call, q, terms, dropout)
+    if kernel is Kernel.BIASED_CPU:
+        out = biased_cpu.attend(q, call.k, call.v, terms, call.future_blocked)
+    else:
+        out = sdpa.attend(q, call.k, call.v, terms, call.dropout_p)
+    if call.logit_terms and terms is not None:
+        flush_subnormals_in_backward(out, out)
+    return out, None
