@@ -1,7 +1,6 @@
 """scripts/gpu_check.py, the acceptance run on one GPU, run here as --device cpu: every check prints
 its table, the CUDA-only comparisons are skipped, every other row passes; a difference or an error
 becomes a FAIL row and exit status 1 while the other checks still run."""
-import importlib.util
 import os
 import subprocess
 import sys
@@ -10,26 +9,10 @@ import pytest
 import torch
 
 from posenc_fairseq.encodings import ENCODINGS
-from util import REPO
+from util import REPO, load_script
 
 SCRIPT = REPO / "scripts" / "gpu_check.py"
 CHECK_KEYS = "abcdef"
-
-# Failures known on the current main, each with the error it must show (anything else fails the
-# test). Remove an entry when its fix merges; the test then requires the row to pass.
-#  - torch DDP around fairseq's reentrant --checkpoint-activations: parameters that several layers
-#    share get their gradient once per layer (issue 26 point 1; the lead's layer_checkpoint.py)
-#  - FLOATER under autocast: the solve's products are autocast and mixed with fp32 (issue 26 point 2)
-DDP_READY_TWICE = "Expected to mark a variable ready only once"
-KNOWN_FAILURES = {}  # (check, row) -> the reason a row may fail; none now
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def tables(output):
     """{check key: [(first cell, status, detail)]} from the markdown the script prints."""
@@ -82,10 +65,7 @@ def test_cpu_run_prints_every_table_and_passes_what_the_cpu_can_check(cpu_run):
         for label, status, detail in rows:
             if key == "f" or (key, status) == ("e", "INFO") or (key == "b" and "model" in label):
                 continue
-            known = KNOWN_FAILURES.get((key, label))
-            if status == "FAIL" and known is not None:
-                assert known in detail, (key, label, detail)  # failing for the known reason only
-            elif status != "PASS":
+            if status != "PASS":
                 failures.append((key, label, status, detail))
     assert not failures, f"{failures}\n{cpu_run.stderr[-3000:]}"
     any_failed = any(status == "FAIL" for rows in found.values() for _, status, _ in rows)
@@ -96,7 +76,7 @@ def test_cpu_run_prints_every_table_and_passes_what_the_cpu_can_check(cpu_run):
 def test_a_gradient_that_differs_fails_its_row(capsys, monkeypatch):
     """Check a compares each gradient: one parameter's gradient moved by 1e-3 of the largest on
     the compared side (float32 here) fails that row, and the exit status is 1."""
-    gpu_check = load_script()
+    gpu_check = load_script(SCRIPT)
     step = gpu_check.step
 
     def shifted(models, model, batch, *args, **kwargs):
@@ -114,7 +94,7 @@ def test_a_gradient_that_differs_fails_its_row(capsys, monkeypatch):
 
 
 def test_an_error_or_a_spent_budget_is_a_fail_row_and_the_other_checks_run(capsys, monkeypatch):
-    gpu_check = load_script()
+    gpu_check = load_script(SCRIPT)
 
     def broken(models, budget):
         raise RuntimeError("the check itself broke")

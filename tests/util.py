@@ -165,3 +165,13 @@ def assert_attention_runs_on(encoding, role_layers, length=2000, embed=32, heads
             mask = torch.triu(torch.full((length, length), float("-inf")), 1) if role == "decoder" else None
             out, _ = bound_attention(encoding, role, layer, embed, heads, torch.float32)(x, x, x, attn_mask=mask)
             assert out.shape == (length, 1, embed) and torch.isfinite(out).all()
+
+
+def load_script(path):
+    """A script (scripts/, examples/) imported as a module by its path, to call its functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,25 +2,17 @@
 follow the description (two Markov chains, P(repeat) 0.57 / 0.43, balanced classes, Bayes rate from
 the exact formula matches the Bayes classifier on generated data), and the runner goes through
 fairseq-preprocess, fairseq-train and fairseq-validate and prints its table."""
-import importlib.util
 import random
 import re
 import sys
 
-from util import BIN, REPO, run
+from util import BIN, REPO, load_script, run
 
 SCRIPT = REPO / "examples" / "claims" / "process50.py"
 
 
-def process50():
-    spec = importlib.util.spec_from_file_location("process50", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_process50_data_follow_the_description(tmp_path):
-    module = process50()
+    module = load_script(SCRIPT)
     module.write_split(tmp_path, "train", 4000, random.Random(0))
     sequences = [list(map(int, line.split())) for line in (tmp_path / "train.input0").read_text().splitlines()]
     labels = [int(line) for line in (tmp_path / "train.label").read_text().splitlines()]
