@@ -8,7 +8,8 @@ import sys
 
 from util import BIN, REPO, load_script, run
 
-SCRIPT = REPO / "examples" / "claims" / "process50.py"
+CLAIMS = REPO / "examples" / "claims"
+SCRIPT = CLAIMS / "process50.py"
 
 
 def test_process50_data_follow_the_description(tmp_path):
@@ -41,6 +42,59 @@ def test_process50_runs_through_fairseq_and_prints_the_table(tmp_path):
     assert (tmp_path / "results.md").read_text() in out
     assert re.search(r"at5_length_scale.: 50|--at5-length-scale', '50'|--at5-length-scale 50",
                      (tmp_path / "roberta_at5_--at5-length-scale_50" / "train.log").read_text())
+
+
+def test_negation_scope_data_follow_the_rule(tmp_path):
+    """Labels are (word is good) XOR (`not` within SCOPE before it), balanced, and no word alone tells
+    the class: only the distance does."""
+    module = load_script(CLAIMS / "negation_scope.py")
+    module.write_split(tmp_path, "train", 4000, random.Random(0))
+    sequences = [line.split() for line in (tmp_path / "train.input0").read_text().splitlines()]
+    labels = [int(line) for line in (tmp_path / "train.label").read_text().splitlines()]
+    assert len(sequences) == 4000 and sum(labels) == 2000
+    gaps = []
+    for words, label in zip(sequences, labels):
+        assert len(words) == module.LENGTH and words.count("not") == 1
+        sentiment = [index for index, word in enumerate(words) if word in ("good", "bad")]
+        assert len(sentiment) == 1
+        gap = sentiment[0] - words.index("not")
+        gaps.append(gap)
+        assert label == int((words[sentiment[0]] == "good") != (gap <= 7)) == module.label_of(words)
+    assert set(gaps) == set(range(1, 15))  # 1 .. 2 * SCOPE, both sides of the scope
+    for word in ("good", "bad"):  # the sentiment word alone is no better than chance
+        with_word = [label for words, label in zip(sequences, labels) if word in words]
+        assert abs(sum(with_word) / len(with_word) - 0.5) < 0.03
+
+
+def test_negation_scope_runs_through_fairseq_with_the_reach_column(tmp_path):
+    out = run([sys.executable, CLAIMS / "negation_scope.py", "--out", tmp_path, "--train", "200", "--valid", "64",
+               "--test", "64", "--epochs", "2", "--batch-size", "32", "--seeds", "1", "2", "--jobs", "2",
+               "--arch", "roberta_nope", "roberta_lfhc:--lfhc-k 4"], env={"PATH": str(BIN)})
+    rows = {row.split("|")[1].strip(): [cell.strip() for cell in row.split("|")[2:-1]]
+            for row in out.splitlines() if row.startswith("| `")}
+    assert set(rows) == {"`roberta_nope`", "`roberta_lfhc:--lfhc-k 4`"}
+    assert "first epoch valid ≥ 0.9" in out
+    for test, valid, reach, seeds, paper, minutes in rows.values():
+        assert seeds == "2/2" and " ± " in test and 0 <= float(test.split(" ± ")[0]) <= 1
+    assert rows["`roberta_lfhc:--lfhc-k 4`"][4] == "83.26"  # the paper's SST-2 number beside ours
+    for seed in (1, 2):  # one run per seed, each trained with its seed
+        log = (tmp_path / f"roberta_lfhc_--lfhc-k_4_seed{seed}" / "train.log").read_text()
+        assert f" --seed {seed} " in log.splitlines()[0]
+
+
+def test_runner_reach_column_and_fairseq_module_fallback(tmp_path, monkeypatch):
+    runner = load_script(CLAIMS / "runner.py")
+    results = [{"entry": "a", "test": 0.5, "valid": 0.95, "valid_curve": [0.5, 0.91, 0.95], "minutes": 1.0},
+               {"entry": "a", "test": 0.7, "valid": 0.6, "valid_curve": [0.5, 0.6], "minutes": 3.0},
+               {"entry": "b"}]
+    text = runner.table(results, "heading", {"a": "80"}, reach=0.9)
+    row_a, row_b = [line for line in text.splitlines() if line.startswith("| `")]
+    assert row_a == "| `a` | 0.600 ± 0.141 | 0.775 ± 0.247 | 2.0 (1/2) | 2/2 | 80 | 2.0 |"
+    assert row_b == "| `b` | failed | failed | never | 0/1 |  |  |"
+    assert runner.first_epoch_reaching([0.2, 0.9, 0.8], 0.9) == 2
+    monkeypatch.setattr(runner, "BIN", tmp_path)  # no console scripts here
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert runner.fairseq_command("fairseq-validate") == [sys.executable, "-m", "fairseq_cli.validate"]
 
 
 def test_short_to_long_runs_through_fairseq_and_reports_each_bin(tmp_path):
