@@ -69,10 +69,10 @@ class GatherSlots(torch.autograd.Function):
         return grad_table.view(rows, slots, width).to(present.dtype), None, None, None
 
 
-
-
 @register_encoding("floater")
 class Floater(PositionalEncoding):
+    """b(t_i) for every q/k/v projection of the attention layers the model binds to it (the package
+    docstring gives the equation); h is `dynamics`, the tables are in `tables`."""
     default_input_positions = "stock"
 
     def __init__(self, args, dims):
