@@ -7,7 +7,7 @@ setup(
     description="Positional encodings for fairseq transformers (T5, AT5, Shaw, LFHC, XL, GCDF, FLOATER, ALiBi, rotary) as a --user-dir plugin",
     packages=find_packages(include=["posenc_fairseq", "posenc_fairseq.*"]),
     python_requires=">=3.10",
-    # FLOATER's solve loops compiled (posenc_fairseq/encodings/floater.py falls back to the same loops
+    # FLOATER's solve loops compiled (posenc_fairseq/encodings/floater/solver.py falls back to the same loops
     # in Python where the extension is not built)
     ext_modules=[CppExtension("posenc_fairseq._floater_solve", ["posenc_fairseq/csrc/floater_solve.cpp"],
                               extra_compile_args=["-O3"])],

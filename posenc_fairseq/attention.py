@@ -68,6 +68,14 @@ class PositionBinding:
         self.encoding, self.role, self.layer = encoding, role, layer
 
 
+def bound_attentions(model: torch.nn.Module) -> List[Tuple[str, int, "PositionalAttention"]]:
+    """(role, layer, attention) of every `PositionalAttention` of `model` bound to an encoding, in
+    module order: what the model tells an encoding that keeps per-layer state of the attention
+    modules (`bind_model`: FLOATER's slots are their q/k/v projections)."""
+    return [(module.position_binding.role, module.position_binding.layer, module) for module in model.modules()
+            if isinstance(module, PositionalAttention) and module.position_binding is not None]
+
+
 TORCHSCRIPT_MESSAGE = (
     "posenc_fairseq models cannot be compiled with TorchScript (torch.jit.script): the positional "
     "encoding is one Python module shared by every layer that keeps per-forward state (the token "
@@ -120,12 +128,6 @@ class PositionalAttention(MultiheadAttention):
         if bias is None or self._kept_heads() is None:
             return bias
         return self._buffers[f"pruned_{which}_bias"].index_copy(0, self._kept_channels(), bias)
-
-    def full_projection_bias_sources(self, which: str) -> List[Tensor]:
-        """The tensors `full_projection_bias(which)` is computed from (what a value kept from it
-        depends on: after pruning that bias is a new tensor at every call)."""
-        sources = (getattr(self, f"{which}_proj").bias, self._buffers.get(f"pruned_{which}_bias"), self._kept_heads())
-        return [tensor for tensor in sources if tensor is not None]
 
     def _kept_heads(self) -> Optional[Tensor]:
         return self._buffers.get("kept_heads")

@@ -705,7 +705,7 @@ def check_ddp(models, budget):
 
 def check_floater(models, budget):
     """e. FLOATER's table on the device against the CPU solve; its training step against sinusoidal's."""
-    from posenc_fairseq.encodings import floater as floater_module
+    from posenc_fairseq.encodings.floater import solver as floater_solver
 
     table = Table("e", ["measure", "FLOATER", "reference", "value"])
     dim, layers = (32, 2) if models.quick else (256, 6)
@@ -731,18 +731,18 @@ def check_floater(models, budget):
                 expected = encoding.solve(rows).double()
                 device_path = "CUDA"
                 got = model.to(models.device).positional_encoding.solve(rows).double().cpu()
-            reference = "CPU (compiled loops)" if floater_module.floater_solve is not None else "CPU (Python loops)"
+            reference = "CPU (compiled loops)" if floater_solver.floater_solve is not None else "CPU (Python loops)"
         else:
-            if floater_module.floater_solve is None:
+            if floater_solver.floater_solve is None:
                 return ({"FLOATER": "CPU, Python loops", "reference": "compiled loops"}, "SKIP",
                         "the C++ extension is not built: nothing to compare the Python loops with")
             with torch.no_grad():
                 expected = encoding.solve(rows).double()
-                compiled, floater_module.floater_solve = floater_module.floater_solve, None
+                compiled, floater_solver.floater_solve = floater_solver.floater_solve, None
                 try:
                     got = encoding.solve(rows).double()
                 finally:
-                    floater_module.floater_solve = compiled
+                    floater_solver.floater_solve = compiled
             device_path, reference = "CPU, Python loops (CUDA's path)", "CPU, compiled loops"
         difference = (got - expected).abs().max().item()
         error = relative(got, expected)
@@ -846,7 +846,7 @@ def header(args):
     import fairseq
 
     from posenc_fairseq import flex_attention
-    from posenc_fairseq.encodings import floater
+    from posenc_fairseq.encodings.floater import solver as floater_solver
 
     lines = ["# gpu_check", "", "| | |", "|---|---|"]
 
@@ -867,7 +867,7 @@ def header(args):
     add("python", platform.python_version())
     add("fairseq", f"{fairseq.__version__} ({Path(fairseq.__file__).parent})")
     add("posenc_fairseq", _commit())
-    add("FLOATER compiled solve", "built" if floater.floater_solve is not None else "not built (Python loops)")
+    add("FLOATER compiled solve", "built" if floater_solver.floater_solve is not None else "not built (Python loops)")
     add("POSENC_FLEX_ATTENTION default", f"{flex_attention.MODE!r} (the checks set it; only b uses 'on')")
     add("checks", ", ".join(key for key in RUN_ORDER if key in args.only)
         + ("  (quick)" if args.quick else ""))

@@ -1,4 +1,4 @@
-// FLOATER's hidden-space Runge-Kutta loops (posenc_fairseq/encodings/floater.py, HiddenSpaceSolve)
+// FLOATER's hidden-space Runge-Kutta loops (posenc_fairseq/encodings/floater/solver.py, HiddenSpaceSolve)
 // compiled: the same operations as the Python loops `_hidden_forward_loops` / `_hidden_backward_loops`,
 // without the interpreter between them, and with the rows of the state split into parts integrated
 // side by side on their own threads (the rows are independent ODEs that share h's weights). The

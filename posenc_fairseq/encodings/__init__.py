@@ -1,4 +1,4 @@
-"""Positional encodings, one file each; importing this package registers all of them."""
+"""Positional encodings, one module each (FLOATER a package); importing this package registers all of them."""
 import importlib
 import pkgutil
 

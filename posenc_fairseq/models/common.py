@@ -11,7 +11,7 @@ from fairseq.models import register_model_architecture
 from fairseq.models.transformer import TransformerDecoder, TransformerEncoder
 from fairseq.modules import LearnedPositionalEmbedding
 
-from ..attention import use_positional_attention
+from ..attention import bound_attentions, use_positional_attention
 from ..layer_checkpoint import checkpoint_layer
 from ..encodings import ENCODINGS, ModelDims, build_encoding
 from ..encodings.positions import shared_range
@@ -189,13 +189,14 @@ class PerStackEncoding(nn.Module):
         for part in self.parts():
             part.begin(role, positions, source_positions, earlier)
 
-    def bind_model(self, model):
-        # a part may freeze everything outside itself (FLOATER's --floater-train-dynamics-only):
-        # each part's choice for its own parameters stands
+    def bind_model(self, model, attentions):
+        # each part serves the attentions of its roles (`for_role`); a part may freeze everything
+        # outside itself (FLOATER's --floater-train-dynamics-only): each part's choice for its own
+        # parameters stands
         own = [(parameter, parameter.requires_grad) for parameter in self.parameters()]
         for part in self.parts():
             if hasattr(part, "bind_model"):
-                part.bind_model(model)
+                part.bind_model(model, [entry for entry in attentions if self.for_role(entry[0]) is part])
         for parameter, trainable in own:
             parameter.requires_grad_(trainable)
 
@@ -230,8 +231,8 @@ def attach_encoding(model, args, encoder_stack, decoder_stack=None):
     if decoder_stack is not None:
         decoder_stack.bind_encoding(decoder_part)
         decoder_stack.__dict__["encoding"] = encoding
-    if hasattr(encoding, "bind_model"):
-        encoding.bind_model(model)
+    if hasattr(encoding, "bind_model"):  # (an encoding that keeps state of the attention layers)
+        encoding.bind_model(model, bound_attentions(model))
     return encoding
 
 

@@ -18,6 +18,7 @@ from fairseq.models import register_model
 from fairseq.models import transformer_lm as stock
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
 
+from ..attention import bound_attentions
 from ..encodings import ModelDims, build_encoding
 from .common import PositionalTransformerDecoder, PrunableEncodingMixin, add_position_args, register_architectures
 
@@ -74,8 +75,8 @@ def attach_decoder_encoding(model, args, decoder):
     encoding = build_encoding(args.positional_encoding, args, dims)
     model.positional_encoding = encoding
     decoder.bind_encoding(encoding)
-    if hasattr(encoding, "bind_model"):
-        encoding.bind_model(model)
+    if hasattr(encoding, "bind_model"):  # (an encoding that keeps state of the attention layers)
+        encoding.bind_model(model, bound_attentions(model))
     return encoding
 
 

@@ -1,13 +1,13 @@
-"""FLOATER's fast fixed-grid integrator against torchdiffeq's own solve of the same grid (values and
-gradients), precision at every model dtype, and clear failure when the biases overflow."""
+"""FLOATER's fast fixed-grid integrator (solver.py) against torchdiffeq's own solve of the same grid
+(values and gradients), the compiled loops against the Python loops, where a CUDA model's solve runs,
+and the solve's precision at every model dtype and under autocast."""
 import pytest
 import torch
 import torchdiffeq
 
-from posenc_fairseq.encodings import floater
+from floater_util import DEVICES, floater_model, perturb
 from posenc_fairseq.encodings.floater import (TABLEAUS, Dynamics, FixedGridSolve, HiddenSpaceSolve, dynamics_function,
-                                              grid_times, subdivided_grid)
-from test_floater import floater_model, perturb
+                                              grid_times, solver, subdivided_grid)
 from util import random_batch
 
 
@@ -26,7 +26,7 @@ def random_dynamics(dim, hidden, dtype, seed=0):
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
 def test_fast_solve_equals_torchdiffeq_on_the_same_grid(method, dtype, tolerance, keep_stages, solve, monkeypatch):
     if not keep_stages:  # backward recomputes each interval instead of reading kept stages
-        monkeypatch.setattr(floater, "KEEP_STAGES_BYTES", 0)
+        monkeypatch.setattr(solver, "KEEP_STAGES_BYTES", 0)
     weights = [w.detach().requires_grad_() for w in random_dynamics(8, 6, dtype)]
     y0 = torch.randn(5, 8, dtype=dtype, requires_grad=True)
     first, last, delta, substeps = 3, 11, 0.1, 4  # starting beyond 0: how tables are extended
@@ -57,14 +57,14 @@ def test_the_solve_in_hidden_space_where_it_is_cheaper(hidden, expected, monkeyp
     used = []
     for solve in (FixedGridSolve, HiddenSpaceSolve):
         monkeypatch.setattr(solve, "apply", lambda *args, solve=solve: used.append(solve))
-    floater.fixed_grid_solve(TABLEAUS["rk4"], 0, 3, 0.1, 2, torch.zeros(2, 8), *random_dynamics(8, hidden, torch.float32))
+    solver.fixed_grid_solve(TABLEAUS["rk4"], 0, 3, 0.1, 2, torch.zeros(2, 8), *random_dynamics(8, hidden, torch.float32))
     assert used == [expected]
 
 
 def test_the_compiled_loops_are_built():
     """setup.py builds csrc/floater_solve.cpp (the Makefile's install); without it every solve would
     silently take the slower Python loops."""
-    assert floater.floater_solve is not None
+    assert solver.floater_solve is not None
 
 
 @pytest.mark.parametrize("keep_stages", [True, False], ids=["kept", "recomputed"])
@@ -74,19 +74,19 @@ def test_compiled_loops_in_parts_equal_the_python_loops(parts, keep_stages, dtyp
     """The compiled loops (rows split into parts, one thread each: the rows are independent ODEs
     sharing h) give the Python loops' states and every gradient; the thread count is restored."""
     if not keep_stages:
-        monkeypatch.setattr(floater, "KEEP_STAGES_BYTES", 0)
+        monkeypatch.setattr(solver, "KEEP_STAGES_BYTES", 0)
     weights = [w.detach().requires_grad_() for w in random_dynamics(8, 6, dtype)]
     y0 = torch.randn(9, 8, dtype=dtype, requires_grad=True)
     settings = (TABLEAUS["rk4"], 2, 9, 0.1, 3)
     upstream = torch.randn(8, 9, 8, dtype=dtype)
-    monkeypatch.setattr(floater, "floater_solve", None)
+    monkeypatch.setattr(solver, "floater_solve", None)
     python = HiddenSpaceSolve.apply(*settings, y0, *weights)
     python_grads = torch.autograd.grad(python, [y0, *weights], upstream)
     monkeypatch.undo()
     if not keep_stages:
-        monkeypatch.setattr(floater, "KEEP_STAGES_BYTES", 0)
+        monkeypatch.setattr(solver, "KEEP_STAGES_BYTES", 0)
     bounds = [round(9 * i / parts) for i in range(parts + 1)]
-    monkeypatch.setattr(floater, "compiled_parts", lambda y, hidden: [slice(a, b) for a, b in zip(bounds, bounds[1:])])
+    monkeypatch.setattr(solver, "compiled_parts", lambda y, hidden: [slice(a, b) for a, b in zip(bounds, bounds[1:])])
     threads = torch.get_num_threads()
     compiled = HiddenSpaceSolve.apply(*settings, y0, *weights)
     compiled_grads = torch.autograd.grad(compiled, [y0, *weights], upstream)
@@ -104,11 +104,11 @@ def test_compiled_loops_in_parts_equal_the_python_loops(parts, keep_stages, dtyp
 def test_rows_are_split_over_the_threads_when_the_products_are_large(threads, work, expected, monkeypatch):
     """One part per torch thread (at most one per PARALLEL_MIN_ROWS rows), only when a stage's
     product reaches PARALLEL_MIN_WORK; the parts cover the rows in order."""
-    monkeypatch.setattr(floater, "PARALLEL_MIN_WORK", work)
+    monkeypatch.setattr(solver, "PARALLEL_MIN_WORK", work)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        parts = floater.compiled_parts(torch.zeros(13, 8), 8)
+        parts = solver.compiled_parts(torch.zeros(13, 8), 8)
     finally:
         torch.set_num_threads(previous)
     assert len(parts) == expected and parts[0].start == 0 and parts[-1].stop == 13
@@ -124,13 +124,13 @@ def test_one_part_under_a_python_dispatch_mode(monkeypatch):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(floater, "PARALLEL_MIN_WORK", 1)
+    monkeypatch.setattr(solver, "PARALLEL_MIN_WORK", 1)
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert len(floater.compiled_parts(torch.zeros(13, 8), 8)) == 2
+        assert len(solver.compiled_parts(torch.zeros(13, 8), 8)) == 2
         with Passthrough():
-            assert len(floater.compiled_parts(torch.zeros(13, 8), 8)) == 1
+            assert len(solver.compiled_parts(torch.zeros(13, 8), 8)) == 1
     finally:
         torch.set_num_threads(previous)
 
@@ -162,102 +162,6 @@ def test_half_precision_model_at_2048_tokens_is_close_to_fp32(translation_data, 
     assert (got.float() - reference).abs().max() <= tolerance * reference.abs().max()
 
 
-def exploding(model, encoding):
-    """An h that grows b(t) exponentially (db/dt = 3 b): overflows fp32 by position ~300."""
-    with torch.no_grad():
-        perturb(model, scale=0.5)
-        dim = encoding.dims.embed_dim
-        encoding.dynamics.fc1.weight.zero_()
-        encoding.dynamics.fc1.weight[:dim, :dim] = torch.eye(dim)
-        encoding.dynamics.fc1.bias.fill_(10.0)
-        encoding.dynamics.fc2.weight.zero_()
-        encoding.dynamics.fc2.weight[:, :dim] = 3 * torch.eye(dim)
-
-
-@pytest.mark.parametrize("dtype,limit", [(torch.float32, 400), (torch.float16, 60)])
-def test_overflowing_biases_fail_with_a_message_naming_the_position(translation_data, dtype, limit):
-    model, task, encoding = floater_model(translation_data, ["--max-source-positions", "2048"])
-    model.eval()
-    exploding(model, encoding)
-    model.to(dtype)
-    src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=8, tgt_len=8)
-    with torch.no_grad():
-        short, _ = model(src, src_lengths, prev)  # short inputs stay fine
-        assert torch.isfinite(short).all()
-        src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=limit, tgt_len=8)
-        with pytest.raises(ValueError, match=r"FLOATER position biases overflow at position \d+ .*--floater-delta"):
-            model(src, src_lengths, prev)
-
-
-def test_gathered_slot_biases_and_their_gradients():
-    """GatherSlots: each slot's rows at the positions (checked against plain indexing), and
-    gradients by finite differences, also when some slots get no gradient (cross-attention's
-    keys and values of a call that only uses its queries)."""
-    torch.manual_seed(0)
-    table = torch.randn(7, 3, 5, dtype=torch.float64, requires_grad=True)  # (rows, slots, d)
-    positions = torch.tensor([[0, 1, 2, 6], [3, 3, 0, 1]])  # (batch, length), repeated rows
-    index = positions.t().reshape(-1)
-    biases = floater.GatherSlots.apply(table, index, 2, 4)
-    for slot, bias in enumerate(biases):
-        assert torch.equal(bias, table[:, slot][positions].transpose(0, 1))  # (length, batch, d)
-
-    def used(t):
-        out = floater.GatherSlots.apply(t, index, 2, 4)
-        return out[0].sin(), (out[2] ** 2)  # slot 1 unused
-    torch.autograd.gradcheck(used, (table,))
-    (used(table)[1].sum()).backward()
-    assert table.grad[:, 1].abs().max() == 0 and table.grad[:, 0].abs().max() == 0 and table.grad[:, 2].abs().max() > 0
-
-
-def test_decoding_steps_into_the_overflow_fail_with_the_message(translation_data):
-    """Step-by-step decoding of a model whose biases overflow fp16 near position 60: every step
-    before runs, the step at the first position fp16 cannot hold fails with the message (the later
-    steps' kept rows stop short of it). (Its outputs may overflow earlier: biases near fp16's limit.)"""
-    model, task, encoding = floater_model(translation_data, ["--max-target-positions", "2048"])
-    model.eval()
-    exploding(model, encoding)
-    model.half()
-    src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=8, tgt_len=100)
-    with torch.no_grad():
-        encoder_out = model.encoder(src, src_lengths=src_lengths)
-        state, steps = {}, 0
-        with pytest.raises(ValueError, match=r"FLOATER position biases overflow at position (\d+) "):
-            for t in range(prev.size(1)):
-                model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
-                steps += 1
-    # independently: the first position whose b(t) - b(0), solved in fp32, fp16 cannot hold
-    peaks = encoding.table(100).abs().flatten(1).amax(dim=1)
-    first_overflow = int((peaks > torch.finfo(torch.float16).max).nonzero()[0, 0])
-    assert 8 < steps == first_overflow < 100  # every position fp16 holds was decoded
-
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gathered_biases_sum_their_gradients_in_float32(dtype, device):
-    """A position that many rows of a left-padded batch share: its table row's gradient is the sum
-    of theirs in float32, rounded once (a half-precision running sum of ones stops at 256 (bf16) or
-    2048 (fp16); CUDA's index_add_ adds atomically in the tensor's dtype)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class IndexAdds(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.__name__.startswith("index_add"):
-                dtypes.append(args[0].dtype)
-            return func(*args, **(kwargs or {}))
-
-    batch, dtypes = 5000, []
-    table = torch.zeros(3, 2, 4, dtype=dtype, device=device, requires_grad=True)
-    index = torch.ones(batch, dtype=torch.long, device=device)  # one position, every row of the batch
-    biases = floater.GatherSlots.apply(table, index, batch, 1)
-    with IndexAdds():
-        (grad,) = torch.autograd.grad(biases, table, [torch.ones_like(bias) for bias in biases])
-    assert dtypes == [torch.float32]  # (on CPU torch's index_add_ happens to sum rows exactly itself)
-    assert grad.dtype == dtype and grad[1].eq(batch).all() and not grad[[0, 2]].any()
-
-
 @pytest.mark.parametrize("device,method,adjoint,built,expected", [
     ("cuda", "rk4", False, True, "cpu"), ("cuda", "midpoint", False, True, "cpu"), ("cuda", "euler", False, True, "cpu"),
     ("cuda", "rk4", True, True, "cuda"),  # the continuous adjoint: torchdiffeq, on the GPU
@@ -269,8 +173,8 @@ def test_a_cuda_fixed_grid_solve_runs_on_the_cpu_in_the_compiled_loops(device, m
     """On CUDA the Python loops launch dozens of tiny kernels per position: a fixed-grid solve
     without the adjoint runs in the compiled CPU loops instead, when they are built."""
     if not built:
-        monkeypatch.setattr(floater, "floater_solve", None)
-    assert floater.solve_device(torch.device(device), method, adjoint) == torch.device(expected)
+        monkeypatch.setattr(solver, "floater_solve", None)
+    assert solver.solve_device(torch.device(device), method, adjoint) == torch.device(expected)
 
 
 def floater_solve_inputs(data, device):
@@ -288,14 +192,14 @@ def test_the_solve_cuda_takes_equals_the_python_loops(translation_data, device, 
     model, encoding, inputs = floater_solve_inputs(translation_data, device)
     upstream = torch.randn(21, len(encoding._slots), encoding.dims.embed_dim, generator=torch.Generator().manual_seed(3))
     with monkeypatch.context() as python_loops:
-        python_loops.setattr(floater, "floater_solve", None)
+        python_loops.setattr(solver, "floater_solve", None)
         reference = encoding.solve(21)
         reference_grads = torch.autograd.grad(reference, inputs, upstream.to(device))
     consulted, compiled = [], []
-    choose = floater.solve_device
-    monkeypatch.setattr(floater, "solve_device", lambda *args: consulted.append(args) or choose(*args))
-    loops = floater.floater_solve
-    monkeypatch.setattr(floater, "floater_solve", type("Spy", (), {
+    choose = solver.solve_device
+    monkeypatch.setattr(solver, "solve_device", lambda *args: consulted.append(args) or choose(*args))
+    loops = solver.floater_solve
+    monkeypatch.setattr(solver, "floater_solve", type("Spy", (), {
         "forward": staticmethod(lambda *args: compiled.append(args[-2][0].device) or loops.forward(*args)),
         "backward": staticmethod(loops.backward)}))
     table = encoding.solve(21)
@@ -313,13 +217,13 @@ def test_the_solve_stays_float32_under_autocast(translation_data, variant, monke
     gradients are exactly those without autocast (backward outside the region, as fairseq calls it;
     the fixed-grid solves also inside it, where torch's own backward formulas would autocast)."""
     if variant == "python loops":
-        monkeypatch.setattr(floater, "floater_solve", None)
+        monkeypatch.setattr(solver, "floater_solve", None)
     model, _, encoding = floater_model(translation_data, variant if isinstance(variant, list) else [])
     perturb(model)
     inputs = [*encoding.dynamics.parameters(), *encoding.initial_parameters()]
     reference = encoding.solve(9)
     reference_grads = torch.autograd.grad(reference.pow(2).sum(), inputs)
-    fixed_grid = encoding.method in floater.FIXED_GRID and not encoding.adjoint
+    fixed_grid = encoding.method in solver.FIXED_GRID and not encoding.adjoint
     for backward_inside in (False, True) if fixed_grid else (False,):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             table = encoding.solve(9)

@@ -1,0 +1,453 @@
+"""The FLOATER encoding: its options, which projections it serves (its slots), and the hooks that
+hand each q/k/v projection its bias b(t_i) = b(0) + table[i].
+
+The slots are (role, layer, q|k|v) of every attention the model binds to the encoding (`bind_model`:
+the model passes its attention layers). Per forward pass and per group of slots that see the same
+positions (the encoder's q/k/v; the decoder's q/k/v with the cross-attention queries; the
+cross-attention keys and values) b(0) + table is formed once on the (rows, slots, d) table and
+gathered at the tokens' positions (`GatherSlots`); the stacks' `begin` computes every slot's biases
+before the layers run. Which table a pass reads: table.py; how it is solved: solver.py.
+"""
+import math
+from itertools import repeat
+from typing import List, Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..base import ROLES, PositionalEncoding, register_encoding
+from ..option_types import OptionValueError, float_in_range, int_in_range, one_of, option, positive_int
+from ..positions import is_shared_range
+from . import solver
+from .dynamics import Dynamics
+from .solver import METHODS, SolverOptions
+from .table import Tables, Window, snapshot
+
+INITS = ("zero", "small")
+DELTA = float_in_range(0.0, 1000.0, low_open=True)
+STEP_SIZE = float_in_range(0.0, 1000.0, low_open=True)
+TOLERANCE = float_in_range(0.0, 1.0, low_open=True, high_open=True)
+HIDDEN = int_in_range(1, 65536)
+LR_SCALE = float_in_range(0.0, 1e4, low_open=True)
+MAX_SPEED = float_in_range(0.0, 1e4, low_open=True)
+DECAY = float_in_range(0.0, 1e3)
+MAX_SUBSTEPS = 1000  # steps per position above this are a typo (e.g. --floater-step-size 1e-7)
+
+
+class GatherSlots(torch.autograd.Function):
+    """Rows `index` of the group's table, (rows, slots, d) -> one (length, batch, d) per slot (views
+    of one gather), with one index_select along the rows; backward adds the slots' gradients into
+    the table with one index_add (per-slot index_add along an inner dimension, or advanced
+    indexing's backward, cost several times more on CPU)."""
+
+    @staticmethod
+    def forward(ctx, group_table: Tensor, index: Tensor, batch: int, length: int):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(index)
+        ctx.table_shape = group_table.shape
+        return GatherSlots.gather(group_table, index, batch, length)
+
+    @staticmethod
+    def gather(group_table: Tensor, index: Tensor, batch: int, length: int) -> tuple:
+        """The forward alone (no autograd node: decoding steps)."""
+        rows, slots, width = group_table.shape
+        return group_table.index_select(0, index).view(length, batch, slots, width).unbind(2)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        index, = ctx.saved_tensors
+        rows, slots, width = ctx.table_shape
+        present = next((grad for grad in grads if grad is not None), None)
+        if present is None:
+            return None, None, None, None
+        grads = [grad if grad is not None else present.new_zeros(()).expand_as(present) for grad in grads]
+        # summed over the batch (a left-padded source's positions repeat across rows): in float32 for
+        # fp16/bf16 (CUDA's index_add_ adds atomically in the tensor's dtype, each add rounded)
+        accumulate = torch.promote_types(present.dtype, torch.float32)
+        grad_table = present.new_zeros(rows, slots * width, dtype=accumulate)
+        grad_table.index_add_(0, index, torch.stack(grads, dim=-2).reshape(-1, slots * width).to(accumulate))
+        return grad_table.view(rows, slots, width).to(present.dtype), None, None, None
+
+
+@register_encoding("floater")
+class Floater(PositionalEncoding):
+    """b(t_i) for every q/k/v projection of the attention layers the model binds to it (the package
+    docstring gives the equation); h is `dynamics`, the tables are in `tables`."""
+    default_input_positions = "stock"
+
+    def __init__(self, args, dims):
+        super().__init__(args, dims)
+
+        def floater(name, checker, default):
+            return option(args, f"floater_{name}", checker, default)
+
+        dim = dims.embed_dim
+        self.delta = floater("delta", DELTA, 0.1)
+        self.method = floater("method", one_of(*METHODS), "rk4")
+        self.step_size = floater("step_size", STEP_SIZE, self.delta / 5)
+        self.substeps = max(1, math.ceil(self.delta / self.step_size - 1e-9))
+        if self.substeps > MAX_SUBSTEPS:
+            raise OptionValueError(f"--floater-step-size {self.step_size:g}: {self.substeps} solver steps per position "
+                                   f"(--floater-delta {self.delta:g}); at most {MAX_SUBSTEPS} are allowed")
+        self.tolerance = floater("tolerance", TOLERANCE, 1e-6)
+        self.adjoint = bool(floater("adjoint", bool, False))
+        self.first_block_only = bool(floater("first_block_only", bool, False))
+        self.recompute_every = floater("recompute_every", positive_int, 1)
+        hidden = floater("hidden", HIDDEN, dim)
+        self.init = floater("init", one_of(*INITS), "zero")
+        self.freeze_dynamics = bool(floater("freeze_dynamics", bool, False))
+        self.train_dynamics_only = bool(floater("train_dynamics_only", bool, False))
+        if self.freeze_dynamics and self.train_dynamics_only:
+            raise OptionValueError("--floater-freeze-dynamics and --floater-train-dynamics-only exclude each other")
+        self.dynamics_lr_scale = floater("dynamics_lr_scale", LR_SCALE, 1.0)
+        optimizer = getattr(args, "optimizer", None)
+        if self.dynamics_lr_scale != 1.0 and isinstance(optimizer, str) and optimizer != "composite":
+            raise OptionValueError(f"--floater-dynamics-lr-scale needs fairseq's composite optimizer (got --optimizer "
+                                   f"{optimizer}); see docs/floater.md")
+        self.autonomous = bool(floater("autonomous", bool, False))
+        if self.autonomous and self.recompute_every > 1:  # (a window's snapshot holds the raw time columns)
+            raise OptionValueError("--floater-autonomous with --floater-recompute-every > 1 is not supported")
+        max_speed, decay = floater("max_speed", MAX_SPEED, None), floater("decay", DECAY, 0.0)
+        self.stop_position = floater("stop_position", positive_int, None)
+        # halfway between positions N-1 and N, away from both: every stage time of the intervals up to
+        # position N-1 lies before it (those positions keep the plain flow), every one after position N
+        # lies after it (positions >= N share b(t_N), the flow up to (N - 1/2) delta)
+        stop_time = None if self.stop_position is None else (self.stop_position - 0.5) * self.delta
+        self.dynamics = Dynamics(dim, hidden, self.init, self.autonomous, max_speed, decay, stop_time)
+        if self.freeze_dynamics:
+            self.dynamics.requires_grad_(False)
+        if self.dynamics_lr_scale != 1.0:
+            # fairseq's composite optimizer (dynamic groups) gives these their own group: lr * scale
+            for parameter in self.dynamics.parameters():
+                parameter.optim_overrides = {"optimizer": {"lr_scale": self.dynamics_lr_scale}}
+        # plain attributes, not submodules: the model owns the attention modules and their biases
+        self.__dict__["_slots"] = []  # [(role, layer, which, attention module)]
+        self._slot_index, self._slot_keys = {}, []
+        self._groups = {}  # (role, which) -> the slots whose biases are gathered together (same positions)
+        self._target_keys = []  # the slot keys of the target tokens' group, in its order
+        self._num_updates = 0
+        self._forget_tables()  # (creates `tables`, the solved tables of this encoding: table.py)
+        self._last_begin: Optional[str] = None
+        self.register_load_state_dict_post_hook(Floater._after_load)
+
+    @staticmethod
+    def add_args(parser):
+        group = parser
+        group.add_argument("--floater-delta", type=DELTA, metavar="D", help="time between tokens, t_i = i*D (default 0.1)")
+        group.add_argument("--floater-method", choices=METHODS, help="ODE solver (default rk4)")
+        group.add_argument("--floater-step-size", type=STEP_SIZE, metavar="S",
+                           help=f"fixed-grid solver step (default delta/5; rounded so it divides delta; "
+                                f"at most {MAX_SUBSTEPS} steps per position)")
+        group.add_argument("--floater-tolerance", type=TOLERANCE, metavar="TOL", help="rtol = atol of dopri5 (default 1e-6)")
+        group.add_argument("--floater-adjoint", action="store_true", default=None,
+                           help="gradients by torchdiffeq's continuous adjoint (odeint_adjoint)")
+        group.add_argument("--floater-hidden", type=HIDDEN, metavar="H", help="hidden width of h (default: embed dim)")
+        group.add_argument("--floater-init", choices=INITS,
+                           help="last layer of h: zero (exactly the stock model, default) or small random")
+        group.add_argument("--floater-autonomous", action="store_true", default=None,
+                           help="h(b) without the time input (the paper's h also sees tau); see docs/floater.md")
+        group.add_argument("--floater-max-speed", type=MAX_SPEED, metavar="S",
+                           help="db/dt = S tanh(h/S): every coordinate of b moves at most S per unit of time "
+                                "(default: unbounded, the paper's h); see docs/floater.md")
+        group.add_argument("--floater-decay", type=DECAY, metavar="L",
+                           help="db/dt multiplied by exp(-L t): with --floater-max-speed S, |b(t) - b(0)| <= S/L "
+                                "at every position (default 0: none)")
+        group.add_argument("--floater-stop-position", type=positive_int, metavar="N",
+                           help="the flow stops halfway between positions N-1 and N: positions >= N share one bias "
+                                "(e.g. N = the longest training input in tokens, </s> included; default: never)")
+        group.add_argument("--floater-first-block-only", action="store_true", default=None,
+                           help="FLOATER biases only in layer 0 of each stack (paper's 'input block only')")
+        group.add_argument("--floater-recompute-every", type=positive_int, metavar="K",
+                           help="solve the ODE with gradient every K updates, reuse the table in between (default 1)")
+        group.add_argument("--floater-freeze-dynamics", action="store_true", default=None,
+                           help="do not train the dynamics network h")
+        group.add_argument("--floater-train-dynamics-only", action="store_true", default=None,
+                           help="train only h: every other parameter (including the b(0) projection biases) is frozen")
+        group.add_argument("--floater-dynamics-lr-scale", type=LR_SCALE, metavar="X",
+                           help="learning rate of h = X * the others' (needs fairseq's composite optimizer; default 1)")
+
+    # --- binding ------------------------------------------------------------------------------
+    def bind_model(self, model: nn.Module, attentions):
+        """Serve `attentions`, the (role, layer, attention module) the model binds to this encoding:
+        their q/k/v projections become the slots, their biases the initial values b(0)."""
+        slots = []
+        for role, layer, module in attentions:
+            if self.first_block_only and layer != 0:
+                continue
+            for which in "qkv":
+                if getattr(module, f"{which}_proj").bias is None:
+                    raise ValueError("FLOATER needs attention projections with biases (the ODE's initial values)")
+                slots.append((role, layer, which, module))
+        slots.sort(key=lambda slot: (ROLES.index(slot[0]), slot[1], "qkv".index(slot[2])))
+        self.__dict__["_slots"] = slots
+        self._slot_keys = [slot[:3] for slot in slots]  # (role, layer, which)
+        self._slot_index = {key: index for index, key in enumerate(self._slot_keys)}
+        # the slots that see the same positions in a pass, gathered together: the encoder's q/k/v
+        # (source tokens); the decoder's q/k/v with the cross-attention queries (target tokens:
+        # one gather per decoding step); the cross-attention keys and values (source positions)
+        def group(role, which):
+            if role == "encoder":
+                return "encoder"
+            return "source" if role == "cross" and which != "q" else "target"
+        self._groups = {(role, which): tuple(i for i, slot in enumerate(slots) if group(slot[0], slot[2]) == group(role, which))
+                        for role in ROLES for which in "qkv"}
+        self._target_keys = [self._slot_keys[slot] for slot in self._groups.get(("decoder", "q"), ())]
+        self._forget_tables()
+        if self.train_dynamics_only:
+            dynamics = {id(p) for p in self.dynamics.parameters()}
+            for parameter in model.parameters():
+                if id(parameter) not in dynamics:
+                    parameter.requires_grad_(False)
+
+    def initial_parameters(self) -> List[Tensor]:
+        """The b(0) of every slot: the attention projections' own biases (over all the original
+        heads, also after fairseq's head pruning)."""
+        return [module.full_projection_bias(which) for _, _, which, module in self._slots]
+
+    def initial_values(self) -> Tensor:
+        return torch.stack(self.initial_parameters())
+
+    def solve_inputs(self) -> List[Tensor]:
+        """What a table is solved from: h's parameters and every slot's b(0)."""
+        return [*self.dynamics.parameters(), *self.initial_parameters()]
+
+    def table_options(self) -> tuple:
+        """What a table depends on besides `solve_inputs`: the solver options and the slots."""
+        return self.solver_options(), tuple(self._slot_index)
+
+    def solver_options(self) -> SolverOptions:
+        return SolverOptions(self.method, self.delta, self.substeps, self.tolerance, self.adjoint)
+
+    def reset_to_identity(self):
+        """h == 0 (zero last layer): b(t) == b(0) and the model equals the stock model."""
+        self.dynamics.initialise("zero")
+        self._forget_tables()
+
+    def apply_init_option(self):
+        """The initialisation `--floater-init` asked for, on top of the identity (conversion)."""
+        if self.init != "zero":
+            self.dynamics.initialise(self.init)
+            self._forget_tables()
+
+    def _forget_tables(self):
+        self.tables = Tables()
+        self._eval_group_tables = {}  # (group, dtype) -> (eval table values, b(t) of the group's slots)
+        # (target group table, rows it serves, each row's biases): read by an inference pass's later
+        # decoding steps once its first call has checked the table and set _step_ready
+        self.__dict__.update(_step_rows=None, _step_ready=False)
+        self._reset_pass()
+
+    def _reset_pass(self):
+        self.tables.new_pass()
+        self.__dict__.update(  # (plain attributes: once per decoding step, nn.Module's setattr is slow)
+            _pass_group_tables={},  # (group, dtype) -> (table values, b(t) of the group's slots)
+            _pass_gathered={},  # (group, id(positions), dtype) -> (table values, positions, biases there)
+            _pass_biases={},  # (role, layer, which) -> (positions, that slot's biases there)
+            _needed=0)
+
+    def __getstate__(self):  # copies (fairseq's EMA deep-copies the model) drop per-pass graphs
+        state = super().__getstate__()
+        state.update(tables=Tables(), _pass_group_tables={}, _pass_gathered={}, _pass_biases={},
+                     _eval_group_tables={}, _step_rows=None, _step_ready=False)
+        return state
+
+    # --- solving ------------------------------------------------------------------------------
+    def solve_dtype(self) -> torch.dtype:
+        """float32, or float64 for a float64 model: never the half precisions of fp16/bf16."""
+        return torch.promote_types(self.dynamics.fc1.weight.dtype, torch.float32)
+
+    def model_dtype(self) -> torch.dtype:
+        """The dtype the biases are used in (a table's rows must fit it)."""
+        return self.dynamics.fc1.weight.dtype
+
+    def _live_parameters(self):
+        dtype = self.solve_dtype()
+        return self.dynamics.weights(dtype), self.initial_values().to(dtype)
+
+    def solve(self, rows: int, parameters=None) -> Tensor:
+        """Table b(t_i) - b(0) for positions 0..rows-1 (in the autograd graph of `parameters`,
+        default the live ones), in the solve dtype."""
+        weights, b0 = parameters if parameters is not None else self._live_parameters()
+        return solver.solve(self.dynamics, self.solver_options(), b0, 0, max(rows, 2) - 1, weights) - b0
+
+    def extend(self, table: Tensor, rows: int, parameters=None) -> Tensor:
+        """`table` continued to `rows` positions by integrating onward from its last point
+        (the same grid as one solve: equal to a fresh solve)."""
+        if table.size(0) >= rows:
+            return table
+        if table.size(0) == 0:
+            return self.solve(rows, parameters)
+        weights, b0 = parameters if parameters is not None else self._live_parameters()
+        last = table.size(0) - 1
+        states = solver.solve(self.dynamics, self.solver_options(), b0 + table[-1], last, rows - 1, weights)
+        return torch.cat([table, states[1:] - b0], dim=0)
+
+    def table(self, rows: int) -> Tensor:
+        """b(t_i) - b(0) for at least positions 0..rows-1, as a forward pass now would use it
+        (outside a forward pass the kept evaluation table is checked against the parameters)."""
+        self.tables.evaluation_checked = False
+        return self.tables.table(self, rows).values
+
+    # --- called by the trainer, the stacks and the attention ---------------------------------------
+    def set_num_updates(self, num_updates: int):
+        self._num_updates = num_updates
+
+    def begin(self, role, positions=None, source_positions=None, earlier=0):
+        super().begin(role, positions, source_positions, earlier)
+        # a new forward pass starts with the encoder, or with a decoder call that follows a decoder call
+        if role == "encoder" or self._last_begin != "encoder":
+            self._reset_pass()
+            if self.training and self.recompute_every > 1:
+                self.tables.start_window_pass(self, self._num_updates // self.recompute_every)
+        self.__dict__["_last_begin"] = role
+        if earlier > 0:
+            # a later decoding step: its pass's first step checked the table and saw the source
+            # positions (cross-attention keys are cached); its own are below earlier + length,
+            # known without reading them (a host sync per step costs more than FLOATER's step)
+            self.tables.evaluation_checked = True
+            self.__dict__["_needed"] = max(self._needed, earlier + positions.size(-1))
+            self._fill_step_biases(positions)
+            return
+        self.__dict__["_step_ready"] = False  # a new pass: its first call checks the table again
+        if not self.training and positions is not None and positions.numel() and int(positions.min()) > 0:
+            self.tables.evaluation_checked = True  # a later step of a caller that does not say `earlier`
+        for given in (positions, source_positions):
+            if given is not None and given.numel() > 0:
+                known = getattr(given, "bounds", None)  # (a shared range: no host sync)
+                self._needed = max(self._needed, (known[1] if known is not None else int(given.max())) + 1)
+        if torch.is_grad_enabled() and self._slots:
+            self._prepare_biases(role)
+
+    def _prepare_biases(self, role: str):
+        """The biases of every slot of the stack, computed before its layers run. A layer under
+        activation checkpointing (layer_checkpoint.py) is recomputed during backward and must repeat
+        exactly its forward's operations: with the pass's table and biases made here, every layer only
+        reads them, in its forward as in its recomputation."""
+        for slot_role, layer, which in self._slot_keys:
+            if ("encoder" if slot_role == "encoder" else "decoder") != role:
+                continue
+            if slot_role == "cross":  # queries: target tokens; keys and values: source tokens
+                positions = self.token_positions.get("decoder" if which == "q" else "source")
+            else:
+                positions = self.token_positions.get(slot_role)
+            if positions is not None:
+                self.projection_bias(slot_role, layer, which, positions)
+
+    def _fill_step_biases(self, positions):
+        """A later decoding step in inference: the target tokens' biases (decoder q/k/v, cross q) are
+        one row of the group table the pass's first step used (`_step_rows`), handed to every
+        projection of the step at once (Python work per projection is most of FLOATER's step)."""
+        if not self._step_ready or self.training or torch.is_grad_enabled() or not is_shared_range(positions):
+            return
+        group_table, usable, rows = self._step_rows
+        first, last = positions.bounds
+        if first == last < usable:  # beyond: the full path extends the table or names the overflow
+            biases = rows.get(last)
+            if biases is None:  # (each position's views made once: the next decode reads them again)
+                biases = rows[last] = group_table[last].unbind(0)
+            self._pass_biases.update(zip(self._target_keys, zip(repeat(positions), biases)))
+
+    def projection_bias(self, role, layer, which, positions):
+        """b(t_i) = b(0) + table[i] for each token of the call, (T, B, E): the projection's bias."""
+        hit = self._pass_biases.get((role, layer, which))  # gathered with its group earlier in the pass
+        if hit is not None and hit[0] is positions:
+            return hit[1]
+        slot = self._slot_index.get((role, layer, which))
+        if slot is None or positions is None:
+            return None
+        dtype = self._slots[slot][3].q_proj.weight.dtype
+        # begin() saw every position of this forward (one host sync per stack, not one per layer)
+        rows = self._needed or (int(positions.max()) + 1 if positions.numel() else 1)
+        solved = self.tables.table(self, rows)
+        if rows > solved.first_overflow:
+            peak = float(solved.values[solved.first_overflow].abs().max())
+            raise ValueError(
+                f"FLOATER position biases overflow at position {solved.first_overflow} (|b(t) - b(0)| = {peak:.3g}, "
+                f"more than {self.dynamics.fc1.weight.dtype} holds) for an input of {rows} positions: the learned "
+                "dynamics grow without bound beyond the lengths seen in training. Train on longer inputs, use a "
+                "smaller --floater-delta, or shorten the input (docs/floater.md)")
+        group = self._groups[(role, which)]
+        biases = self._gathered(solved.values, group, positions, dtype)
+        if self.tables.is_evaluation(solved.values) and group == self._groups.get(("decoder", "q")) \
+                and not torch.is_grad_enabled():
+            # target tokens of an inference pass: its later decoding steps read their row at once
+            group_table = self._group_table(solved.values, group, dtype)
+            kept = self._step_rows
+            if kept is None or kept[0] is not group_table:
+                self.__dict__["_step_rows"] = (group_table, solved.first_overflow, {})
+            self.__dict__["_step_ready"] = True
+        return biases[group.index(slot)]
+
+    def _gathered(self, table: Tensor, group: tuple, positions: Tensor, dtype: torch.dtype) -> tuple:
+        """b(t) of the `group`'s slots at `positions`, one (T, B, d) per slot in `dtype`: gathered
+        once per forward pass and shared by the layers."""
+        key = (group, id(positions), dtype)
+        hit = self._pass_gathered.get(key)
+        if hit is None or hit[0] is not table or hit[1] is not positions:
+            if is_shared_range(positions):  # every row the same positions: rows of the table, no gather
+                first, last = positions.bounds
+                rows = self._group_table(table, group, dtype)[first: last + 1]
+                if first == last and not torch.is_grad_enabled():  # a decoding step: the projection's own (d,) bias
+                    biases = rows[0].unbind(0)
+                else:  # (T, 1, d) per slot, broadcast over the batch
+                    biases = rows.unsqueeze(1).unbind(2)
+            else:
+                biases = self._gather(self._group_table(table, group, dtype), positions)
+            hit = self._pass_gathered[key] = (table, positions, biases)
+            for slot, bias in zip(group, biases):
+                self._pass_biases[self._slot_keys[slot]] = (positions, bias)
+        return hit[2]
+
+    def _group_table(self, table: Tensor, group: tuple, dtype: torch.dtype) -> Tensor:
+        """b(t) = b(0) + table of the group's slots at every position of the table, (rows, slots, d)
+        in `dtype`, with the live b(0) (also in a K-window, whose table is the window snapshot's):
+        once per pass; in evaluation kept as long as the evaluation table (which is tied to b(0))."""
+        cache = self._eval_group_tables if self.tables.is_evaluation(table) else self._pass_group_tables
+        hit = cache.get((group, dtype))
+        if hit is None or hit[0] is not table:
+            hit = cache[(group, dtype)] = (table, self._with_initial_values(table, group, dtype))
+        return hit[1]
+
+    def _with_initial_values(self, table: Tensor, group: tuple, dtype: torch.dtype) -> Tensor:
+        index = torch.tensor(group, device=table.device)
+        initial = torch.stack([self._slots[slot][3].full_projection_bias(self._slots[slot][2]) for slot in group])
+        # added in the solve dtype, rounded once to the model's (exactly b(0) where the table is 0)
+        return (table.index_select(1, index) + initial.to(table.dtype)).to(dtype)
+
+    @staticmethod
+    def _gather(group_table: Tensor, positions: Tensor) -> tuple:
+        gather = GatherSlots.apply if group_table.requires_grad and torch.is_grad_enabled() else GatherSlots.gather
+        return gather(group_table, positions.t().reshape(-1), *positions.shape)
+
+    # --- checkpoints: the window snapshot (K > 1), never a table -----------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.recompute_every > 1 and self._slots:
+            window = self.tables.window
+            # fixed shapes (EMA and checkpoint averaging combine entries key by key); index -1: none yet
+            parameters = window.parameters if window is not None else snapshot(self.solve_inputs(), self.solve_dtype())
+            destination[prefix + "window_parameters"] = parameters.clone()
+            destination[prefix + "window_index"] = torch.tensor(
+                float(window.index) if window is not None else -1.0, dtype=torch.float64)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        ours = [prefix + name for name in ("window_parameters", "window_index", "cache")]  # cache: older versions
+        for key in ours:
+            if key in unexpected_keys:
+                unexpected_keys.remove(key)
+        self.__dict__["_loaded_window"] = (state_dict.get(ours[0]), state_dict.get(ours[1]))
+
+    @staticmethod
+    def _after_load(module, incompatible_keys):
+        """After the whole model is loaded: forget every table; adopt the saved window (exact resume)."""
+        parameters, index = module.__dict__.pop("_loaded_window", (None, None))
+        module._forget_tables()
+        expected = sum(p.numel() for p in module.solve_inputs())
+        if (module.recompute_every > 1 and parameters is not None and index is not None
+                and parameters.numel() == expected and float(index) >= 0 and float(index) == int(float(index))):
+            device = module.dynamics.fc1.weight.device
+            module.tables.window = Window(int(float(index)), module.table_options(),
+                                          parameters.to(device=device, dtype=module.solve_dtype()))

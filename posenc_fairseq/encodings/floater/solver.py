@@ -1,0 +1,530 @@
+"""Solving FLOATER's ODE db/dt = h(t, b) for the states b(t_i) at the grid t_i = i * delta.
+
+`solve` is the one entry: the fixed-grid methods (rk4, midpoint, euler: torchdiffeq's coefficients,
+`TABLEAUS`) with h in the paper's form run in `HiddenSpaceSolve` (or `FixedGridSolve` for a wide h):
+a tight loop over the subdivided grid with h's time input folded into per-step biases, and a
+discrete adjoint (backpropagation through the same steps) instead of thousands of autograd nodes.
+On CPU the hidden-space loops are compiled (csrc/floater_solve.cpp, the `_floater_solve` extension
+that setup.py builds) and split the rows over the threads (`compiled_parts`); without the extension
+the same loops run in Python. A CUDA model's fixed-grid solve runs on the CPU (`solve_device`).
+torchdiffeq does `dopri5`, the continuous adjoint (`--floater-adjoint`) and the bounded flows. The
+ODE is always solved in float32 or better with a float64 time grid, whatever the model's dtype.
+"""
+import contextlib
+import functools
+from typing import List, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from .dynamics import Dynamics
+
+FIXED_GRID = ("rk4", "midpoint", "euler")
+METHODS = (*FIXED_GRID, "dopri5")
+KEEP_STAGES_BYTES = 256 * 2**20  # a solve keeps its stages for backward up to this size, else recomputes
+# The compiled loops split a CPU solve's rows over the torch threads when rows * hidden * d reaches this
+# (a stage's product is then long enough that running parts side by side gains more than a thread costs)
+PARALLEL_MIN_WORK = 2**20
+PARALLEL_MIN_ROWS = 4
+
+try:  # HiddenSpaceSolve's loops compiled (csrc/floater_solve.cpp, built by setup.py)
+    from ... import _floater_solve as floater_solve
+except ImportError:  # not built: the same loops in Python
+    floater_solve = None
+
+
+class SolverOptions(NamedTuple):
+    """How the ODE is solved (the options a table depends on besides the parameters)."""
+    method: str
+    delta: float
+    substeps: int
+    tolerance: float
+    adjoint: bool
+
+
+def solve(dynamics: Dynamics, options: SolverOptions, y0: Tensor, first: int, last: int, weights) -> Tensor:
+    """States b(t_i) for positions i = first..last, shape (last - first + 1, N, d), from b(t_first) = y0
+    with h = `dynamics` at `weights` (W1, c1, W2, c2), on y0's device and in its dtype (autocast off:
+    the solve stays in float32 under --amp)."""
+    with autocast_off(y0.device):
+        if options.method in FIXED_GRID and not options.adjoint and dynamics.is_paper_form:
+            fixed = functools.partial(fixed_grid_solve, TABLEAUS[options.method], first, last, options.delta,
+                                      options.substeps)
+            return solved_on(solve_device(y0.device, options.method, options.adjoint), fixed, y0, *weights)
+        return torchdiffeq_solve(dynamics, options, y0, first, last, weights)
+
+
+def torchdiffeq_solve(dynamics: Dynamics, options: SolverOptions, y0: Tensor, first: int, last: int,
+                      weights) -> Tensor:
+    """`solve` by torchdiffeq: dopri5, the continuous adjoint, or dynamics other than the paper's form."""
+    import torchdiffeq
+
+    times = grid_times(first, last, options.delta).to(y0.device)
+    if options.method in FIXED_GRID:
+        kwargs = dict(method=options.method, options=dict(grid_constructor=subdivided_grid(options.substeps)))
+    else:
+        kwargs = dict(method=options.method, rtol=options.tolerance, atol=options.tolerance)
+    func = dynamics.function(weights)
+    if options.adjoint:
+        # gradients to b(0) flow through y0 (the adjoint returns dL/dy0); h's parameters are
+        # the only ones inside the integrand
+        params = tuple(p for p in dynamics.parameters() if p.requires_grad)
+        return torchdiffeq.odeint_adjoint(func, y0, times, adjoint_params=params, **kwargs)
+    return torchdiffeq.odeint(func, y0, times, **kwargs)
+
+
+class Tableau(NamedTuple):
+    """Explicit Runge-Kutta method: stage i evaluates k_i = h(t + c_i dt, y + dt sum_j a_ij k_j);
+    the step is y + dt sum_i b_i k_i."""
+    a: List[List[float]]
+    b: List[float]
+    c: List[float]
+
+
+TABLEAUS = {  # torchdiffeq's fixed-grid methods, same coefficients
+    "euler": Tableau([[]], [1.0], [0.0]),
+    "midpoint": Tableau([[], [0.5]], [0.0, 1.0], [0.0, 0.5]),
+    # torchdiffeq's 'rk4' is Kutta's 3/8 rule (rk4_alt_step_func), not the classic tableau
+    "rk4": Tableau([[], [1 / 3], [-1 / 3, 1.0], [1.0, -1.0, 1.0]], [1 / 8, 3 / 8, 3 / 8, 1 / 8], [0.0, 1 / 3, 2 / 3, 1.0]),
+}
+
+
+def grid_times(first: int, last: int, delta: float) -> Tensor:
+    """t_i = i * delta for positions first..last, float64 (exact spacing at any model dtype)."""
+    return torch.arange(first, last + 1, dtype=torch.float64) * delta
+
+
+def subdivided_grid(substeps: int):
+    """torchdiffeq grid constructor: every interval of the output times split into `substeps`
+    equal steps, so each output time is exactly a grid point (no interpolation)."""
+
+    def construct(func, y0, t):
+        if len(t) < 2 or substeps == 1:
+            return t
+        fractions = torch.arange(substeps, dtype=t.dtype, device=t.device) / substeps
+        inner = t[:-1, None] + (t[1:] - t[:-1])[:, None] * fractions[None, :]
+        return torch.cat([inner.reshape(-1), t[-1:]])
+
+    return construct
+
+
+@contextlib.contextmanager
+def single_thread(tensor: Tensor):
+    """One CPU thread inside, for a solve's loops: their thousands of small sequential matrix
+    products gain nothing from intra-op threads, and slow down badly when another process competes
+    for the cores (each product then waits for a descheduled thread). Nothing for CUDA tensors."""
+    threads = torch.get_num_threads()
+    if threads == 1 or tensor.is_cuda:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def autocast_off(device: torch.device):
+    """Autocast off for `device`'s type: the solve's products stay in its inputs' dtype (float32 or
+    better) under --amp, where autocast would run them in half precision and mix them with the
+    float32 state."""
+    return torch.autocast(device.type, enabled=False) if device.type in ("cpu", "cuda") else contextlib.nullcontext()
+
+
+def without_autocast(backward):
+    """A solve's backward with autocast off (a backward called inside an autocast region would
+    otherwise run its products in half precision)."""
+
+    @functools.wraps(backward)
+    def wrapped(ctx, grad, *grads):
+        with autocast_off(grad.device):
+            return backward(ctx, grad, *grads)
+
+    return wrapped
+
+
+class FixedGridSolve(torch.autograd.Function):
+    """States b(t_i), i = first..last, of db/dt = h(t, b) by an explicit Runge-Kutta method with
+    `substeps` equal steps per interval [t_i, t_i+1], and their exact discrete gradient.
+
+    h's time input is folded into biases: W1 [b; tau] + c1 = W1_b b + (c1 + tau w1_tau), and the
+    biases of every stage of every step are computed at once. Backward runs the chain rule through
+    the Runge-Kutta stages by hand (reverse accumulation over the same steps), batching the weight
+    gradients of an interval into two matrix products. The stage values it needs are kept by
+    forward when they fit in KEEP_STAGES_BYTES; longer solves keep only the states at the grid
+    points and recompute one interval at a time.
+    """
+
+    @staticmethod
+    def forward(ctx, tableau: Tableau, first: int, last: int, delta: float, substeps: int,
+                y0: Tensor, w1: Tensor, c1: Tensor, w2: Tensor, c2: Tensor) -> Tensor:
+        with single_thread(y0):
+            run = _Run(tableau, first, last, delta, substeps, y0, w1, c1, w2, c2)
+            states = y0.new_empty(last - first + 1, *y0.shape)
+            states[0] = y0
+            # what backward needs of every stage: kept when it is small, else recomputed per interval
+            stages, hidden = len(tableau.b), w1.size(0)
+            keep = any(ctx.needs_input_grad) and (
+                run.steps * stages * y0.size(0) * (y0.size(1) + hidden) * y0.element_size() <= KEEP_STAGES_BYTES)
+            inputs = y0.new_empty(run.steps, stages, *y0.shape) if keep else None
+            relus = y0.new_empty(run.steps, stages, y0.size(0), hidden) if keep else None
+            y = y0.reshape(1, -1)
+            for interval in range(last - first):
+                for j in range(substeps):
+                    step = interval * substeps + j
+                    y = run.step(step, y, inputs[step] if keep else None, relus[step] if keep else None)
+                states[interval + 1] = y.view_as(y0)
+            ctx.save_for_backward(states, w1, c1, w2, c2, *((inputs, relus) if keep else ()))
+            ctx.settings = (tableau, first, last, delta, substeps)
+        return states
+
+    @staticmethod
+    @without_autocast
+    def backward(ctx, grad_states: Tensor):
+        with single_thread(grad_states):
+            states, w1, c1, w2, c2, *kept = ctx.saved_tensors
+            tableau, first, last, delta, substeps = ctx.settings
+            run = _Run(tableau, first, last, delta, substeps, states[0], w1, c1, w2, c2)
+            rows, (count, dim), hidden = states.size(0), states.shape[1:], w1.size(0)
+            stages, dt = len(tableau.b), run.dt
+            # per interval: each stage's input (Y) and relu output (R), and their gradients (G, GP)
+            if not kept:
+                Y = states.new_empty(substeps, stages, count, dim)
+                R = states.new_empty(substeps, stages, count, hidden)
+            G = states.new_empty(substeps, stages, count, dim)
+            GP = states.new_empty(substeps, stages, count, hidden)
+            V = states.new_empty(stages, count * dim)  # gradient reaching each stage's input
+            grad_w1b, grad_w2h = states.new_zeros(hidden, dim), states.new_zeros(dim, hidden)
+            grad_bias1 = states.new_empty(run.steps, stages, hidden)
+            grad_bias2 = states.new_empty(run.steps, stages, dim)
+            a = grad_states[-1].reshape(1, -1).clone()  # gradient with respect to the current state
+            later = [torch.tensor([[tableau.a[l][i] for l in range(i + 1, stages)]], dtype=states.dtype,
+                                  device=states.device) for i in range(stages)]
+            for interval in reversed(range(rows - 1)):
+                steps = slice(interval * substeps, (interval + 1) * substeps)
+                if kept:
+                    Y, R = kept[0][steps], kept[1][steps]
+                else:  # recompute the interval, keeping what the chain rule needs
+                    y = states[interval].reshape(1, -1)
+                    for j in range(substeps):
+                        y = run.step(interval * substeps + j, y, inputs=Y[j], relus=R[j])
+                for j in reversed(range(substeps)):
+                    for i in reversed(range(stages)):
+                        g = G[j, i].view(1, -1)  # d loss / d k_i
+                        if i + 1 < stages:
+                            torch.addmm(a, later[i], V[i + 1:], beta=dt * tableau.b[i], alpha=dt, out=g)
+                        else:
+                            torch.mul(a, dt * tableau.b[i], out=g)
+                        torch.ops.aten.threshold_backward.grad_input(G[j, i] @ run.w2h, R[j, i], 0, grad_input=GP[j, i])
+                        torch.mm(GP[j, i], run.w1b, out=V[i].view(count, dim))
+                    a.add_(V.sum(0, keepdim=True))
+                grad_w2h.addmm_(G.view(-1, dim).T, R.reshape(-1, hidden))
+                grad_w1b.addmm_(GP.view(-1, hidden).T, Y.reshape(-1, dim))
+                torch.sum(G, dim=2, out=grad_bias2[steps])
+                torch.sum(GP, dim=2, out=grad_bias1[steps])
+                a.add_(grad_states[interval].reshape(1, -1))
+            tau = run.tau.reshape(-1)
+            grad_w1 = torch.cat([grad_w1b, (tau @ grad_bias1.view(-1, hidden))[:, None]], dim=1)
+            grad_w2 = torch.cat([grad_w2h, (tau @ grad_bias2.view(-1, dim))[:, None]], dim=1)
+            return (None, None, None, None, None, a.view_as(states[0]),
+                    grad_w1, grad_bias1.sum((0, 1)), grad_w2, grad_bias2.sum((0, 1)))
+
+
+class HiddenSpaceSolve(torch.autograd.Function):
+    """`FixedGridSolve`'s result with one matrix product per stage instead of two (used when h's
+    hidden width is at most twice the state's, the default being equal).
+
+    h(t, b) = W2_b relu(W1_b b + bias1(t)) + bias2(t) only enters the next stage through
+    W1_b b, so within an interval [t_i, t_i+1] the solve tracks z = W1_b b (N, hidden):
+
+        pre_j = z + bias1 + dt sum_l a_jl kz_l,   r_j = relu(pre_j),   kz_j = M r_j + W1_b bias2,
+        z <- z + dt sum_j b_j kz_j                                        with M = W1_b W2_b,
+
+    starting from z = W1_b b(t_i); b itself is linear in the relu outputs:
+    b(t_i+1) = b(t_i) + dt W2_b (sum over the interval's stages of b_j r_j) + dt sum b_j bias2.
+    The same Runge-Kutta steps as `FixedGridSolve` in exact arithmetic, and each interval depends
+    on b(t_i) alone (as there), so a table extended from its last row equals a fresh solve.
+    Backward is the exact discrete adjoint of these operations, also one product per stage.
+
+    The loops run compiled on CPU (csrc/floater_solve.cpp, the same operations as
+    `_hidden_forward_loops` / `_hidden_backward_loops`, which serve installs without the extension;
+    a CUDA model's solve runs here too, `solve_device`), with the rows split into parts integrated
+    side by side on their own threads (`compiled_parts`): the rows are independent ODEs sharing h,
+    so each part is the same solve of its own rows and the weights' gradients add up over the parts.
+    """
+
+    @staticmethod
+    def forward(ctx, tableau: Tableau, first: int, last: int, delta: float, substeps: int,
+                y0: Tensor, w1: Tensor, c1: Tensor, w2: Tensor, c2: Tensor) -> Tensor:
+        run = _HiddenRun(tableau, first, last, delta, substeps, y0, w1, c1, w2, c2)
+        count, hidden, stages = y0.size(0), w1.size(0), len(tableau.b)
+        keep = any(ctx.needs_input_grad) and run.steps * stages * count * hidden * y0.element_size() <= KEEP_STAGES_BYTES
+        parts = compiled_parts(y0, hidden)  # (read before the loops take one thread)
+        with single_thread(y0):
+            if parts is None:
+                states, relus = _hidden_forward_loops(run, y0, keep)
+                relus = [relus] if keep else []
+            else:
+                results = floater_solve.forward(run.pieces(), tableau.a, tableau.b, run.dt, substeps,
+                                                [y0[rows] for rows in parts], keep)
+                states = torch.cat([result[0] for result in results], dim=1)
+                relus = [result[1] for result in results] if keep else []
+        ctx.save_for_backward(states, w1, c1, w2, c2, *relus)
+        ctx.settings, ctx.parts = (tableau, first, last, delta, substeps), parts
+        return states
+
+    @staticmethod
+    @without_autocast
+    def backward(ctx, grad_states: Tensor):
+        states, w1, c1, w2, c2, *kept = ctx.saved_tensors
+        tableau, first, last, delta, substeps = ctx.settings
+        run = _HiddenRun(tableau, first, last, delta, substeps, states[0], w1, c1, w2, c2)
+        dim, hidden = states.size(2), w1.size(0)
+        dt = run.dt
+        with single_thread(states):
+            if ctx.parts is None:
+                parts = [(states, _hidden_backward_loops(run, states, grad_states, kept[0] if kept else None))]
+            else:  # each part's states are contiguous rows of every time slice: views, no copies
+                part_states = [states[:, rows] for rows in ctx.parts]
+                parts = list(zip(part_states, floater_solve.backward(
+                    run.pieces(), tableau.a, tableau.b, dt, substeps, part_states,
+                    [grad_states[:, rows].contiguous() for rows in ctx.parts], kept)))
+        # per part: d loss / d b(t_first), d bias1, each interval's relu sums, d b(t_i+1), d z at the
+        # intervals' starts, d M, d cz; the weights' gradients add up over the parts
+        gy = torch.cat([result[0] for _, result in parts]) if len(parts) > 1 else parts[0][1][0]
+        grad_bias1, grad_m, grad_cz = (functools.reduce(torch.add, [result[k] for _, result in parts]) for k in (1, 5, 6))
+        starts_by_states = functools.reduce(torch.add, [
+            result[4].reshape(-1, hidden).T @ part[:-1].reshape(-1, dim) for part, result in parts])
+        after_by_sums = functools.reduce(torch.add, [
+            result[3].reshape(-1, dim).T @ result[2].reshape(-1, hidden) for _, result in parts])
+        after_total = functools.reduce(torch.add, [result[3].sum(1) for _, result in parts])  # (intervals, d)
+        # z = W1_b b(t_i), cz = W1_b bias2, M = W1_b W2_b, b(t_i+1) = b(t_i) + dt W2_b sums + b2 sums
+        grad_w1b = starts_by_states + grad_m @ run.w2h.T + grad_cz.view(-1, hidden).T @ run.bias2.view(-1, dim)
+        grad_w2h = run.w1b.T @ grad_m + dt * after_by_sums
+        grad_bias2 = (grad_cz @ run.w1b  # through cz, and through the b path's bias sums:
+                      + dt * run.b.view(1, -1, 1) * after_total.repeat_interleave(substeps, 0)[:, None, :])
+        tau = run.tau.reshape(-1)
+        grad_w1 = torch.cat([grad_w1b, (tau @ grad_bias1.view(-1, hidden))[:, None]], dim=1)
+        grad_w2 = torch.cat([grad_w2h, (tau @ grad_bias2.view(-1, dim))[:, None]], dim=1)
+        return (None, None, None, None, None, gy, grad_w1, grad_bias1.sum((0, 1)), grad_w2, grad_bias2.sum((0, 1)))
+
+
+def _hidden_forward_loops(run: "_HiddenRun", y0: Tensor, keep: bool):
+    """`HiddenSpaceSolve`'s forward loops in Python: states (intervals + 1, N, d) and, if `keep`, the
+    relu output of every stage (steps, stages, N * hidden). (`csrc/floater_solve.cpp` compiles the same.)"""
+    count, hidden, stages, substeps = y0.size(0), run.m.size(0), run.stages, run.substeps
+    states = y0.new_empty(run.intervals + 1, *y0.shape)
+    states[0] = y0
+    relus = y0.new_empty(run.steps, stages, count * hidden) if keep else None
+    for interval in range(run.intervals):
+        acc = run.interval(interval, states[interval], relus[interval * substeps:(interval + 1) * substeps] if keep else None)
+        torch.addmm(states[interval] + run.b2_sums[interval], acc.view(count, hidden), run.w2h_t, alpha=run.dt,
+                    out=states[interval + 1])
+    return states, relus
+
+
+def _hidden_backward_loops(run: "_HiddenRun", states: Tensor, grad_states: Tensor, kept: Optional[Tensor]):
+    """`HiddenSpaceSolve`'s backward loops in Python (the exact discrete adjoint), returning
+    d loss / d b(t_first) (N, d), d loss / d bias1 (steps, stages, hidden), each interval's sum of b_j r_j
+    (intervals, N, hidden), d loss / d b(t_i+1) (intervals, N, d), d loss / d z at each interval's start
+    (intervals, N, hidden), d loss / d M (hidden, hidden) and d loss / d cz (steps, stages, hidden)."""
+    count, dim, hidden = states.size(1), states.size(2), run.m.size(0)
+    tableau, stages, substeps, dt, intervals = run.tableau, run.stages, run.substeps, run.dt, run.intervals
+    # relu outputs and d loss / d kz of every stage (when the forward kept the relus; else of one
+    # interval at a time), d loss / d pre of one interval's stages
+    steps = run.steps if kept is not None else substeps
+    R = kept if kept is not None else states.new_empty(substeps, stages, count * hidden)
+    GK = states.new_empty(steps, stages, count, hidden)
+    GP = states.new_empty(substeps, stages, count, hidden)
+    relu_mats = R.view(-1, count, hidden).unbind(0)
+    gk_rows, gk_mats = GK.view(-1, 1, count * hidden).unbind(0), GK.view(-1, count, hidden).unbind(0)
+    gp_mats, gp_steps = GP.view(-1, count, hidden).unbind(0), GP.view(substeps, stages, -1).unbind(0)
+    grad_bias1 = states.new_empty(run.steps, stages, hidden)
+    later = [states.new_tensor([[tableau.a[l][i] for l in range(i + 1, stages)]]) for i in range(stages)]
+    ones, beta = states.new_ones(1, stages), [dt * b for b in tableau.b]
+    sums = states.new_empty(intervals, count, hidden)  # per interval: sum of b_j r_j over its stages
+    after = states.new_empty(intervals, count, dim)  # d loss / d b(t_i+1)
+    starts = states.new_empty(intervals, count, hidden)  # d loss / d z at each interval's start
+    grad_m = states.new_zeros(hidden, hidden)
+    grad_cz = states.new_empty(run.steps, stages, hidden)
+    gy = grad_states[-1].clone()  # d loss / d b(t) of the current grid point
+    a = states.new_empty(1, count * hidden)  # d loss / d z
+    for interval in reversed(range(intervals)):
+        interval_steps = slice(interval * substeps, (interval + 1) * substeps)
+        if kept is None:
+            run.interval(interval, states[interval], R)
+        relus = R[interval_steps] if kept is not None else R
+        torch.mm(run.b_repeated, relus.view(substeps * stages, -1), out=sums[interval].view(1, -1))
+        after[interval] = gy
+        # d loss / d relu through b(t_i+1): the same for every stage of the interval (times b_j)
+        through_b = (dt * gy) @ run.w2h  # (count, hidden)
+        a.zero_()  # z at the interval's end is not used (the next interval starts from b)
+        for j in reversed(range(substeps)):
+            step = interval * substeps + j
+            pre_grads = gp_steps[j]  # (stages, count * hidden)
+            for i in reversed(range(stages)):
+                at = (step if kept is not None else j) * stages + i  # in R and GK
+                if i + 1 < stages:
+                    torch.addmm(a, later[i], pre_grads[i + 1:], beta=beta[i], alpha=dt, out=gk_rows[at])
+                else:
+                    torch.mul(a, beta[i], out=gk_rows[at])
+                g_relu = torch.addmm(through_b, gk_mats[at], run.m, beta=tableau.b[i])
+                torch.ops.aten.threshold_backward.grad_input(g_relu, relu_mats[at], 0,
+                                                            grad_input=gp_mats[j * stages + i])
+            a.addmm_(ones, pre_grads)
+        torch.sum(GP, dim=2, out=grad_bias1[interval_steps])
+        starts[interval] = a.view(count, hidden)
+        # b(t_i) reaches the loss directly, through b(t_i+1) and through z = W1_b b(t_i)
+        gy = grad_states[interval] + gy + starts[interval] @ run.w1b
+        if kept is None:
+            grad_m.addmm_(GK.view(-1, hidden).T, R.view(-1, hidden))
+            torch.sum(GK, dim=2, out=grad_cz[interval_steps])
+    if kept is not None:  # the weight gradients of every stage in one product
+        grad_m = GK.view(-1, hidden).T @ R.view(-1, hidden)
+        torch.sum(GK, dim=2, out=grad_cz)
+    return gy, grad_bias1, sums, after, starts, grad_m, grad_cz
+
+
+def compiled_parts(y0: Tensor, hidden: int) -> Optional[List[slice]]:
+    """How the compiled loops split a CPU solve's rows over threads (one part per torch thread, at
+    most one per PARALLEL_MIN_ROWS rows, and only when a stage's product reaches PARALLEL_MIN_WORK
+    multiply-adds, so that running parts side by side gains more than a thread costs); None: the
+    Python loops (CUDA, or the extension not built)."""
+    if floater_solve is None or y0.is_cuda:
+        return None
+    count = y0.size(0)
+    parts = 1
+    # under a Python dispatch mode (e.g. a memory sampler) every operation of part 0 calls into Python
+    # while the other parts run: slower than one part
+    if count * hidden * y0.size(-1) >= PARALLEL_MIN_WORK and torch._C._len_torch_dispatch_stack() == 0:
+        parts = max(1, min(torch.get_num_threads(), count // PARALLEL_MIN_ROWS))
+    bounds = [round(count * i / parts) for i in range(parts + 1)]
+    return [slice(start, end) for start, end in zip(bounds[:-1], bounds[1:])]
+
+
+def solve_device(device: torch.device, method: str, adjoint: bool) -> torch.device:
+    """Where a solve of inputs on `device` runs. A CUDA solve by a fixed-grid method without the
+    adjoint runs on the CPU in the compiled loops, its table then copied to the GPU: on CUDA the
+    loops are Python's, dozens of tiny kernel launches per position (launch-bound whatever the GPU).
+    Elsewhere (CPU, the extension not built, dopri5 or the adjoint: torchdiffeq) on `device`."""
+    if device.type == "cuda" and floater_solve is not None and method in FIXED_GRID and not adjoint:
+        return torch.device("cpu")
+    return device
+
+
+def solved_on(device: torch.device, function, y0: Tensor, *weights: Tensor) -> Tensor:
+    """function(y0, *weights) computed on `device`, returned on y0's device (autograd's copies carry
+    the gradients back to the inputs' device)."""
+    if device == y0.device:
+        return function(y0, *weights)
+    return function(y0.to(device), *(weight.to(device) for weight in weights)).to(y0.device)
+
+
+def fixed_grid_solve(tableau, first, last, delta, substeps, y0, *weights) -> Tensor:
+    """States b(t_i), i = first..last (see `FixedGridSolve`): in h's hidden space when that is
+    cheaper (one (N, hidden) x (hidden, hidden) product per stage instead of two with (hidden, d))."""
+    kind = HiddenSpaceSolve if weights[0].size(0) <= 2 * y0.size(-1) else FixedGridSolve
+    return kind.apply(tableau, first, last, delta, substeps, y0, *weights)
+
+
+class _Run:
+    """One solve's precomputed pieces: the time of every stage of every step, the folded biases,
+    the weights split into state and time parts, the tableau as tensors."""
+
+    def __init__(self, tableau, first, last, delta, substeps, y0, w1, c1, w2, c2):
+        dim = y0.size(-1)
+        self.tableau, self.dt, self.count = tableau, delta / substeps, y0.size(0)
+        self.steps = (last - first) * substeps
+        step = torch.arange(first * substeps, last * substeps, dtype=torch.float64)
+        start = torch.div(step, substeps, rounding_mode="floor") * delta + torch.remainder(step, substeps) * self.dt
+        nodes = torch.tensor(tableau.c, dtype=torch.float64)
+        self.tau = (start[:, None] + nodes[None, :] * self.dt).to(device=y0.device, dtype=y0.dtype)  # (steps, stages)
+        # the state and time parts of the weights, contiguous (BLAS on strided slices copies them per call)
+        self.w1b, self.w2h = w1[:, :dim].contiguous(), w2[:, :-1].contiguous()
+        self.w1b_t, self.w2h_t = self.w1b.T.contiguous(), self.w2h.T.contiguous()
+        self.bias1 = c1 + self.tau[..., None] * w1[:, dim]  # (steps, stages, hidden)
+        self.bias2 = c2 + self.tau[..., None] * w2[:, -1]  # (steps, stages, dim)
+        as_tensor = lambda row: torch.tensor([row], dtype=y0.dtype, device=y0.device)
+        self.a = [as_tensor(row) for row in tableau.a]
+        self.b = as_tensor(tableau.b)
+        self.k = y0.new_empty(len(tableau.b), y0.numel())
+
+    def step(self, index: int, y: Tensor, inputs: Optional[Tensor] = None, relus: Optional[Tensor] = None) -> Tensor:
+        """One Runge-Kutta step from the flat state y (1, N*d); optionally records every stage's
+        input (stages, N, d) and relu output (stages, N, hidden) for the backward pass."""
+        k, count = self.k, self.count
+        for i in range(len(self.a)):
+            if i == 0:
+                stage_input = y.view(count, -1)
+                if inputs is not None:
+                    inputs[i].copy_(stage_input)
+            else:
+                stage_input = torch.addmm(y, self.a[i], k[:i], alpha=self.dt,
+                                          out=inputs[i].view(1, -1) if inputs is not None else None).view(count, -1)
+            hidden = torch.addmm(self.bias1[index, i], stage_input, self.w1b_t,
+                                 out=relus[i] if relus is not None else None).relu_()
+            torch.addmm(self.bias2[index, i], hidden, self.w2h_t, out=k[i].view(count, -1))
+        return torch.addmm(y, self.b, k, alpha=self.dt)
+
+
+class _HiddenRun:
+    """`HiddenSpaceSolve`'s precomputed pieces (see `_Run`): also M = W1_b W2_b, the stages'
+    W1_b bias2, each interval's sum of dt b_i bias2, and the views the loop indexes."""
+
+    def __init__(self, tableau, first, last, delta, substeps, y0, w1, c1, w2, c2):
+        base = _Run(tableau, first, last, delta, substeps, y0, w1, c1, w2, c2)
+        self.tableau, self.intervals = tableau, last - first
+        self.dt, self.steps, self.tau, self.substeps = base.dt, base.steps, base.tau, substeps
+        self.a, self.b = base.a, base.b
+        self.b_repeated = self.b.repeat(1, substeps)  # b_j of every stage of an interval's steps
+        self.w1b, self.w2h, self.w2h_t, self.w1b_t = base.w1b, base.w2h, base.w2h_t, base.w1b_t
+        self.bias2 = base.bias2
+        self.m = self.w1b @ self.w2h  # (hidden, hidden)
+        self.m_t = self.m.T.contiguous()
+        per_step = self.dt * torch.einsum("i,sid->sd", self.b.view(-1), self.bias2)
+        self.b2_sums = per_step.view(last - first, substeps, -1).sum(1)  # (intervals, dim)
+        count, hidden, stages = y0.size(0), w1.size(0), len(tableau.b)
+        self.count, self.stages = count, stages
+        self.bias1 = base.bias1.view(self.steps, stages, 1, hidden)
+        self.cz = self.bias2 @ self.w1b.T  # W1_b bias2 per stage (steps, stages, hidden)
+        self.kz = y0.new_empty(stages, count * hidden)
+        self.kz_mats, self.kz_before = self.kz.view(stages, count, hidden).unbind(0), [self.kz[:i] for i in range(stages)]
+        self.pre = y0.new_empty(stages, count, hidden)  # z + bias1 of each stage of a step
+        self.pre_rows = self.pre.view(stages, 1, -1).unbind(0)
+        self.acc = y0.new_empty(1, count * hidden)
+        self.scratch = y0.new_empty(substeps, stages, count * hidden)
+
+    @functools.cached_property
+    def cz_rows(self) -> tuple:
+        """`cz` as one row per stage of every step, for the Python loops (built only where they run)."""
+        return self.cz.view(-1, self.cz.size(-1)).unbind(0)
+
+    def pieces(self) -> List[Tensor]:
+        """What the compiled loops read, in csrc/floater_solve.cpp's order."""
+        return [self.w1b, self.w1b_t, self.w2h, self.w2h_t, self.m, self.m_t, self.bias1.squeeze(2), self.cz,
+                self.b2_sums, self.b_repeated]
+
+    def interval(self, interval: int, state: Tensor, relus: Optional[Tensor] = None) -> Tensor:
+        """The `substeps` steps of one interval from b(t_i) = `state` (N, d): the sum of b_j times
+        the relu outputs over its stages (1, N*hidden). Records the relu outputs
+        (substeps, stages, N*hidden) in `relus` if given."""
+        record = relus if relus is not None else self.scratch
+        relu_rows = record.view(-1, 1, record.size(-1)).unbind(0)
+        relu_mats = record.view(-1, self.count, self.m.size(0)).unbind(0)
+        kz, stages, dt = self.kz, self.stages, self.dt
+        z = (state @ self.w1b_t).view(1, -1)
+        acc = self.acc.zero_()
+        for j in range(self.substeps):
+            step = interval * self.substeps + j
+            torch.add(z.view(1, self.count, -1), self.bias1[step], out=self.pre)  # every stage's z + bias1
+            for i in range(stages):
+                at = j * stages + i
+                if i == 0:
+                    torch.clamp_min(self.pre_rows[0], 0, out=relu_rows[at])
+                else:
+                    torch.addmm(self.pre_rows[i], self.a[i], self.kz_before[i], alpha=dt, out=relu_rows[at])
+                    relu_rows[at].clamp_min_(0)
+                torch.addmm(self.cz_rows[step * stages + i], relu_mats[at], self.m_t, out=self.kz_mats[i])
+            z = torch.addmm(z, self.b, kz, alpha=dt)
+            acc.addmm_(self.b, record[j])
+        return acc

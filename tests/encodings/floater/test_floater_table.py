@@ -1,0 +1,174 @@
+"""Which table FLOATER's forward pass reads (table.py): the K-update window's, an extended table equal to
+a fresh solve, the evaluation table tied to the options and to every tensor it is solved from and
+reused across decoding steps, and clear failure where the biases overflow the model's dtype."""
+import pytest
+import torch
+
+from floater_util import counting_solves, floater_model, model_gradients, perturb
+from posenc_fairseq.encodings.floater import TableKey
+from util import random_batch
+
+
+def test_gradients_with_the_k_update_window(translation_data, monkeypatch):
+    model, task, encoding = floater_model(translation_data, ["--floater-recompute-every", "3", "--dropout", "0"])
+    model.train()
+    perturb(model)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=10, tgt_len=8)
+    calls = counting_solves(monkeypatch)
+    model.set_num_updates(0)
+    theta, b0 = model_gradients(model, encoding, src, src_lengths, prev)  # first pass of the window: solves
+    assert len(calls) == 1 and all(g.abs().sum() > 0 for g in theta) and all(g.abs().sum() > 0 for g in b0)
+    window_table = encoding.tables.window.table.values.clone()
+    for update in (1, 2):
+        model.set_num_updates(update)
+        theta, b0 = model_gradients(model, encoding, src, src_lengths, prev)  # reuses the window's table
+        assert len(calls) == 1
+        assert all(g is not None and g.abs().sum() == 0 for g in theta)  # in the graph, zero gradient
+        assert all(g.abs().sum() > 0 for g in b0)  # directly, as the Linear bias
+    # a longer batch inside the window: extended from the window's parameter snapshot, not re-solved
+    with torch.no_grad():
+        for p in encoding.dynamics.parameters():
+            p.add_(0.05)  # what an optimizer step would do; the window's table must not follow
+    src2, len2, prev2 = random_batch(task.source_dictionary, batch=2, src_len=30, tgt_len=8)
+    model_gradients(model, encoding, src2, len2, prev2)
+    assert len(calls) == 2 and encoding.tables.window.table.values.size(0) >= 30
+    assert torch.equal(encoding.tables.window.table.values[: window_table.size(0)], window_table)
+    model.set_num_updates(3)
+    theta, _ = model_gradients(model, encoding, src, src_lengths, prev)  # a new window: solves with gradient
+    assert len(calls) == 3 and all(g.abs().sum() > 0 for g in theta)
+
+
+def test_biases_beyond_the_cache_equal_a_fresh_solve(translation_data):
+    model, _, encoding = floater_model(translation_data)
+    model.eval()
+    perturb(model)
+    with torch.no_grad():
+        short = encoding.table(20).clone()
+        assert short.size(0) == 64
+        longer = encoding.table(150)  # integrated onward from position 63
+        assert longer.size(0) == 192 and torch.equal(longer[:64], short)
+        fresh = encoding.solve(192)
+    assert (longer - fresh).abs().max() <= 1e-5
+    assert (longer[64:] - longer[63]).abs().max() > 1e-2
+
+
+def test_evaluation_table_is_tied_to_options_parameters_and_reused_across_steps(translation_data, monkeypatch):
+    model, task, encoding = floater_model(translation_data)
+    model.eval()
+    perturb(model)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=12, tgt_len=9)
+    calls = counting_solves(monkeypatch)
+    with torch.no_grad():
+        first, _ = model(src, src_lengths, prev)
+        again, _ = model(src, src_lengths, prev)
+        assert len(calls) == 1 and torch.equal(first, again)  # cached across passes
+        # incremental decoding: no solve, and no parameter check after the first step
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
+        checks = []  # (checks of the kept table against the parameters)
+        monkeypatch.setattr(TableKey, "holds_for",
+                            lambda self, *args, original=TableKey.holds_for: checks.append(1) or original(self, *args))
+        state = {}
+        for t in range(prev.size(1)):
+            model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+        assert len(calls) == 1 and len(checks) <= 1
+        # every solver option the table depends on: a changed option re-solves
+        for name, value in (("delta", 0.2), ("substeps", 2), ("method", "midpoint")):
+            setattr(encoding, name, value)
+            changed, _ = model(src, src_lengths, prev)
+            assert (changed - first).abs().max() > 1e-4, name
+        encoding.delta, encoding.substeps, encoding.method = 0.1, 5, "rk4"
+        back, _ = model(src, src_lengths, prev)
+        assert torch.equal(back, first)
+        # fairseq-style in-place parameter update (p.data) is seen
+        encoding.dynamics.fc1.bias.data.add_(0.1)
+        moved, _ = model(src, src_lengths, prev)
+        assert (moved - first).abs().max() > 1e-4
+
+
+def test_evaluation_table_follows_every_tensor_it_is_solved_from(translation_data, monkeypatch):
+    """The evaluation table is checked by value against the tensors it was solved from, once per
+    pass: an in-place change of h or of b(0), also of a head-pruned layer's kept heads (whose full
+    b(0) is a new tensor at every call), or a replaced tensor, re-solves to what a fresh solve
+    gives; a replaced tensor with the same values does not. (fairseq's optimizers write through
+    p.data: test_workflows checks that after a real update.)"""
+    model, task, encoding = floater_model(translation_data)
+    model.eval()
+    perturb(model)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=12, tgt_len=9)
+    calls = counting_solves(monkeypatch)
+
+    def fresh():  # the reference: every kept table forgotten
+        encoding._forget_tables()
+        return model(src, src_lengths, prev)[0]
+
+    with torch.no_grad():
+        first = model(src, src_lengths, prev)[0]
+        fc1 = encoding.dynamics.fc1.weight
+        fc1.data = fc1.data.clone()  # new storage, same values: checked once, kept
+        assert torch.equal(model(src, src_lengths, prev)[0], first) and len(calls) == 1
+        attention = model.encoder.layers[0].self_attn
+        d = attention.head_dim
+        attention._adaptive_prune_heads([(0, d), (2 * d, 3 * d)])
+        attention._set_skip_embed_dim_check()
+        model(src, src_lengths, prev)
+        changes = {
+            "pruned layer's kept q bias": lambda: attention.q_proj.bias.add_(0.1),
+            "cross-attention v bias": lambda: model.decoder.layers[0].encoder_attn.v_proj.bias.mul_(2),
+            "h replaced": lambda: setattr(encoding.dynamics.fc2.weight, "data", encoding.dynamics.fc2.weight.data * 1.5),
+        }
+        for name, change in changes.items():
+            before = model(src, src_lengths, prev)[0]
+            solves = len(calls)
+            change()
+            after = model(src, src_lengths, prev)[0]
+            assert len(calls) == solves + 1, name
+            assert (after - before).abs().max() > 1e-4 and torch.equal(after, fresh()), name
+
+
+def exploding(model, encoding):
+    """An h that grows b(t) exponentially (db/dt = 3 b): overflows fp32 by position ~300."""
+    with torch.no_grad():
+        perturb(model, scale=0.5)
+        dim = encoding.dims.embed_dim
+        encoding.dynamics.fc1.weight.zero_()
+        encoding.dynamics.fc1.weight[:dim, :dim] = torch.eye(dim)
+        encoding.dynamics.fc1.bias.fill_(10.0)
+        encoding.dynamics.fc2.weight.zero_()
+        encoding.dynamics.fc2.weight[:, :dim] = 3 * torch.eye(dim)
+
+
+@pytest.mark.parametrize("dtype,limit", [(torch.float32, 400), (torch.float16, 60)])
+def test_overflowing_biases_fail_with_a_message_naming_the_position(translation_data, dtype, limit):
+    model, task, encoding = floater_model(translation_data, ["--max-source-positions", "2048"])
+    model.eval()
+    exploding(model, encoding)
+    model.to(dtype)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=8, tgt_len=8)
+    with torch.no_grad():
+        short, _ = model(src, src_lengths, prev)  # short inputs stay fine
+        assert torch.isfinite(short).all()
+        src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=limit, tgt_len=8)
+        with pytest.raises(ValueError, match=r"FLOATER position biases overflow at position \d+ .*--floater-delta"):
+            model(src, src_lengths, prev)
+
+
+def test_decoding_steps_into_the_overflow_fail_with_the_message(translation_data):
+    """Step-by-step decoding of a model whose biases overflow fp16 near position 60: every step
+    before runs, the step at the first position fp16 cannot hold fails with the message (the later
+    steps' kept rows stop short of it). (Its outputs may overflow earlier: biases near fp16's limit.)"""
+    model, task, encoding = floater_model(translation_data, ["--max-target-positions", "2048"])
+    model.eval()
+    exploding(model, encoding)
+    model.half()
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=8, tgt_len=100)
+    with torch.no_grad():
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
+        state, steps = {}, 0
+        with pytest.raises(ValueError, match=r"FLOATER position biases overflow at position (\d+) "):
+            for t in range(prev.size(1)):
+                model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+                steps += 1
+    # independently: the first position whose b(t) - b(0), solved in fp32, fp16 cannot hold
+    peaks = encoding.table(100).abs().flatten(1).amax(dim=1)
+    first_overflow = int((peaks > torch.finfo(torch.float16).max).nonzero()[0, 0])
+    assert 8 < steps == first_overflow < 100  # every position fp16 holds was decoded
