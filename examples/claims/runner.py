@@ -143,8 +143,9 @@ def table(results, heading: str, paper: dict, reach=None) -> str:
         runs = [result for result in results if result["entry"] == entry]
         done = [result for result in runs if result.get("test") is not None]
         minutes = [result["minutes"] for result in runs if "minutes" in result]
+        valid = [r["valid"] for r in done if r.get("valid") is not None]
         cells = [f"`{entry}`", mean_and_spread([r["test"] for r in done]),
-                 mean_and_spread([r["valid"] for r in done if r.get("valid") is not None]),
+                 mean_and_spread(valid) if valid or not done else "not logged",
                  f"{len(done)}/{len(runs)}", paper.get(entry, ""), f"{statistics.mean(minutes):.1f}" if minutes else ""]
         if reach is not None:
             epochs = [epoch for epoch in (first_epoch_reaching(r.get("valid_curve", []), reach) for r in done)
