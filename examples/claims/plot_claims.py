@@ -11,6 +11,8 @@ paper's number as a marker.
 """
 import argparse
 import json
+import os
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -97,33 +99,51 @@ def short_to_long_table(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_tables(doc: Path, tables: dict):
+    """Put each table between its markers in `doc` (a new file moved into place: never half-written)."""
+    text = doc.read_text()
+    for name, body in tables.items():
+        pattern = re.compile(rf"(<!-- table:{name}\b[^>]*-->\n).*?(<!-- /table -->)", flags=re.S)
+        if not pattern.search(text):
+            raise SystemExit(f"{doc}: no <!-- table:{name} --> ... <!-- /table --> markers")
+        text = pattern.sub(lambda match: match.group(1) + body + match.group(2), text)
+    temporary = doc.with_name(doc.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, doc)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=HERE.parents[1] / "docs" / "data")
     parser.add_argument("--out", type=Path, default=HERE.parents[1] / "docs" / "img")
+    parser.add_argument("--doc", type=Path, help="also write the tables into this markdown file's markers")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
     runs = load_runs(args.data / "process50.jsonl")
     order = ["roberta_nope", "roberta_t5_nob", "roberta_t5", "roberta_at5_nob", "roberta_at5"]
     runs = sorted_by_entry(runs, order)
-    print(table(runs, "Process-50 (AT5 paper, table 1)", {a: f"{v:.3f}" for a, v in process50.PAPER.items()}))
+    tables = {"process50": table(runs, "Process-50 (AT5 paper, table 1); paper: its accuracy",
+                                 {a: f"{v:.3f}" for a, v in process50.PAPER.items()})}
     plot_accuracy(runs, order, process50.PAPER, args.out / "claim_process50.png",
                   "Process-50 (AT5 paper, table 1)", ceiling=process50.bayes_accuracy())
 
     runs = load_runs(args.data / "negation_scope.jsonl")
     order = negation_scope.ENTRIES
     runs = sorted_by_entry(runs, order)
-    print(table(runs, "Negation scope (LFHC/GCDF paper's ordering; paper: SST-2 %)", negation_scope.PAPER,
-                reach=negation_scope.REACH))
+    tables["negation_scope"] = table(runs, "Negation scope (LFHC/GCDF paper's ordering); paper: its SST-2 accuracy (%)",
+                                     negation_scope.PAPER, reach=negation_scope.REACH)
     # the paper's SST-2 accuracies (%) as fractions, on the same axis
     paper = {entry: float(value) / 100 for entry, value in negation_scope.PAPER.items()}
     plot_accuracy(runs, order, paper, args.out / "claim_negation_scope.png",
                   "Negation scope (x: the paper's SST-2 accuracy, another task)", ceiling=1.0)
 
     data = json.loads((args.data / "short_to_long.json").read_text())
-    print(short_to_long_table(data))
+    tables["short_to_long"] = "BLEU per source-length bin, seeds 1 / 2 / 3 [mean]\n\n" + short_to_long_table(data)
     plot_short_to_long(data, args.out / "claim_short_to_long.png")
+    print("\n".join(tables.values()))
+    if args.doc:
+        write_tables(args.doc, tables)
     return 0
 
 

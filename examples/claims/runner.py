@@ -92,7 +92,8 @@ def train_and_test(entry: str, seed: int, data: Path, work: Path, options: list,
          "--valid-subset", "test", "--batch-size", "256", *device], test_log, env)
     valid = [float(x) / 100 for x in re.findall(r"\| valid \|.*?\| accuracy ([0-9.]+)", log.read_text())]
     return {"entry": entry, "arch": arch, "seed": seed, "test": accuracy_from(test_log.read_text(), "test"),
-            "valid": max(valid) if valid else None, "valid_curve": valid, "minutes": minutes}
+            "valid": max(valid) if valid else None, "valid_curve": valid, "minutes": minutes,
+            "device": "cuda" if args.cuda else "cpu"}
 
 
 def run_all(out: Path, data: Path, options: list, args, env) -> list:
@@ -124,7 +125,8 @@ def mean_and_spread(values) -> str:
         return "failed"
     if len(values) == 1:
         return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+    each = ", ".join(f"{value:.3f}" for value in values)
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} ({each})"
 
 
 def first_epoch_reaching(curve, reach: float):
@@ -132,10 +134,10 @@ def first_epoch_reaching(curve, reach: float):
 
 
 def table(results, heading: str, paper: dict, reach=None) -> str:
-    """One row per entry: test accuracy (mean ± sd over seeds), best validation accuracy, the paper's
-    number (`paper`: entry -> text), minutes per run; with `reach`, also the first epoch whose
+    """One row per entry: test accuracy (mean ± sd over seeds, then each seed's), best validation accuracy, the paper's
+    number (`paper`: entry -> text), minutes per run, where they ran; with `reach`, also the first epoch whose
     validation accuracy reaches it (mean over the seeds that reached it, how many did)."""
-    columns = ["run", "test acc", "best valid acc", "seeds", "paper", "minutes"]
+    columns = ["run", "test acc", "best valid acc", "seeds", "paper", "minutes", "device"]
     if reach is not None:
         columns.insert(3, f"first epoch valid ≥ {reach:g}")
     lines = [heading, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -146,7 +148,8 @@ def table(results, heading: str, paper: dict, reach=None) -> str:
         valid = [r["valid"] for r in done if r.get("valid") is not None]
         cells = [f"`{entry}`", mean_and_spread([r["test"] for r in done]),
                  mean_and_spread(valid) if valid or not done else "not logged",
-                 f"{len(done)}/{len(runs)}", paper.get(entry, ""), f"{statistics.mean(minutes):.1f}" if minutes else ""]
+                 f"{len(done)}/{len(runs)}", paper.get(entry, ""), f"{statistics.mean(minutes):.1f}" if minutes else "",
+                 ", ".join(sorted({r["device"] for r in runs if "device" in r}))]
         if reach is not None:
             epochs = [epoch for epoch in (first_epoch_reaching(r.get("valid_curve", []), reach) for r in done)
                       if epoch is not None]

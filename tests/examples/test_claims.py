@@ -74,8 +74,8 @@ def test_negation_scope_runs_through_fairseq_with_the_reach_column(tmp_path):
             for row in out.splitlines() if row.startswith("| `")}
     assert set(rows) == {"`roberta_nope`", "`roberta_lfhc:--lfhc-k 4`"}
     assert "first epoch valid ≥ 0.9" in out
-    for test, valid, reach, seeds, paper, minutes in rows.values():
-        assert seeds == "2/2" and " ± " in test and 0 <= float(test.split(" ± ")[0]) <= 1
+    for test, valid, reach, seeds, paper, minutes, device in rows.values():
+        assert seeds == "2/2" and device == "cpu" and " ± " in test and 0 <= float(test.split(" ± ")[0]) <= 1
     assert rows["`roberta_lfhc:--lfhc-k 4`"][4] == "83.26"  # the paper's SST-2 number beside ours
     for seed in (1, 2):  # one run per seed, each trained with its seed
         log = (tmp_path / f"roberta_lfhc_--lfhc-k_4_seed{seed}" / "train.log").read_text()
@@ -84,13 +84,14 @@ def test_negation_scope_runs_through_fairseq_with_the_reach_column(tmp_path):
 
 def test_runner_reach_column_and_fairseq_module_fallback(tmp_path, monkeypatch):
     runner = load_script(CLAIMS / "runner.py")
-    results = [{"entry": "a", "test": 0.5, "valid": 0.95, "valid_curve": [0.5, 0.91, 0.95], "minutes": 1.0},
-               {"entry": "a", "test": 0.7, "valid": 0.6, "valid_curve": [0.5, 0.6], "minutes": 3.0},
+    results = [{"entry": "a", "test": 0.5, "valid": 0.95, "valid_curve": [0.5, 0.91, 0.95], "minutes": 1.0,
+                "device": "cuda"},
+               {"entry": "a", "test": 0.7, "valid": 0.6, "valid_curve": [0.5, 0.6], "minutes": 3.0, "device": "cpu"},
                {"entry": "b"}]
     text = runner.table(results, "heading", {"a": "80"}, reach=0.9)
     row_a, row_b = [line for line in text.splitlines() if line.startswith("| `")]
-    assert row_a == "| `a` | 0.600 ± 0.141 | 0.775 ± 0.247 | 2.0 (1/2) | 2/2 | 80 | 2.0 |"
-    assert row_b == "| `b` | failed | failed | never | 0/1 |  |  |"
+    assert row_a == "| `a` | 0.600 ± 0.141 (0.500, 0.700) | 0.775 ± 0.247 (0.950, 0.600) | 2.0 (1/2) | 2/2 | 80 | 2.0 | cpu, cuda |"
+    assert row_b == "| `b` | failed | failed | never | 0/1 |  |  |  |"
     assert runner.first_epoch_reaching([0.2, 0.9, 0.8], 0.9) == 2
     monkeypatch.setattr(runner, "BIN", tmp_path)  # no console scripts here
     monkeypatch.setenv("PATH", str(tmp_path))
@@ -107,3 +108,17 @@ def test_short_to_long_runs_through_fairseq_and_reports_each_bin(tmp_path):
     for row in ("sinusoidal", "floater_bounded", "floater_bounded+stop17"):
         assert re.search(rf"^\|\s*{re.escape(row)}\s*\|", report, flags=re.M), (row, report)
     assert (tmp_path / "s2l.png").stat().st_size > 0
+
+
+def test_plot_claims_redraws_the_docs_figures_from_docs_data(tmp_path):
+    """docs/claims.md's tables and plots come from the kept results: every run in docs/data is in a
+    row, with the paper's number beside the paper's models."""
+    out = run([sys.executable, CLAIMS / "plot_claims.py", "--out", tmp_path])
+    for name in ("process50", "negation_scope", "short_to_long"):
+        assert (tmp_path / f"claim_{name}.png").stat().st_size > 10_000
+    runs = [line for line in (REPO / "docs" / "data" / "process50.jsonl").read_text().splitlines() if line]
+    rows = [row for row in out.split("Negation scope")[0].splitlines() if row.startswith("| `")]
+    assert sum(int(row.split("|")[4].split("/")[1]) for row in rows) == len(runs)  # "done/runs" per entry
+    assert re.search(r"^\| `roberta_at5` \| [0-9.]+ ± [0-9.]+ \([0-9., ]+\) \|.*\| 0\.843 \|", out, flags=re.M)
+    assert re.search(r"^\| `roberta_gcdf` \| .*\| 84\.63 \|", out, flags=re.M)
+    assert "| `transformer_sinusoidal` | 78.1 / 79.5 / 82.3 [80.0] |" in out
