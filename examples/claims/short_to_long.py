@@ -40,6 +40,7 @@ VARIANTS = {
     "floater": ("transformer_floater", []),
     "floater_delta0.01": ("transformer_floater", ["--floater-delta", "0.01"]),
     "floater_autonomous": ("transformer_floater", ["--floater-autonomous"]),
+    "floater_small_init": ("transformer_floater", ["--floater-init", "small"]),
     "floater_max_speed": ("transformer_floater", ["--floater-max-speed", "5"]),
     "floater_bounded": ("transformer_floater", ["--floater-max-speed", "5", "--floater-decay", "1"]),
 }

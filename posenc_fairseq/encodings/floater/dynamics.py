@@ -39,6 +39,11 @@ class Dynamics(nn.Module):
             else:
                 raise ValueError(f"unknown --floater-init {init!r} (zero|small)")
 
+    @property
+    def form(self) -> tuple:
+        """What h computes besides its parameters (a solved table depends on it)."""
+        return self.autonomous, self.max_speed, self.decay, self.stop_time
+
     def weights(self, dtype: torch.dtype) -> List[Tensor]:
         """(W1, c1, W2, c2) in `dtype` (a differentiable cast: gradients reach the parameters)."""
         w1, c1, w2, c2 = (p.to(dtype) for p in (self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias))

@@ -212,8 +212,8 @@ class Floater(PositionalEncoding):
         return [*self.dynamics.parameters(), *self.initial_parameters()]
 
     def table_options(self) -> tuple:
-        """What a table depends on besides `solve_inputs`: the solver options and the slots."""
-        return self.solver_options(), tuple(self._slot_index)
+        """What a table depends on besides `solve_inputs`: the solver options, h's form and the slots."""
+        return self.solver_options(), self.dynamics.form, tuple(self._slot_index)
 
     def solver_options(self) -> SolverOptions:
         return SolverOptions(self.method, self.delta, self.substeps, self.tolerance, self.adjoint)

@@ -79,6 +79,13 @@ def test_evaluation_table_is_tied_to_options_parameters_and_reused_across_steps(
         encoding.delta, encoding.substeps, encoding.method = 0.1, 5, "rk4"
         back, _ = model(src, src_lengths, prev)
         assert torch.equal(back, first)
+        # and h's form (the bounded-flow options): a changed form re-solves, the old one comes back
+        for name, value in (("stop_time", 0.35), ("max_speed", 0.01), ("autonomous", True)):
+            setattr(encoding.dynamics, name, value)
+            changed, _ = model(src, src_lengths, prev)
+            assert (changed - first).abs().max() > 1e-4, name
+            setattr(encoding.dynamics, name, None if name != "autonomous" else False)
+            assert torch.equal(model(src, src_lengths, prev)[0], first), name
         # fairseq-style in-place parameter update (p.data) is seen
         encoding.dynamics.fc1.bias.data.add_(0.1)
         moved, _ = model(src, src_lengths, prev)
