@@ -23,7 +23,9 @@ def attend(call, q: Tensor, terms: Optional[Tensor], dropout: Callable[[Tensor],
     probabilities (B, H, Tq, Tk). `dropout`: the attention's dropout module."""
     products = q @ call.k.transpose(-1, -2)
     scores = products if terms is None else products + terms
-    probs = torch.softmax(scores.float(), dim=-1).type_as(scores)
+    # softmax in float32 for half precision, in the scores' own dtype otherwise (float64's blocked
+    # fill, its finite minimum, would become -inf in float32: NaN for a row that sees no key)
+    probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).type_as(scores)
     dropped = dropout(probs) if call.dropout_p > 0 else probs
     out = dropped @ call.v
     if call.value_term:

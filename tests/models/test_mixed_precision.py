@@ -103,3 +103,21 @@ def test_bias_table_sums_the_gradients_of_its_distances_in_float32(encoding, dty
     distances_per_row = torch.bincount(rows, minlength=table.size(0)).to(torch.float64)
     assert distances_per_row.max() > 2048
     assert grad.dtype == dtype and torch.equal(grad, distances_per_row[:, None].expand_as(grad).to(dtype))
+
+
+@pytest.mark.parametrize("encoding", EVERY_ENCODING)
+def test_float64_model_equals_fp32_with_rows_that_see_no_key(translation_data, encoding):
+    """In float64 (model.double()), a left-padded target puts decoder rows under the future mask that
+    see only padding; the blocked fill (the dtype's finite minimum) must stay finite through softmax
+    (a float32 softmax made it -inf: NaN rows, spreading to the whole sentence). Loss and the
+    encoding's gradients equal fp32's to float32's precision."""
+    model, (src, src_lengths, prev), target = training_setup(translation_data, encoding)
+    prev = prev.clone()
+    prev[1, :2] = model.decoder.dictionary.pad()  # row 1: two left pads, the first sees no key
+    batch = (src, src_lengths, prev)
+    expected_loss, expected = loss_and_gradients(model, batch, target)
+    loss, gradients = loss_and_gradients(copy.deepcopy(model).double(), batch, target)
+    assert all(torch.isfinite(gradient).all() for gradient in gradients.values())
+    assert abs(loss - expected_loss) <= 1e-5 * abs(expected_loss)
+    difference = relative_difference(gradients, expected, ENCODING_PARAMETERS)
+    assert difference is None or difference < 1e-4, difference
