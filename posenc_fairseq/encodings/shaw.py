@@ -17,9 +17,11 @@ separately but identically; `--lfhc-rounding trunc` is the symmetric reading, tr
 toward zero). Same number of parameters as Shaw.
 
 Memory: never an (n, n, d_head) tensor. The query meets the embeddings of the buckets the call
-uses (at most Tq + Tk - 1 of the 2k+1) once, (B, H, Tq, #buckets), and that is gathered to
-(B, H, Tq, Tk) with a (Tq, Tk) bucket-index matrix; the value term sums the attention
-probabilities per bucket (scatter-add, (B, H, Tq, #buckets)) and multiplies by w^V. On long
+uses (at most Tq + Tk - 1 of the 2k+1) once, (B, H, Tq, #buckets). For the attention's consecutive
+positions, those scores are repeated per run of distances sharing a bucket and laid out as
+(B, H, Tq, Tk) by a strided view (`relative_shift`), and the value term sums the probabilities per
+run of distances (`sum_by_distance_runs`) before multiplying by w^V; other positions (given
+explicitly) use a (Tq, Tk) bucket-index matrix, gather and scatter-add. On long
 inputs PositionalAttention calls the hooks one block of queries at a time (`query_blocks`), so
 these exist for one block at once. Nothing on cross-attention; nothing sized to a maximum length,
 so a large k costs parameters only.

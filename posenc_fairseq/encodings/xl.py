@@ -149,7 +149,7 @@ class TransformerXL(PositionalEncoding):
             rel = self.projected_step(role, layer, low, high, descending)
         elif descending:
             # flipped once per layer, each head's distances contiguous (BLAS reads them without a
-            # copy; measured: 1.6x faster products at n = 2048): each block of queries takes a view
+            # copy; docs/benchmarks.md): each block of queries takes a view
             def per_head():
                 flipped = self.projected(role, layer, span_low, span_high).flip(0)
                 return flipped.view(-1, heads, head_dim).transpose(0, 1).contiguous()
