@@ -3,7 +3,10 @@
 An encoding is one `nn.Module` per model, shared by every attention layer (x-transformers
 style). Layers call it with their role ('encoder' self-attention, 'decoder' self-attention,
 'cross' attention) and 0-based layer index; every hook has a default that adds nothing, so an
-encoding overrides only where its position information enters. This file does not import
+encoding overrides only where its position information enters. The query and key positions of
+the relative hooks are 1-D: `Positions` from the attention (consecutive, bounds known; the values
+are `.tensor`), or any tensor of positions (`AnyPositions`; `positions.tensor_of` reads either).
+Values an encoding computes from positions and parameters go to its `cache` (cache.py). This file does not import
 fairseq: encodings are plain torch and testable in milliseconds.
 """
 import argparse
@@ -48,7 +51,7 @@ class DistanceLogits(NamedTuple):
     key_bias: Optional[Tensor] = None
 
 
-def distance_range(query_positions: Tensor, key_positions: Tensor) -> Tuple[int, int]:
+def distance_range(query_positions: AnyPositions, key_positions: AnyPositions) -> Tuple[int, int]:
     """(lowest, highest) key - query distance of the pairs of 1-D positions (no device sync for a
     `position_range`); for consecutive positions the distances `DistanceLogits` numbers."""
     (q_low, q_high), (k_low, k_high) = bounds(query_positions), bounds(key_positions)
@@ -126,13 +129,15 @@ class PositionalEncoding(nn.Module):
         None keeps the projection as it is. Positions are (B, T)."""
         return None
 
-    def step_terms(self, role: str, layer: int, query_positions: Tensor, key_positions: Tensor) -> Optional[StepTerms]:
+    def step_terms(self, role: str, layer: int, query_positions: AnyPositions,
+                   key_positions: AnyPositions) -> Optional[StepTerms]:
         """One query (a decoding step) against consecutive keys: the encoding's terms as
         `StepTerms`, used instead of `logit_bias`, `relative_logits` and `relative_values` for the
         call; None: no such form (the hooks serve the step)."""
         return None
 
-    def logit_bias(self, role: str, layer: int, query_positions: Tensor, key_positions: Tensor) -> Optional[Tensor]:
+    def logit_bias(self, role: str, layer: int, query_positions: AnyPositions,
+                   key_positions: AnyPositions) -> Optional[Tensor]:
         """(H, Tq, Tk) added to the scaled logits; positions are 1-D."""
         return None
 
@@ -160,8 +165,8 @@ class PositionalEncoding(nn.Module):
         return None
 
     # --- optional: the logit terms for a fused kernel (flex_attention.py) ------------------
-    def distance_logits(self, role, layer, query: Tensor, key: Tensor, query_positions: Tensor,
-                        key_positions: Tensor) -> Optional[DistanceLogits]:
+    def distance_logits(self, role, layer, query: Tensor, key: Tensor, query_positions: AnyPositions,
+                        key_positions: AnyPositions) -> Optional[DistanceLogits]:
         """The terms `logit_bias` + `relative_logits` add in this layer, as a table per distance
         (see `DistanceLogits`) instead of a (B, H, Tq, Tk) tensor; arguments as `relative_logits`,
         positions consecutive (`position_range`). An encoding that overrides it promises exactly
