@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Positions:
     """The consecutive positions start..stop-1, known on the host, and their `tensor`: 1-D
     (`position_range`) or (B, stop - start) with every row alike (`shared_range`)."""
