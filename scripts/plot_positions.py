@@ -128,13 +128,9 @@ def matrix_rows(first_column, matrix):
 # --- logit bias: T5, T5-NoB, AT5, AT5-NoB, ALiBi ------------------------------------------------------
 def bias_row(encoding, role, layer, query: int, keys: torch.Tensor):
     """(heads, len(keys)) logit bias of the query at position `query`, or None (no bias there)."""
-    memo = encoding._memo
-    encoding._memo = {}  # the hook memoizes per forward: compute afresh, leave the model's memo alone
-    try:
-        with torch.no_grad():
-            bias = encoding.logit_bias(role, layer, torch.tensor([query]), keys)
-    finally:
-        encoding._memo = memo
+    # the hook memoizes per forward: compute afresh, leave the model's pass alone
+    with torch.no_grad(), encoding.cache.apart():
+        bias = encoding.logit_bias(role, layer, torch.tensor([query]), keys)
     return None if bias is None else bias[:, 0].float()
 
 

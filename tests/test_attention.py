@@ -7,6 +7,7 @@ from fairseq.modules import MultiheadAttention
 from fairseq import utils
 from posenc_fairseq.attention import use_positional_attention
 from posenc_fairseq.encodings.base import ModelDims, PositionalEncoding
+from posenc_fairseq.encodings.positions import tensor_of
 
 EMBED, HEADS = 16, 4
 
@@ -67,6 +68,7 @@ class ConstantBias(PositionalEncoding):
 
     def logit_bias(self, role, layer, query_positions, key_positions):
         heads = torch.arange(1, HEADS + 1, dtype=torch.float)[:, None, None]
+        query_positions, key_positions = tensor_of(query_positions), tensor_of(key_positions)
         return heads * (key_positions[None, None, :] - query_positions[None, :, None]).float() / 10
 
 

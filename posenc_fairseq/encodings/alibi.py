@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .base import DistanceLogits, PositionalEncoding, distance_range, register_encoding
-from .positions import bounds
+from .positions import bounds, tensor_of
 
 
 def alibi_slopes(heads: int) -> Tensor:
@@ -42,7 +42,7 @@ class ALiBi(PositionalEncoding):
             return None
 
         def compute():
-            return self.penalty(key_positions[None, :] - query_positions[:, None])
+            return self.penalty(tensor_of(key_positions)[None, :] - tensor_of(query_positions)[:, None])
         (q_low, _), (k_low, _) = bounds(query_positions), bounds(key_positions)  # no device sync
         return self.memoize((role, "alibi", q_low, len(query_positions), k_low, len(key_positions)), compute)
 

@@ -3,7 +3,10 @@
 An encoding is one `nn.Module` per model, shared by every attention layer (x-transformers
 style). Layers call it with their role ('encoder' self-attention, 'decoder' self-attention,
 'cross' attention) and 0-based layer index; every hook has a default that adds nothing, so an
-encoding overrides only where its position information enters. This file does not import
+encoding overrides only where its position information enters. The query and key positions of
+the relative hooks are 1-D: `Positions` from the attention (consecutive, bounds known; the values
+are `.tensor`), or any tensor of positions (`AnyPositions`; `positions.tensor_of` reads either).
+Values an encoding computes from positions and parameters go to its `cache` (cache.py). This file does not import
 fairseq: encodings are plain torch and testable in milliseconds.
 """
 import argparse
@@ -12,7 +15,8 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .positions import bounds, same_values, value_copies
+from .cache import EncodingCache
+from .positions import AnyPositions, Positions, bounds, tensor_of
 
 ROLES = ("encoder", "decoder", "cross")
 
@@ -47,7 +51,7 @@ class DistanceLogits(NamedTuple):
     key_bias: Optional[Tensor] = None
 
 
-def distance_range(query_positions: Tensor, key_positions: Tensor) -> Tuple[int, int]:
+def distance_range(query_positions: AnyPositions, key_positions: AnyPositions) -> Tuple[int, int]:
     """(lowest, highest) key - query distance of the pairs of 1-D positions (no device sync for a
     `position_range`); for consecutive positions the distances `DistanceLogits` numbers."""
     (q_low, q_high), (k_low, k_high) = bounds(query_positions), bounds(key_positions)
@@ -67,83 +71,51 @@ class PositionalEncoding(nn.Module):
         self.dims = dims
         # Absolute (B, T) positions of the tokens of the current call, set by the stacks:
         # 'encoder' (source tokens), 'decoder' (target tokens of this step), 'source' (keys of
-        # cross-attention). 0-based, counted over non-padding tokens.
+        # cross-attention). 0-based, counted over non-padding tokens. `token_ranges`: the same
+        # announced as `Positions` (every row alike: `shared_range`), None where they are not.
         self.token_positions: Dict[str, Tensor] = {}
-        self._memo: Dict[tuple, Tensor] = {}
+        self.token_ranges: Dict[str, Optional[Positions]] = {}
+        self.cache = EncodingCache()
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser):
         """Command-line options of this encoding (names prefixed with the encoding name)."""
 
     # --- called by the stacks -------------------------------------------------------------
-    def begin(self, role: str, positions: Optional[Tensor] = None, source_positions: Optional[Tensor] = None,
-              earlier: int = 0):
-        """A stack ('encoder' or 'decoder') starts a forward pass: forget per-forward results.
+    def begin(self, role: str, positions: Optional[AnyPositions] = None,
+              source_positions: Optional[AnyPositions] = None, earlier: int = 0):
+        """A stack ('encoder' or 'decoder') starts a forward pass: forget per-pass results.
         `earlier`: target tokens before this call's (incremental decoding: the cached steps)."""
-        if self._memo:  # (plain attribute: once per decoding step, nn.Module's setattr is slow)
-            self.__dict__["_memo"] = {key: value for key, value in self._memo.items() if key[0] != role}
-        if earlier == 0:
-            self.__dict__["_kept_checked"] = False  # a new pass: `kept_values` checks them again
-        if positions is not None:
-            self.token_positions[role] = positions
-        if source_positions is not None:
-            self.token_positions["source"] = source_positions
+        self.cache.begin(role, earlier)
+        for name, given in ((role, positions), ("source", source_positions)):
+            if given is not None:
+                self.token_positions[name] = tensor_of(given)
+                self.token_ranges[name] = given if isinstance(given, Positions) else None
 
-    def kept_values(self) -> Dict:
-        """The values kept across calls in inference (`positions.range_values`: T5's bias and XL's
-        W_r R per distance, XL's u and v), checked once per pass by value against copies of the
-        encoding's parameters, and emptied when any differs: their signatures (storage, in-place
-        version) cannot see fairseq's optimizers, which write through p.data."""
-        kept = self.__dict__.setdefault("_kept", {})
-        if not self.__dict__.get("_kept_checked", False):
-            self.__dict__["_kept_checked"] = True
-            if not same_values(self.__dict__.get("_kept_copies"), self.parameters()):
-                kept.clear()
-                self.__dict__["_kept_copies"] = value_copies(self.parameters())
-        return kept
+    def announced_range(self, positions: Optional[Tensor]) -> Optional[Positions]:
+        """The `Positions` a stack announced whose tensor `positions` is (every row alike), or None."""
+        for announced in self.token_ranges.values():
+            if announced is not None and announced.tensor is positions:
+                return announced
+        return None
 
     def memoize(self, key: tuple, compute: Callable[[], Tensor]) -> Tensor:
-        """Compute a position-only term once per forward and share it across layers.
-        `key[0]` must be the role whose next `begin` invalidates it. A term is shared only within
-        one grad mode. Inside a `recorded` function (a checkpointed layer or block of queries) the
-        recomputation during backward repeats the forward's hits and misses (see there)."""
-        key = (*key, torch.is_grad_enabled())
-        block = self.__dict__.get("_record")
-        if block is not None:
-            return block.memoize(self._memo, key, compute)
-        if key not in self._memo:
-            self._memo[key] = compute()
-        return self._memo[key]
+        """`EncodingCache.memoize`: a position-only term computed once per forward and shared across
+        layers; `key[0]` is the role whose next `begin` drops it."""
+        return self.cache.memoize(key, compute)
 
     def recorded(self, function: Callable) -> Callable:
-        """`function` for non-reentrant activation checkpointing (a layer under fairseq's
-        --checkpoint-activations, a block of queries of a long input): its recomputation during
-        backward must do exactly the autograd operations of its forward, so `memoize` records in
-        the first run which terms it found memoized, and the second run (the recomputation) takes
-        those from the memo again (their values, which are all it needs: gradients flow through the
-        forward's graph) and computes the others as the forward did."""
-        record = []
-        runs = [0]
-
-        def run(*args, **kwargs):
-            previous = self.__dict__.get("_record")
-            self.__dict__["_record"] = _RunRecord(record, replay=runs[0] > 0)
-            runs[0] += 1
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self.__dict__["_record"] = previous
-        return run
+        """`EncodingCache.recorded`: `function` for non-reentrant activation checkpointing."""
+        return self.cache.recorded(function)
 
     def in_recorded_run(self) -> bool:
-        """Whether a `recorded` function is running (its checkpoint covers everything it calls)."""
-        return self.__dict__.get("_record") is not None
+        return self.cache.in_recorded_run()
 
     def __getstate__(self):
-        """Copies (fairseq's EMA deep-copies the model) start without per-forward results, which
-        may hold autograd graphs that cannot be copied."""
+        """Copies (fairseq's EMA deep-copies the model) start without this pass's positions (the
+        cache copies itself empty)."""
         state = super().__getstate__()
-        state.update(_memo={}, token_positions={}, _record=None, _kept={}, _kept_copies=None, _kept_checked=False)
+        state.update(token_positions={}, token_ranges={})
         return state
 
     # --- the hooks, called by PositionalAttention -----------------------------------------
@@ -157,13 +129,15 @@ class PositionalEncoding(nn.Module):
         None keeps the projection as it is. Positions are (B, T)."""
         return None
 
-    def step_terms(self, role: str, layer: int, query_positions: Tensor, key_positions: Tensor) -> Optional[StepTerms]:
+    def step_terms(self, role: str, layer: int, query_positions: AnyPositions,
+                   key_positions: AnyPositions) -> Optional[StepTerms]:
         """One query (a decoding step) against consecutive keys: the encoding's terms as
         `StepTerms`, used instead of `logit_bias`, `relative_logits` and `relative_values` for the
         call; None: no such form (the hooks serve the step)."""
         return None
 
-    def logit_bias(self, role: str, layer: int, query_positions: Tensor, key_positions: Tensor) -> Optional[Tensor]:
+    def logit_bias(self, role: str, layer: int, query_positions: AnyPositions,
+                   key_positions: AnyPositions) -> Optional[Tensor]:
         """(H, Tq, Tk) added to the scaled logits; positions are 1-D."""
         return None
 
@@ -191,8 +165,8 @@ class PositionalEncoding(nn.Module):
         return None
 
     # --- optional: the logit terms for a fused kernel (flex_attention.py) ------------------
-    def distance_logits(self, role, layer, query: Tensor, key: Tensor, query_positions: Tensor,
-                        key_positions: Tensor) -> Optional[DistanceLogits]:
+    def distance_logits(self, role, layer, query: Tensor, key: Tensor, query_positions: AnyPositions,
+                        key_positions: AnyPositions) -> Optional[DistanceLogits]:
         """The terms `logit_bias` + `relative_logits` add in this layer, as a table per distance
         (see `DistanceLogits`) instead of a (B, H, Tq, Tk) tensor; arguments as `relative_logits`,
         positions consecutive (`position_range`). An encoding that overrides it promises exactly
@@ -203,29 +177,6 @@ class PositionalEncoding(nn.Module):
     # --- warm start ------------------------------------------------------------------------
     def reset_to_identity(self):
         """Initialise so that the encoding adds nothing (used when converting stock checkpoints)."""
-
-
-class _RunRecord:
-    """Which memoized terms one run of a `recorded` function found in the memo (True) or computed (False)."""
-
-    def __init__(self, record: list, replay: bool):
-        self.record, self.replay, self.next = record, replay, 0
-
-    def memoize(self, memo: dict, key: tuple, compute: Callable[[], Tensor]) -> Tensor:
-        if not self.replay:
-            hit = key in memo
-            self.record.append(hit)
-            if not hit:
-                memo[key] = compute()
-            return memo[key]
-        hit = self.record[self.next]
-        self.next += 1
-        if not hit:
-            return compute()
-        if key in memo:
-            return memo[key]
-        with torch.no_grad():  # the memo was cleared meanwhile: the same value, no operation recorded
-            return compute()
 
 
 class ModelDims:

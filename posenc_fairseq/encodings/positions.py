@@ -1,108 +1,82 @@
-"""Position tensors whose bounds are known on the host, and values of a distance kept across calls.
+"""Positions whose bounds are known on the host, and values of a distance kept across calls.
 
-`PositionalAttention` builds the query and key positions of every call from Python integers
-(`position_range`); the encodings read their bounds with `bounds`, which then costs no device
-synchronisation (on CUDA `int(tensor)` waits for the device, once per layer and decoding step).
-Any other 1-D positions work as well: their bounds are computed (and synchronise).
+`PositionalAttention` builds the query and key positions of every call from Python integers as
+`Positions` (`position_range`), and the stacks announce unpadded tokens as `Positions` whose
+tensor is (B, T) with every row alike (`shared_range`). An encoding reads their bounds with
+`bounds`, which then costs no device synchronisation (on CUDA `int(tensor)` waits for the device,
+once per layer and decoding step). The facts travel in the value, not on a tensor: a plain tensor
+is arbitrary positions, whose bounds `bounds` reads from the tensor (a device synchronisation) and
+for which the encodings take their general paths.
 
 `range_values` keeps a function of the relative distance (T5's bias per distance, XL's projected
 prior W_r R_d) across calls in inference, so that a decoding step reads a slice of it instead of
 computing it again for every distance of every step: a step costs O(1) amortised and no work per
-layer beyond the slice. The kept values are checked by value once per pass (`kept_values` of the
-encoding: fairseq's optimizers write through p.data, which no version counter sees), recomputed
-within it when a parameter they depend on changes (new tensor, in-place update, dtype or device),
-and are never used with gradients or in training.
+layer beyond the slice. The kept values live in the inference scope of the encoding's cache
+(cache.py: checked by value once per pass, since fairseq's optimizers write through p.data, which
+no version counter sees), are recomputed within it when a parameter they depend on changes (new
+tensor, in-place update, dtype or device), and are never used with gradients or in training.
 """
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 
-def position_range(start: int, stop: int, device=None) -> Tensor:
-    """torch.arange(start, stop) that knows its bounds (start, stop - 1) without a device sync."""
-    positions = torch.arange(start, stop, device=device)
-    positions.bounds = (start, stop - 1)
-    return positions
+@dataclass(frozen=True, slots=True)
+class Positions:
+    """The consecutive positions start..stop-1, known on the host, and their `tensor`: 1-D
+    (`position_range`) or (B, stop - start) with every row alike (`shared_range`)."""
+    start: int
+    stop: int
+    tensor: Tensor = field(compare=False, repr=False)
+
+    def __len__(self) -> int:
+        """Positions per row (a 1-D range: its length)."""
+        return self.stop - self.start
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
 
 
-def shared_range(batch: int, start: int, stop: int, device=None) -> Tensor:
+#: what the hooks take as positions: `Positions`, or a tensor of arbitrary positions
+AnyPositions = Union[Positions, Tensor]
+
+
+def position_range(start: int, stop: int, device=None) -> Positions:
+    """Positions start..stop-1 of torch.arange(start, stop)."""
+    return Positions(start, stop, torch.arange(start, stop, device=device))
+
+
+def shared_range(batch: int, start: int, stop: int, device=None) -> Positions:
     """(batch, stop - start) token positions, every row start..stop-1 (a stack's tokens without
-    padding, or one decoding step), with its bounds known: an encoding may compute the values of
-    one row and share them across the batch (`is_shared_range`)."""
-    positions = torch.arange(start, stop, device=device).expand(batch, stop - start)  # (a view: read only)
-    positions.bounds = (start, stop - 1)
-    return positions
+    padding, or one decoding step): an encoding may compute the values of one row and share them
+    across the batch (`is_shared_range`)."""
+    return Positions(start, stop, torch.arange(start, stop, device=device).expand(batch, stop - start))  # (a view: read only)
 
 
-def is_shared_range(positions: Tensor) -> bool:
-    """Whether (B, T) `positions` is a `shared_range` (every row the same consecutive positions)."""
-    return positions.dim() == 2 and getattr(positions, "bounds", None) is not None
+def tensor_of(positions: AnyPositions) -> Tensor:
+    """The tensor of `positions` (`Positions` or a tensor)."""
+    return positions.tensor if isinstance(positions, Positions) else positions
 
 
-def bounds(positions: Tensor) -> Tuple[int, int]:
-    """(min, max) of `positions`: known for a `position_range` or `shared_range`, computed otherwise."""
-    known = getattr(positions, "bounds", None)
-    if known is not None:
-        return known
+def is_shared_range(positions: Optional[AnyPositions]) -> bool:
+    """Whether `positions` is a `shared_range` (every row the same consecutive positions)."""
+    return isinstance(positions, Positions) and positions.tensor.dim() == 2
+
+
+def bounds(positions: AnyPositions) -> Tuple[int, int]:
+    """(min, max) of `positions`: known for `Positions`; read from a tensor of arbitrary positions
+    (a device synchronisation)."""
+    if isinstance(positions, Positions):
+        return positions.start, positions.stop - 1
     return int(positions.min()), int(positions.max())
 
 
-def is_range(positions: Tensor) -> bool:
+def is_range(positions: AnyPositions) -> bool:
     """Whether `positions` is a `position_range` (1-D, consecutive, ascending)."""
-    return positions.dim() == 1 and getattr(positions, "bounds", None) is not None
-
-
-def use_kept_values(module: torch.nn.Module) -> bool:
-    """Kept values only in inference: no gradient to propagate, no dropout to sample."""
-    return not torch.is_grad_enabled() and not module.training
-
-
-def signature(parameters: Iterable[Tensor], *extra) -> tuple:
-    """What kept values depend on: each parameter's storage, in-place version, dtype and device."""
-    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in parameters) + extra
-
-
-#: distances a new kept range adds on each side of the first request (a pass's first decoding
-#: step): the steps after it slice instead of growing the range from one distance
-KEPT_MARGIN = 32
-
-
-def value_copies(tensors: Iterable[Tensor]) -> List[Tensor]:
-    """Copies of `tensors` to check kept values against (`same_values`)."""
-    return [tensor.detach().clone() for tensor in tensors]
-
-
-def same_values(copies: Optional[List[Tensor]], tensors: Iterable[Tensor]) -> bool:
-    """Whether `value_copies` still equal `tensors` exactly (count, dtype, device, shape, values): a
-    check by value, which fairseq's optimizers' writes through p.data cannot escape, unlike
-    `signature`'s in-place version."""
-    tensors = list(tensors)
-    return copies is not None and len(copies) == len(tensors) and all(
-        copy.dtype == tensor.dtype and copy.device == tensor.device and copy.shape == tensor.shape
-        and torch.equal(copy, tensor) for copy, tensor in zip(copies, tensors))
-
-
-def range_values(cache: Dict, key, depends_on: tuple, low: int, high: int,
-                 compute: Callable[[int, int], Tensor], dim: int, descending: bool = False) -> Tensor:
-    """compute(low, high) (values of the distances low..high along `dim`; with `descending`,
-    high..low), kept in `cache[key]` while `depends_on` holds: a request inside the kept range is a
-    slice (a view) of it. A new range starts `KEPT_MARGIN` wider on each side; a request outside it
-    computes a range that also doubles the kept one on the missing side, so a decoding step that
-    needs one more distance than the last recomputes only O(log n) times in n steps."""
-    entry: Optional[tuple] = cache.get(key)
-    if entry is None or entry[0] != depends_on:
-        kept_low, kept_high = low - KEPT_MARGIN, high + KEPT_MARGIN
-    elif low < entry[1] or high > entry[2]:
-        size = entry[2] - entry[1] + 1
-        kept_low = min(low, entry[1] - size) if low < entry[1] else entry[1]
-        kept_high = max(high, entry[2] + size) if high > entry[2] else entry[2]
-    else:
-        kept_low, kept_high = entry[1], entry[2]
-    if entry is None or (entry[0], entry[1], entry[2]) != (depends_on, kept_low, kept_high):
-        entry = (depends_on, kept_low, kept_high, compute(kept_low, kept_high))
-        cache[key] = entry
-    return entry[3].narrow(dim, entry[2] - high if descending else low - entry[1], high - low + 1)
+    return isinstance(positions, Positions) and positions.tensor.dim() == 1
 
 
 def relative_shift(per_distance: Tensor, keys: int) -> Tensor:

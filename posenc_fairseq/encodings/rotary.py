@@ -15,7 +15,6 @@ from torch import Tensor
 
 from .base import PositionalEncoding, register_encoding
 from .option_types import float_in_range, option
-from .positions import is_shared_range
 
 #: base of the rotation frequencies base^(-2m/D): positive (0 and negative bases give inf/NaN
 #: angles); bounded by float32, in which the frequencies are computed
@@ -86,7 +85,7 @@ class Rotary(PositionalEncoding):
             # the positions the stack announced for this pass (a decoding step: the current one):
             # one rotation for the queries and keys of every layer
             cos, sin, matrix = self.memoize((role, "rotary", positions.shape, head_dim, x.device),
-                                            lambda: self._pass_rotation(positions, head_dim, x.device))
+                                            lambda: self._pass_rotation(role, positions, head_dim, x.device))
             if matrix is not None:  # one position for every token: one product per projection
                 length, batch, embed = x.shape
                 return (x.view(length, batch, -1, head_dim).float() @ matrix).view(length, batch, embed).to(x.dtype)
@@ -94,12 +93,12 @@ class Rotary(PositionalEncoding):
             cos, sin = rotation(positions.to(x.device), head_dim, self.base)
         return apply_rotation(x, cos, sin, self.dims.heads).to(x.dtype)
 
-    def _pass_rotation(self, positions, head_dim: int, device):
+    def _pass_rotation(self, role: str, positions, head_dim: int, device):
         """`rotation` of a stack's announced positions (one row where every row is alike), and where
         it is one position for every token (a decoding step without padding), also the rotation as a
         (D, D) matrix M, x @ M == apply_rotation(x): diag(cos) plus the signed sin moved to row
         (m + D/2) mod D of column m (even D)."""
-        rows = positions[:1] if is_shared_range(positions) else positions
+        rows = positions[:1] if self.token_ranges.get(role) is not None else positions
         cos, sin = rotation(rows.to(device), head_dim, self.base, self._constants(head_dim, device))
         matrix = None
         if cos.size(0) == 1 and cos.size(1) == 1 and head_dim % 2 == 0:
@@ -108,8 +107,5 @@ class Rotary(PositionalEncoding):
 
     def _constants(self, head_dim: int, device) -> Tuple[Tensor, Tensor]:
         """`rotation_constants`, kept (a decoding step computes one rotation; these never change)."""
-        key = (head_dim, self.base, device, torch.is_inference_mode_enabled())
-        kept = self.__dict__.setdefault("_kept_constants", {})
-        if key not in kept:
-            kept[key] = rotation_constants(head_dim, self.base, device)
-        return kept[key]
+        return self.cache.constant(("rotary", head_dim, self.base, device, torch.is_inference_mode_enabled()),
+                                   lambda: rotation_constants(head_dim, self.base, device))

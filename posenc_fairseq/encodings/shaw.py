@@ -33,8 +33,9 @@ from torch import Tensor, nn
 
 from .base import DistanceLogits, PositionalEncoding, StepTerms, register_encoding
 from .option_types import Checker, check_size, checked, one_of, option
-from .positions import (bounds, first_of_runs, is_range, range_values, relative_shift, row_runs, signature,
-                        sum_by_distance_runs, take_runs, use_kept_values)
+from .cache import range_values, signature, use_kept_values
+from .positions import (bounds, first_of_runs, is_range, relative_shift, row_runs, sum_by_distance_runs, take_runs,
+                        tensor_of)
 
 SELF_ROLES = ("encoder", "decoder")
 #: parse-time bound of k (2k+1 table rows per layer); build time checks the exact table size
@@ -113,7 +114,7 @@ class Shaw(PositionalEncoding):
     # --- buckets ------------------------------------------------------------------------------
     def bucket_of(self, query_positions: Tensor, key_positions: Tensor, layer: int) -> Tensor:
         """(Tq, Tk) table rows (0..2k) at 0-based `layer`: Shaw's clip(j - i, k) + k."""
-        return shaw_buckets(key_positions[None, :] - query_positions[:, None], self.k)
+        return shaw_buckets(tensor_of(key_positions)[None, :] - tensor_of(query_positions)[:, None], self.k)
 
     def buckets(self, role: str, layer: int, query_positions: Tensor, key_positions: Tensor):
         """(index, low, high): the rows low..high that the call uses and each pair's row - low.
@@ -212,7 +213,7 @@ class Shaw(PositionalEncoding):
 
         def compute(first, last):
             return table.index_select(0, self.rows_of_distances(layer, last, first, table.device))
-        return range_values(self.kept_values(), (role, layer, which), signature([table]), low, high, compute,
+        return range_values(self.cache.inference(self), (role, layer, which), signature([table]), low, high, compute,
                             dim=0, descending=True)
 
     def key_scores(self, role, layer, query, low, high):
@@ -274,7 +275,7 @@ class LFHC(Shaw):
                                  "(truncation toward zero: a symmetric reading of eq. 9's two identical branches)")
 
     def bucket_of(self, query_positions, key_positions, layer):
-        relative = query_positions[:, None] - key_positions[None, :]  # x = i - j (eq. 5)
+        relative = tensor_of(query_positions)[:, None] - tensor_of(key_positions)[None, :]  # x = i - j (eq. 5)
         return lfhc_buckets(relative, self.k, layer + 1, self.rounding)
 
     def bucket_bounds(self, q_low, q_high, k_low, k_high, layer):

@@ -37,7 +37,8 @@ from torch import Tensor, nn
 
 from .base import DistanceLogits, PositionalEncoding, distance_range, layers_with_bias, register_encoding
 from .option_types import OptionValueError, check_size, even_int_in_range, int_in_range, one_of, option
-from .positions import bounds, is_range, range_values, signature, toeplitz, use_kept_values
+from .cache import range_values, signature, use_kept_values
+from .positions import bounds, is_range, tensor_of, toeplitz
 
 #: parse-time bounds; beyond them a table would be absurdly large (build time checks the exact size)
 MAX_BUCKETS = 2 ** 20
@@ -157,14 +158,14 @@ class ScalarBias(PositionalEncoding):
         values = self.distance_bias(key, low, high)  # over the distinct distances
         if is_range(query_positions) and is_range(key_positions):
             return toeplitz(values, len(query_positions))
-        relative = key_positions.long()[None, :] - query_positions.long()[:, None]
+        relative = tensor_of(key_positions).long()[None, :] - tensor_of(query_positions).long()[:, None]
         return values[:, relative - low]
 
     def distance_values(self, key: str, low: int, high: int) -> Tensor:
         """`distance_bias`, kept across calls in inference (positions.py: a decoding step reads a
         slice of it)."""
         if use_kept_values(self):
-            return range_values(self.kept_values(), key, signature(self.parameters()),
+            return range_values(self.cache.inference(self), key, signature(self.parameters()),
                                 low, high, lambda a, b: self.distance_bias(key, a, b), dim=1)
         return self.distance_bias(key, low, high)
 
@@ -295,14 +296,12 @@ def prior_distribution(encoding: PositionalEncoding, role: str, layer: int, quer
     device, _ = _device_and_dtype(encoding)
     keys = torch.as_tensor(key_positions, device=device).long().reshape(-1)
     query = torch.tensor([int(query_position)], device=device)
-    training, memo = encoding.training, encoding._memo
+    training = encoding.training
     encoding.eval()
-    encoding._memo = {}
     try:
-        with torch.no_grad():
+        with torch.no_grad(), encoding.cache.apart():
             bias = encoding.logit_bias(role, layer, query, keys)
     finally:
-        encoding._memo = memo
         encoding.train(training)
     scores = torch.zeros(len(keys), device=device) if bias is None else bias[head, 0].float()
     if role == "decoder":

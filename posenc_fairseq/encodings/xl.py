@@ -24,7 +24,8 @@ from torch import Tensor, nn
 
 from .base import DistanceLogits, PositionalEncoding, StepTerms, register_encoding
 from .option_types import float_in_range, option
-from .positions import bounds, is_range, per_distance, range_values, shifted_product, signature, use_kept_values
+from .cache import range_values, signature, use_kept_values
+from .positions import bounds, is_range, per_distance, shifted_product, tensor_of
 
 #: lambda of eq. 15: positive (0 removes the position term, a negative one only flips its sign);
 #: bounded so that lambda * W_r R stays far from float16/float32 overflow
@@ -102,7 +103,7 @@ class TransformerXL(PositionalEncoding):
 
     def _index(self, role, query_positions, key_positions, low):
         def compute():
-            return query_positions[:, None] - key_positions[None, :] - low  # (i - j) - low
+            return tensor_of(query_positions)[:, None] - tensor_of(key_positions)[None, :] - low  # (i - j) - low
         (q_first, _), (k_first, _) = bounds(query_positions), bounds(key_positions)
         return self.memoize((role, self.name, "index", q_first, len(query_positions), k_first, len(key_positions)),
                             compute)
@@ -130,7 +131,7 @@ class TransformerXL(PositionalEncoding):
             distances = torch.arange(last, first - 1, -1) if descending else torch.arange(first, last + 1)
             prior = self.prior(distances.to(projection.weight.device))
             return projection(prior.to(projection.weight.dtype))
-        return range_values(self.kept_values(), (role, layer, descending),
+        return range_values(self.cache.inference(self), (role, layer, descending),
                             signature([projection.weight], self.prior_key()), low, high, compute, dim=0,
                             descending=descending)
 
@@ -176,10 +177,7 @@ class TransformerXL(PositionalEncoding):
             if not use_kept_values(self):
                 return compute()
             depends_on = signature([self.content_bias[role], self.position_bias[role]], dtype)
-            entry = self.kept_values().get(("u v", role))
-            if entry is None or entry[0] != depends_on:
-                entry = self.kept_values()[("u v", role)] = (depends_on, compute())
-            return entry[1]
+            return self.cache.inference_value(self, ("u v", role), depends_on, compute)
         return self.memoize((role, self.name, "u v", dtype), kept)
 
     def relative_logits(self, role, layer, query, key, query_positions, key_positions, future_blocked=False,
@@ -240,7 +238,7 @@ class TransformerXL(PositionalEncoding):
             shift = (rel * ((v - u) * scale).to(dtype)).sum(-1, keepdim=True)  # (L, N, H, 1)
             return torch.cat([rel, shift], dim=3).transpose(1, 2).contiguous()  # (L, H, N, D + 1)
         depends_on = signature([*(projection.weight for projection in projections), u, v], self.prior_key())
-        kept = range_values(self.kept_values(), (role, "step"), depends_on, low, high, compute, dim=2, descending=True)
+        kept = range_values(self.cache.inference(self), (role, "step"), depends_on, low, high, compute, dim=2, descending=True)
         return kept.narrow(3, 0, head_dim), kept.select(3, head_dim).unsqueeze(2), self.content_query(role, None, dtype)
 
     def step_logits(self, role, layer, query, key, query_positions, key_positions, content_folded=False):

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..encodings.base import PositionalEncoding, StepTerms
+from ..encodings.positions import Positions
 from . import biased_cpu, blocks, flex
 
 
@@ -42,8 +43,8 @@ class AttentionCall(NamedTuple):
     k_target: Tensor
     attn_mask: Optional[Tensor]
     key_padding_mask: Optional[Tensor]
-    query_positions: Tensor
-    key_positions: Tensor
+    query_positions: Positions
+    key_positions: Positions
     source_keys: int
     need_weights: bool
     before_softmax: bool

@@ -14,7 +14,7 @@ from fairseq.modules import LearnedPositionalEmbedding
 from ..attention import bound_attentions, use_positional_attention
 from ..layer_checkpoint import checkpoint_layer
 from ..encodings import ENCODINGS, ModelDims, build_encoding
-from ..encodings.positions import shared_range
+from ..encodings.positions import AnyPositions, shared_range, tensor_of
 
 INPUT_POSITIONS = ("none", "sinusoidal", "learned", "stock")
 
@@ -41,13 +41,13 @@ def set_position_defaults(args, encoding: str):
         args.encoder_learned_pos = args.decoder_learned_pos = choice == "learned"
 
 
-def token_positions(tokens: Tensor, padding_idx: int) -> Tensor:
+def token_positions(tokens: Tensor, padding_idx: int) -> AnyPositions:
     """0-based position of each token among the non-padding tokens of its row (pads get 0), so
     left- and right-padded batches give every real token the same position."""
     return real_token_positions(tokens.ne(padding_idx))
 
 
-def real_token_positions(real: Tensor) -> Tensor:
+def real_token_positions(real: Tensor) -> AnyPositions:
     """`token_positions` from the (B, T) mask of real tokens; a `shared_range` 0..T-1 when every
     row's real tokens come first and some row has no padding (an unpadded or right-padded batch:
     the real tokens' positions are the same, and the pads after a row's last real token continue
@@ -151,7 +151,7 @@ class PositionalTransformerDecoder(TransformerDecoder):
             else:
                 earlier = prev_output_tokens.size(1) - 1
                 if prev_output_tokens.eq(self.padding_idx).any():  # (fairseq's decoder asks the same each step)
-                    positions = token_positions(prev_output_tokens, self.padding_idx)[:, -1:]
+                    positions = tensor_of(token_positions(prev_output_tokens, self.padding_idx))[:, -1:]
                 else:  # no padding: this step's token is at `earlier` in every row
                     positions = shared_range(prev_output_tokens.size(0), earlier, earlier + 1, prev_output_tokens.device)
             source = None  # (a later decoding step keeps the first step's: cross-attention keys are cached)

@@ -152,9 +152,9 @@ def test_prior_has_dropout_off_and_leaves_the_encoding_as_it_was():
     encoding.train()
     encoding.begin("encoder")
     cached = encoding.logit_bias("encoder", 0, torch.arange(5), torch.arange(5))
-    memo = dict(encoding._memo)
+    memo = {role: dict(values) for role, values in encoding.cache.pass_values.items()}
     priors = [prior_distribution(encoding, "encoder", 0, 3, torch.arange(30), head=0) for _ in range(3)]
-    assert encoding.training and encoding._memo == memo and encoding.logit_bias("encoder", 0, torch.arange(5), torch.arange(5)) is cached
+    assert encoding.training and encoding.cache.pass_values == memo and encoding.logit_bias("encoder", 0, torch.arange(5), torch.arange(5)) is cached
     assert all(torch.equal(priors[0], prior) for prior in priors)  # no dropout noise
     encoding.eval()
     with torch.no_grad():

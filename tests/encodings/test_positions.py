@@ -4,7 +4,8 @@ import random
 import pytest
 import torch
 
-from posenc_fairseq.encodings.positions import first_of_runs, position_range, range_values, row_runs, take_runs
+from posenc_fairseq.encodings.cache import range_values
+from posenc_fairseq.encodings.positions import first_of_runs, position_range, row_runs, take_runs
 
 
 @pytest.mark.parametrize("rows, pieces", [
@@ -61,7 +62,7 @@ def test_range_values_slices_in_either_order(descending):
 
 def test_position_range_knows_its_bounds():
     positions = position_range(3, 7)
-    assert positions.tolist() == [3, 4, 5, 6] and positions.bounds == (3, 6)
+    assert positions.tensor.tolist() == [3, 4, 5, 6] and (positions.start, positions.stop) == (3, 7)
 
 
 def test_token_positions_are_a_shared_range_without_padding_or_with_right_padding():
@@ -73,16 +74,17 @@ def test_token_positions_are_a_shared_range_without_padding_or_with_right_paddin
 
     pad = 1
     unpadded = token_positions(torch.tensor([[5, 6, 7], [8, 9, 2]]), pad)
-    assert unpadded.tolist() == [[0, 1, 2], [0, 1, 2]] and is_shared_range(unpadded) and unpadded.bounds == (0, 2)
+    assert unpadded.tensor.tolist() == [[0, 1, 2], [0, 1, 2]] and is_shared_range(unpadded)
+    assert (unpadded.start, unpadded.stop) == (0, 3)
     padded = token_positions(torch.tensor([[1, 1, 7], [8, 9, 1]]), pad)  # left- and right-padded rows
     assert padded.tolist() == [[0, 0, 0], [0, 1, 0]] and not is_shared_range(padded)
     # right padding with one full row: the real tokens' positions are the range's (pads continue it)
     right = token_positions(torch.tensor([[5, 1, 1], [8, 9, 2]]), pad)
-    assert is_shared_range(right) and right[0, 0] == 0 and right[1].tolist() == [0, 1, 2]
+    assert is_shared_range(right) and right.tensor[0, 0] == 0 and right.tensor[1].tolist() == [0, 1, 2]
     every_row_padded = token_positions(torch.tensor([[5, 1, 1], [8, 9, 1]]), pad)  # (the range would pass them)
     assert every_row_padded.tolist() == [[0, 0, 0], [0, 1, 0]] and not is_shared_range(every_row_padded)
     step = shared_range(3, 4, 5)  # a decoding step at position 4
-    assert step.tolist() == [[4]] * 3 and step.bounds == (4, 4) and is_shared_range(step)
+    assert step.tensor.tolist() == [[4]] * 3 and (step.start, step.stop) == (4, 5) and is_shared_range(step)
     assert not is_shared_range(position_range(0, 3))  # 1-D: a stack's own positions, not per row
 
 

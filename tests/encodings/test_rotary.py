@@ -40,8 +40,9 @@ def test_a_decoding_step_rotates_with_one_matrix_equal_to_the_complex_form():
     positions = shared_range(batch, position, position + 1)
     enc.begin("decoder", positions, earlier=position)
     x = torch.randn(1, batch, heads * head_dim)
-    got = enc.project("decoder", 0, "q", x, positions)
-    assert enc._memo and next(iter(enc._memo.values()))[2] is not None  # the matrix form was taken
+    got = enc.project("decoder", 0, "q", x, positions.tensor)
+    memo = enc.cache.pass_values["decoder"]
+    assert memo and next(iter(memo.values()))[2] is not None  # the matrix form was taken
     half = head_dim // 2
     theta = 10000.0 ** (-2 * torch.arange(half) / head_dim)
     for b in range(batch):

@@ -1,11 +1,12 @@
 """Decoding steps: per-step position work once per step (shared by the layers), no host
 synchronisation beyond the stock model's, and values kept across steps in inference
-(`encodings/positions.py`) that follow every change of the parameters."""
+(`encodings/cache.py`) that follow every change of the parameters."""
 import pytest
 import torch
 
 import posenc_fairseq  # noqa: F401
-from posenc_fairseq.encodings.positions import bounds, position_range, range_values
+from posenc_fairseq.encodings.cache import range_values
+from posenc_fairseq.encodings.positions import bounds, position_range
 from test_every_encoding import decoder_logits_full_and_stepwise, perturbed_translation_model
 from util import random_batch
 
@@ -13,9 +14,9 @@ STEP_ENCODINGS = ["t5", "t5_nob", "at5", "at5_nob", "alibi", "rotary", "shaw", "
 
 
 def test_range_values_slices_grows_and_follows_the_parameters(monkeypatch):
-    from posenc_fairseq.encodings import positions
+    from posenc_fairseq.encodings import cache as cache_module
 
-    monkeypatch.setattr(positions, "KEPT_MARGIN", 0)  # (the margin: next test)
+    monkeypatch.setattr(cache_module, "KEPT_MARGIN", 0)  # (the margin: next test)
     computed = []
 
     def compute(low, high):
@@ -38,7 +39,7 @@ def test_range_values_slices_grows_and_follows_the_parameters(monkeypatch):
 def test_a_new_kept_range_starts_with_a_margin_on_each_side():
     """A pass's first decoding step keeps KEPT_MARGIN more distances on each side, so the next
     steps (one more distance each) are slices."""
-    from posenc_fairseq.encodings.positions import KEPT_MARGIN
+    from posenc_fairseq.encodings.cache import KEPT_MARGIN
 
     computed = []
 
@@ -54,7 +55,7 @@ def test_a_new_kept_range_starts_with_a_margin_on_each_side():
 
 def test_position_range_knows_its_bounds():
     positions = position_range(3, 7)
-    assert positions.tolist() == [3, 4, 5, 6] and bounds(positions) == (3, 6)
+    assert positions.tensor.tolist() == [3, 4, 5, 6] and bounds(positions) == (3, 6)
     assert bounds(torch.tensor([5, 2, 9])) == (2, 9)
 
 
@@ -63,12 +64,12 @@ def test_kept_values_outlive_a_pass_while_the_parameters_hold_their_values(trans
     """The second decode of the same model computes no per-distance values (checked by value at
     its first step); after a write through p.data (as fairseq's optimizers do: no version moves)
     the next decode computes them again and equals the full pass."""
-    from posenc_fairseq.encodings import positions, shaw, t5, xl
+    from posenc_fairseq.encodings import cache, shaw, t5, xl
 
     model, task = perturbed_translation_model(translation_data, encoding)
     src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=6, tgt_len=9)
     computed = []
-    original = positions.range_values
+    original = cache.range_values
 
     def counting(cache, key, depends_on, low, high, compute, *args, **kwargs):
         return original(cache, key, depends_on, low, high,

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from ..base import ROLES, PositionalEncoding, register_encoding
 from ..option_types import OptionValueError, float_in_range, int_in_range, one_of, option, positive_int
-from ..positions import is_shared_range
+from ..positions import Positions, is_shared_range, tensor_of
 from . import solver
 from .dynamics import Dynamics
 from .solver import METHODS, SolverOptions
@@ -32,6 +32,34 @@ LR_SCALE = float_in_range(0.0, 1e4, low_open=True)
 MAX_SPEED = float_in_range(0.0, 1e4, low_open=True)
 DECAY = float_in_range(0.0, 1e3)
 MAX_SUBSTEPS = 1000  # steps per position above this are a typo (e.g. --floater-step-size 1e-7)
+
+
+class PassState:
+    """FLOATER's state of one forward pass, which spans both stacks (it starts with the encoder, or
+    with a decoder call that follows a decoder call, and its table covers the positions of either):
+    the cache's per-role pass scope does not fit it. Plain attributes: written once per decoding
+    step, where nn.Module's __setattr__ would cost."""
+
+    def __init__(self):
+        self.last_begin: Optional[str] = None  # the role of the last `begin`
+        # (target group table, rows it serves, each row's biases): read by an inference pass's later
+        # decoding steps once its first call has checked the table and set step_ready
+        self.step_rows: Optional[tuple] = None
+        self.step_ready = False
+        self.start()
+
+    def start(self):
+        """A new pass: nothing gathered yet."""
+        self.group_tables = {}  # (group, dtype) -> (table values, b(t) of the group's slots)
+        self.gathered = {}  # (group, id(positions), dtype) -> (table values, positions, biases there)
+        self.biases = {}  # (role, layer, which) -> (positions, that slot's biases there)
+        self.needed = 0  # positions 0..needed-1 occur in this pass
+
+    def without_tensors(self) -> "PassState":
+        """A copy for a deep copy of the encoding (tensors may hold autograd graphs that cannot be copied)."""
+        copy = PassState()
+        copy.last_begin, copy.needed = self.last_begin, self.needed
+        return copy
 
 
 class GatherSlots(torch.autograd.Function):
@@ -121,13 +149,13 @@ class Floater(PositionalEncoding):
             for parameter in self.dynamics.parameters():
                 parameter.optim_overrides = {"optimizer": {"lr_scale": self.dynamics_lr_scale}}
         # plain attributes, not submodules: the model owns the attention modules and their biases
-        self.__dict__["_slots"] = []  # [(role, layer, which, attention module)]
+        self._slots = []  # [(role, layer, which, attention module)]
         self._slot_index, self._slot_keys = {}, []
         self._groups = {}  # (role, which) -> the slots whose biases are gathered together (same positions)
         self._target_keys = []  # the slot keys of the target tokens' group, in its order
         self._num_updates = 0
+        self.pass_state = PassState()
         self._forget_tables()  # (creates `tables`, the solved tables of this encoding: table.py)
-        self._last_begin: Optional[str] = None
         self.register_load_state_dict_post_hook(Floater._after_load)
 
     @staticmethod
@@ -179,7 +207,7 @@ class Floater(PositionalEncoding):
                     raise ValueError("FLOATER needs attention projections with biases (the ODE's initial values)")
                 slots.append((role, layer, which, module))
         slots.sort(key=lambda slot: (ROLES.index(slot[0]), slot[1], "qkv".index(slot[2])))
-        self.__dict__["_slots"] = slots
+        self._slots = slots
         self._slot_keys = [slot[:3] for slot in slots]  # (role, layer, which)
         self._slot_index = {key: index for index, key in enumerate(self._slot_keys)}
         # the slots that see the same positions in a pass, gathered together: the encoder's q/k/v
@@ -232,23 +260,16 @@ class Floater(PositionalEncoding):
     def _forget_tables(self):
         self.tables = Tables()
         self._eval_group_tables = {}  # (group, dtype) -> (eval table values, b(t) of the group's slots)
-        # (target group table, rows it serves, each row's biases): read by an inference pass's later
-        # decoding steps once its first call has checked the table and set _step_ready
-        self.__dict__.update(_step_rows=None, _step_ready=False)
+        self.pass_state.step_rows, self.pass_state.step_ready = None, False
         self._reset_pass()
 
     def _reset_pass(self):
         self.tables.new_pass()
-        self.__dict__.update(  # (plain attributes: once per decoding step, nn.Module's setattr is slow)
-            _pass_group_tables={},  # (group, dtype) -> (table values, b(t) of the group's slots)
-            _pass_gathered={},  # (group, id(positions), dtype) -> (table values, positions, biases there)
-            _pass_biases={},  # (role, layer, which) -> (positions, that slot's biases there)
-            _needed=0)
+        self.pass_state.start()
 
     def __getstate__(self):  # copies (fairseq's EMA deep-copies the model) drop per-pass graphs
         state = super().__getstate__()
-        state.update(tables=Tables(), _pass_group_tables={}, _pass_gathered={}, _pass_biases={},
-                     _eval_group_tables={}, _step_rows=None, _step_ready=False)
+        state.update(tables=Tables(), _eval_group_tables={}, pass_state=self.pass_state.without_tensors())
         return state
 
     # --- solving ------------------------------------------------------------------------------
@@ -295,26 +316,28 @@ class Floater(PositionalEncoding):
     def begin(self, role, positions=None, source_positions=None, earlier=0):
         super().begin(role, positions, source_positions, earlier)
         # a new forward pass starts with the encoder, or with a decoder call that follows a decoder call
-        if role == "encoder" or self._last_begin != "encoder":
+        state = self.pass_state
+        if role == "encoder" or state.last_begin != "encoder":
             self._reset_pass()
             if self.training and self.recompute_every > 1:
                 self.tables.start_window_pass(self, self._num_updates // self.recompute_every)
-        self.__dict__["_last_begin"] = role
+        state.last_begin = role
         if earlier > 0:
             # a later decoding step: its pass's first step checked the table and saw the source
             # positions (cross-attention keys are cached); its own are below earlier + length,
             # known without reading them (a host sync per step costs more than FLOATER's step)
             self.tables.evaluation_checked = True
-            self.__dict__["_needed"] = max(self._needed, earlier + positions.size(-1))
+            state.needed = max(state.needed, earlier + tensor_of(positions).size(-1))
             self._fill_step_biases(positions)
             return
-        self.__dict__["_step_ready"] = False  # a new pass: its first call checks the table again
-        if not self.training and positions is not None and positions.numel() and int(positions.min()) > 0:
+        state.step_ready = False  # a new pass: its first call checks the table again
+        if not self.training and positions is not None and tensor_of(positions).numel() and (
+                positions.start if isinstance(positions, Positions) else int(positions.min())) > 0:
             self.tables.evaluation_checked = True  # a later step of a caller that does not say `earlier`
         for given in (positions, source_positions):
-            if given is not None and given.numel() > 0:
-                known = getattr(given, "bounds", None)  # (a shared range: no host sync)
-                self._needed = max(self._needed, (known[1] if known is not None else int(given.max())) + 1)
+            if given is not None and tensor_of(given).numel() > 0:  # (`Positions`: no host sync)
+                last = given.stop - 1 if isinstance(given, Positions) else int(given.max())
+                state.needed = max(state.needed, last + 1)
         if torch.is_grad_enabled() and self._slots:
             self._prepare_biases(role)
 
@@ -335,21 +358,22 @@ class Floater(PositionalEncoding):
 
     def _fill_step_biases(self, positions):
         """A later decoding step in inference: the target tokens' biases (decoder q/k/v, cross q) are
-        one row of the group table the pass's first step used (`_step_rows`), handed to every
+        one row of the group table the pass's first step used (`step_rows`), handed to every
         projection of the step at once (Python work per projection is most of FLOATER's step)."""
-        if not self._step_ready or self.training or torch.is_grad_enabled() or not is_shared_range(positions):
+        state = self.pass_state
+        if not state.step_ready or self.training or torch.is_grad_enabled() or not is_shared_range(positions):
             return
-        group_table, usable, rows = self._step_rows
-        first, last = positions.bounds
+        group_table, usable, rows = state.step_rows
+        first, last = positions.start, positions.stop - 1
         if first == last < usable:  # beyond: the full path extends the table or names the overflow
             biases = rows.get(last)
             if biases is None:  # (each position's views made once: the next decode reads them again)
                 biases = rows[last] = group_table[last].unbind(0)
-            self._pass_biases.update(zip(self._target_keys, zip(repeat(positions), biases)))
+            state.biases.update(zip(self._target_keys, zip(repeat(positions.tensor), biases)))
 
     def projection_bias(self, role, layer, which, positions):
         """b(t_i) = b(0) + table[i] for each token of the call, (T, B, E): the projection's bias."""
-        hit = self._pass_biases.get((role, layer, which))  # gathered with its group earlier in the pass
+        hit = self.pass_state.biases.get((role, layer, which))  # gathered with its group earlier in the pass
         if hit is not None and hit[0] is positions:
             return hit[1]
         slot = self._slot_index.get((role, layer, which))
@@ -357,7 +381,7 @@ class Floater(PositionalEncoding):
             return None
         dtype = self._slots[slot][3].q_proj.weight.dtype
         # begin() saw every position of this forward (one host sync per stack, not one per layer)
-        rows = self._needed or (int(positions.max()) + 1 if positions.numel() else 1)
+        rows = self.pass_state.needed or (int(positions.max()) + 1 if positions.numel() else 1)
         solved = self.tables.table(self, rows)
         if rows > solved.first_overflow:
             peak = float(solved.values[solved.first_overflow].abs().max())
@@ -372,20 +396,22 @@ class Floater(PositionalEncoding):
                 and not torch.is_grad_enabled():
             # target tokens of an inference pass: its later decoding steps read their row at once
             group_table = self._group_table(solved.values, group, dtype)
-            kept = self._step_rows
-            if kept is None or kept[0] is not group_table:
-                self.__dict__["_step_rows"] = (group_table, solved.first_overflow, {})
-            self.__dict__["_step_ready"] = True
+            state = self.pass_state
+            if state.step_rows is None or state.step_rows[0] is not group_table:
+                state.step_rows = (group_table, solved.first_overflow, {})
+            state.step_ready = True
         return biases[group.index(slot)]
 
     def _gathered(self, table: Tensor, group: tuple, positions: Tensor, dtype: torch.dtype) -> tuple:
         """b(t) of the `group`'s slots at `positions`, one (T, B, d) per slot in `dtype`: gathered
         once per forward pass and shared by the layers."""
         key = (group, id(positions), dtype)
-        hit = self._pass_gathered.get(key)
+        state = self.pass_state
+        hit = state.gathered.get(key)
         if hit is None or hit[0] is not table or hit[1] is not positions:
-            if is_shared_range(positions):  # every row the same positions: rows of the table, no gather
-                first, last = positions.bounds
+            shared = self.announced_range(positions)
+            if shared is not None:  # every row the same positions: rows of the table, no gather
+                first, last = shared.start, shared.stop - 1
                 rows = self._group_table(table, group, dtype)[first: last + 1]
                 if first == last and not torch.is_grad_enabled():  # a decoding step: the projection's own (d,) bias
                     biases = rows[0].unbind(0)
@@ -393,16 +419,16 @@ class Floater(PositionalEncoding):
                     biases = rows.unsqueeze(1).unbind(2)
             else:
                 biases = self._gather(self._group_table(table, group, dtype), positions)
-            hit = self._pass_gathered[key] = (table, positions, biases)
+            hit = state.gathered[key] = (table, positions, biases)
             for slot, bias in zip(group, biases):
-                self._pass_biases[self._slot_keys[slot]] = (positions, bias)
+                state.biases[self._slot_keys[slot]] = (positions, bias)
         return hit[2]
 
     def _group_table(self, table: Tensor, group: tuple, dtype: torch.dtype) -> Tensor:
         """b(t) = b(0) + table of the group's slots at every position of the table, (rows, slots, d)
         in `dtype`, with the live b(0) (also in a K-window, whose table is the window snapshot's):
         once per pass; in evaluation kept as long as the evaluation table (which is tied to b(0))."""
-        cache = self._eval_group_tables if self.tables.is_evaluation(table) else self._pass_group_tables
+        cache = self._eval_group_tables if self.tables.is_evaluation(table) else self.pass_state.group_tables
         hit = cache.get((group, dtype))
         if hit is None or hit[0] is not table:
             hit = cache[(group, dtype)] = (table, self._with_initial_values(table, group, dtype))
@@ -438,12 +464,13 @@ class Floater(PositionalEncoding):
         for key in ours:
             if key in unexpected_keys:
                 unexpected_keys.remove(key)
-        self.__dict__["_loaded_window"] = (state_dict.get(ours[0]), state_dict.get(ours[1]))
+        self._loaded_window = (state_dict.get(ours[0]), state_dict.get(ours[1]))
 
     @staticmethod
     def _after_load(module, incompatible_keys):
         """After the whole model is loaded: forget every table; adopt the saved window (exact resume)."""
-        parameters, index = module.__dict__.pop("_loaded_window", (None, None))
+        parameters, index = getattr(module, "_loaded_window", (None, None))
+        module._loaded_window = (None, None)
         module._forget_tables()
         expected = sum(p.numel() for p in module.solve_inputs())
         if (module.recompute_every > 1 and parameters is not None and index is not None

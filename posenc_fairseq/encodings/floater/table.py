@@ -22,7 +22,7 @@ from typing import List, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..positions import same_values, value_copies
+from ..cache import same_values, value_copies
 
 EVAL_CHUNK = 64  # evaluation extends the table in chunks of this many positions
 

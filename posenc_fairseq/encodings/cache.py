@@ -1,0 +1,197 @@
+"""The encoding's one cache (`EncodingCache`): values computed from positions and parameters,
+each kept in a scope that says how long it stays valid.
+
+- pass (`memoize`): a position term computed once per forward pass of a stack and shared by its
+  layers. Entries belong to a role ('encoder', 'decoder', 'cross'), whose stack's next `begin`
+  drops them; the key says what the term was computed from (the positions' bounds, the layer's
+  table, the dtype) and the grad mode is added to it. A `recorded` run (non-reentrant activation
+  checkpointing) replays its forward's hits and misses in the recomputation.
+- inference (`inference`, `inference_value`, `range_values`): values kept across decoding steps
+  and passes while gradients are off and the encoding is in eval mode (`use_kept_values`). Each
+  entry holds a `signature` of what it was computed from (the parameters' storage, in-place
+  version, dtype and device, and options) and is recomputed when that differs; the whole scope is
+  emptied once per pass when any parameter of the encoding no longer equals its copy (fairseq's
+  optimizers write through p.data, which moves no version counter).
+- constants (`constant`): values of their key alone (no parameter), e.g. rotary's frequencies.
+
+Copies (fairseq's EMA deep-copies the model) and pickles start empty: entries may hold autograd
+graphs that cannot be copied.
+"""
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional
+
+import torch
+from torch import Tensor, nn
+
+
+class EncodingCache:
+    """See the module docstring. Plain attributes: written once per decoding step, where
+    nn.Module's __setattr__ would cost."""
+
+    def __init__(self):
+        self.pass_values: Dict[str, Dict[tuple, Any]] = {}  # role -> key -> value
+        self.inference_values: Dict[Hashable, Any] = {}
+        self.constants: Dict[Hashable, Any] = {}
+        self.inference_checked = False  # this pass has checked `inference_values` against the parameters
+        self.parameter_copies: Optional[List[Tensor]] = None
+        self.run: Optional[_RunRecord] = None  # the `recorded` run in progress
+
+    def __reduce__(self):  # copies and pickles start empty
+        return EncodingCache, ()
+
+    def begin(self, role: str, earlier: int = 0):
+        """A stack starts a forward pass as `role` (`earlier` > 0: a later decoding step of it)."""
+        if self.pass_values:
+            self.pass_values.pop(role, None)
+        if earlier == 0:
+            self.inference_checked = False
+
+    # --- pass scope -----------------------------------------------------------------------------
+    def memoize(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        """compute() once per forward pass for `key`, whose first element is the role whose next
+        `begin` drops it; shared only within one grad mode."""
+        key = (*key, torch.is_grad_enabled())
+        values = self.pass_values.get(key[0])
+        if values is None:
+            values = self.pass_values[key[0]] = {}
+        if self.run is not None:
+            return self.run.memoize(values, key, compute)
+        if key not in values:
+            values[key] = compute()
+        return values[key]
+
+    @contextmanager
+    def apart(self):
+        """Compute outside the current pass: what is memoized inside is dropped, the pass's own
+        values are kept (e.g. a prior plotted between two forwards)."""
+        saved, self.pass_values = self.pass_values, {}
+        try:
+            yield
+        finally:
+            self.pass_values = saved
+
+    def recorded(self, function: Callable) -> Callable:
+        """`function` for non-reentrant activation checkpointing (a layer under fairseq's
+        --checkpoint-activations, a block of queries of a long input): its recomputation during
+        backward must do exactly the autograd operations of its forward, so `memoize` records in
+        the first run which terms it found memoized, and the second run (the recomputation) takes
+        those from the pass scope again (their values, which are all it needs: gradients flow
+        through the forward's graph) and computes the others as the forward did."""
+        record = []
+        runs = [0]
+
+        def run(*args, **kwargs):
+            previous = self.run
+            self.run = _RunRecord(record, replay=runs[0] > 0)
+            runs[0] += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.run = previous
+        return run
+
+    def in_recorded_run(self) -> bool:
+        """Whether a `recorded` function is running (its checkpoint covers everything it calls)."""
+        return self.run is not None
+
+    # --- inference scope ------------------------------------------------------------------------
+    def inference(self, module: nn.Module) -> Dict:
+        """The inference scope (for `range_values` and `inference_value`), checked once per pass by
+        value against copies of `module`'s parameters and emptied when any differs: signatures
+        (storage, in-place version) cannot see writes through p.data."""
+        if not self.inference_checked:
+            self.inference_checked = True
+            if not same_values(self.parameter_copies, module.parameters()):
+                self.inference_values.clear()
+                self.parameter_copies = value_copies(module.parameters())
+        return self.inference_values
+
+    def inference_value(self, module: nn.Module, key: Hashable, depends_on: tuple, compute: Callable[[], Any]) -> Any:
+        """compute(), kept in the inference scope while `depends_on` (a `signature`) holds."""
+        kept = self.inference(module)
+        entry = kept.get(key)
+        if entry is None or entry[0] != depends_on:
+            entry = kept[key] = (depends_on, compute())
+        return entry[1]
+
+    # --- constants ------------------------------------------------------------------------------
+    def constant(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        """compute(), kept for good: `key` must hold everything it is computed from."""
+        if key not in self.constants:
+            self.constants[key] = compute()
+        return self.constants[key]
+
+
+class _RunRecord:
+    """Which memoized terms one run of a `recorded` function found in the pass scope (True) or computed (False)."""
+
+    def __init__(self, record: list, replay: bool):
+        self.record, self.replay, self.next = record, replay, 0
+
+    def memoize(self, memo: dict, key: tuple, compute: Callable[[], Any]) -> Any:
+        if not self.replay:
+            hit = key in memo
+            self.record.append(hit)
+            if not hit:
+                memo[key] = compute()
+            return memo[key]
+        hit = self.record[self.next]
+        self.next += 1
+        if not hit:
+            return compute()
+        if key in memo:
+            return memo[key]
+        with torch.no_grad():  # the pass scope was cleared meanwhile: the same value, no operation recorded
+            return compute()
+
+
+def use_kept_values(module: torch.nn.Module) -> bool:
+    """Kept values only in inference: no gradient to propagate, no dropout to sample."""
+    return not torch.is_grad_enabled() and not module.training
+
+
+def signature(parameters: Iterable[Tensor], *extra) -> tuple:
+    """What kept values depend on: each parameter's storage, in-place version, dtype and device."""
+    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in parameters) + extra
+
+
+#: distances a new kept range adds on each side of the first request (a pass's first decoding
+#: step): the steps after it slice instead of growing the range from one distance
+KEPT_MARGIN = 32
+
+
+def value_copies(tensors: Iterable[Tensor]) -> List[Tensor]:
+    """Copies of `tensors` to check kept values against (`same_values`)."""
+    return [tensor.detach().clone() for tensor in tensors]
+
+
+def same_values(copies: Optional[List[Tensor]], tensors: Iterable[Tensor]) -> bool:
+    """Whether `value_copies` still equal `tensors` exactly (count, dtype, device, shape, values): a
+    check by value, which fairseq's optimizers' writes through p.data cannot escape, unlike
+    `signature`'s in-place version."""
+    tensors = list(tensors)
+    return copies is not None and len(copies) == len(tensors) and all(
+        copy.dtype == tensor.dtype and copy.device == tensor.device and copy.shape == tensor.shape
+        and torch.equal(copy, tensor) for copy, tensor in zip(copies, tensors))
+
+
+def range_values(cache: Dict, key, depends_on: tuple, low: int, high: int,
+                 compute: Callable[[int, int], Tensor], dim: int, descending: bool = False) -> Tensor:
+    """compute(low, high) (values of the distances low..high along `dim`; with `descending`,
+    high..low), kept in `cache[key]` while `depends_on` holds: a request inside the kept range is a
+    slice (a view) of it. A new range starts `KEPT_MARGIN` wider on each side; a request outside it
+    computes a range that also doubles the kept one on the missing side, so a decoding step that
+    needs one more distance than the last recomputes only O(log n) times in n steps."""
+    entry: Optional[tuple] = cache.get(key)
+    if entry is None or entry[0] != depends_on:
+        kept_low, kept_high = low - KEPT_MARGIN, high + KEPT_MARGIN
+    elif low < entry[1] or high > entry[2]:
+        size = entry[2] - entry[1] + 1
+        kept_low = min(low, entry[1] - size) if low < entry[1] else entry[1]
+        kept_high = max(high, entry[2] + size) if high > entry[2] else entry[2]
+    else:
+        kept_low, kept_high = entry[1], entry[2]
+    if entry is None or (entry[0], entry[1], entry[2]) != (depends_on, kept_low, kept_high):
+        entry = (depends_on, kept_low, kept_high, compute(kept_low, kept_high))
+        cache[key] = entry
+    return entry[3].narrow(dim, entry[2] - high if descending else low - entry[1], high - low + 1)
