@@ -32,8 +32,8 @@ class AttentionCall(NamedTuple):
     `q` (B, H, Tq, D) scaled by 1/sqrt(D); `k`, `v` (B, H, Tk, D): under --cross-self-attention the
     `source_keys` source tokens first, then the target keys `k_target`. `query_positions` and
     `key_positions` (`position_range`s) number the queries and target keys, the queries being the
-    last Tq of them. `relative`: the encoding's relative hooks apply (self-attention with an
-    encoding); `logit_terms`: ... and the encoding adds logit terms. `future_blocked`: the mask is
+    last Tq of them (None where not `relative`). `relative`: the encoding's relative hooks apply
+    (self-attention with an encoding that has such hooks); `logit_terms`: ... and the encoding adds logit terms. `future_blocked`: the mask is
     fairseq's future mask (checked). `logits`: B * H * Tq * Tk of the whole call (a block keeps
     its call's)."""
     q: Tensor
@@ -42,8 +42,8 @@ class AttentionCall(NamedTuple):
     k_target: Tensor
     attn_mask: Optional[Tensor]
     key_padding_mask: Optional[Tensor]
-    query_positions: Tensor
-    key_positions: Tensor
+    query_positions: Optional[Tensor]
+    key_positions: Optional[Tensor]
     source_keys: int
     need_weights: bool
     before_softmax: bool
