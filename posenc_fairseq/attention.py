@@ -173,10 +173,10 @@ class PositionalAttention(MultiheadAttention):
         call = self._call(q, k, v, attn_mask, key_padding_mask, source_keys, need_weights, before_softmax,
                           relative)
         call_plan = plan(call)
-        out, probs = serve(call, call_plan, self.dropout_module)
+        out, probs = serve(call, call_plan, self._modules["dropout_module"])
         if call_plan.kernel is Kernel.LOGITS:  # fairseq's before_softmax: the logits and the values
             return out.reshape(-1, tgt_len, out.size(-1)), call.v.reshape(-1, out.size(-1), self.head_dim)
-        out = self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, -1))
+        out = self._modules["out_proj"](out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, -1))
         weights = None
         if need_weights:
             weights = probs.transpose(0, 1)  # (H, B, T, S)
@@ -200,12 +200,14 @@ class PositionalAttention(MultiheadAttention):
         # --cross-self-attention: the decoder self-attention keys are cat(source, target)
         cross_self = binding is not None and binding.role == "decoder" and not self.self_attention \
             and not self.encoder_decoder_attention
-        query_positions, key_positions = self._token_positions(binding)
+        query_positions = key_positions = None  # (read by the projection hooks alone)
+        if projects:
+            query_positions, key_positions = self._token_positions(binding)
         source_keys = 0  # keys (cached or not) that are source tokens, before the target keys
         if cross_self:
             source_positions = binding.encoding.token_positions.get("source")
             source_keys = source_positions.size(1) if source_positions is not None else 0
-            if key is not None and key.size(0) == source_keys + tgt_len and source_positions is not None:
+            if projects and key is not None and key.size(0) == source_keys + tgt_len and source_positions is not None:
                 key_positions = torch.cat([source_positions, key_positions], dim=1)
         q = self._project("q", query, query_positions, projects)
         k = v = None
@@ -295,7 +297,7 @@ class PositionalAttention(MultiheadAttention):
     def _dropout_probability(self) -> float:
         """What the dropout module itself would apply now: in training, and at inference when
         fairseq's --retain-dropout set `apply_during_inference` on it."""
-        module = self.dropout_module
+        module = self._modules["dropout_module"]
         applies = module.training or getattr(module, "apply_during_inference", False)
         return float(module.p) if applies else 0.0
 

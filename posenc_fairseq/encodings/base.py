@@ -233,6 +233,7 @@ PROJECTION_HOOKS = ("projection_bias", "project")
 #: the hooks through which an encoding adds relative terms to self-attention
 RELATIVE_HOOKS = ("step_terms", "logit_bias", "relative_logits", "content_query", "has_relative_values",
                   "relative_values", "distance_logits")
+_HOOKS = frozenset(PROJECTION_HOOKS + RELATIVE_HOOKS)
 _CLASS_HOOK_USE: Dict[type, Tuple[bool, bool]] = {}
 
 
@@ -247,7 +248,7 @@ def hook_use(encoding: PositionalEncoding) -> Tuple[bool, bool]:
             any(getattr(kind, name) is not getattr(PositionalEncoding, name) for name in hooks)
             for hooks in (PROJECTION_HOOKS, RELATIVE_HOOKS))
     own = encoding.__dict__
-    if not all(use) and any(name in own for name in PROJECTION_HOOKS + RELATIVE_HOOKS):
+    if not (use[0] and use[1]) and not _HOOKS.isdisjoint(own):
         use = (use[0] or any(name in own for name in PROJECTION_HOOKS),
                use[1] or any(name in own for name in RELATIVE_HOOKS))
     return use

@@ -84,7 +84,7 @@ class Plan(NamedTuple):
 
     def kernel_for(self, call: AttentionCall, terms: Optional[Tensor]) -> Kernel:
         """The kernel of `call` (the whole call or one block) whose dense terms are `terms`."""
-        if self.kernel is not Kernel.SDPA:
+        if self.kernel is not Kernel.SDPA or terms is None:
             return self.kernel
         if biased_cpu.applies(call.q, terms, call.dropout_p, call.logits):
             return Kernel.BIASED_CPU
@@ -98,7 +98,7 @@ def plan(call: AttentionCall) -> Plan:
     """Which kernel serves `call`, in query blocks or not."""
     if call.step_terms is not None:
         return Plan(Kernel.STEP)
-    if _flex_serves(call):
+    if call.relative and _flex_serves(call):
         kernel = Kernel.FLEX
     elif call.before_softmax:
         kernel = Kernel.LOGITS
