@@ -278,7 +278,8 @@ class PositionalAttention(MultiheadAttention):
             k_pos = position_range(0, target_len, q.device)
         kept = self._kept_heads()
         # fairseq's future mask (checked): keys after a query are blocked, their terms may be skipped
-        future_blocked = relative and not source_keys and blocks_future(attn_mask, tgt_len, src_len)
+        future_blocked = (relative and not source_keys and attn_mask is not None  # (no call into the uncompiled check)
+                          and blocks_future(attn_mask, tgt_len, src_len))
         # a decoding step: relative terms on every key, no head pruning, neither weights nor logits asked
         step_terms = None
         if relative and tgt_len == 1 and not source_keys and not (need_weights or before_softmax) and kept is None:
