@@ -94,10 +94,14 @@ class Plan(NamedTuple):
         return Kernel.SDPA
 
 
+#: the plans of whole calls (no query blocks): immutable values, made once rather than per call
+_WHOLE_CALL = {(kernel, fold): Plan(kernel, fold_content=fold) for kernel in Kernel for fold in (False, True)}
+
+
 def plan(call: AttentionCall) -> Plan:
     """Which kernel serves `call`, in query blocks or not."""
     if call.step_terms is not None:
-        return Plan(Kernel.STEP)
+        return _WHOLE_CALL[Kernel.STEP, False]
     if call.relative and _flex_serves(call):
         kernel = Kernel.FLEX
     elif call.before_softmax:
@@ -112,7 +116,7 @@ def plan(call: AttentionCall) -> Plan:
                     and kernel is not Kernel.FLEX)
     blockwise = call.relative and getattr(call.encoding, "query_blocks", False)
     if not blockwise:
-        return Plan(kernel, fold_content=fold_content)
+        return _WHOLE_CALL[kernel, fold_content]
     # whether the blocks' terms (if they need a gradient) take the fused CPU kernel
     fused_cpu = not call.value_term and biased_cpu.serves_call(call.q, call.dropout_p, call.logits)
     batch, heads, queries, _ = call.q.shape
