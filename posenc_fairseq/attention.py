@@ -187,9 +187,10 @@ class PositionalAttention(MultiheadAttention):
     def _projected(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor],
                    key_padding_mask: Optional[Tensor], incremental_state, static_kv: bool, projects: bool):
         """q (B, H, Tq, D), unscaled, and the keys and values (B, H, Tk, D) of the call: projected
-        with the encoding's projection hooks (`projects`: it has some), after the cached ones of incremental decoding, one
-        copy per beam; the key padding mask that goes with them, and the number of source keys
-        before the target keys (--cross-self-attention's decoder self-attention, else 0)."""
+        with the encoding's projection hooks (`projects`: it has some), after the cached ones of
+        incremental decoding, one copy per beam; the key padding mask that goes with them, and the
+        number of source keys before the target keys (--cross-self-attention's decoder
+        self-attention, else 0)."""
         tgt_len, bsz, _ = query.size()
         heads, head_dim = self.num_heads, self.head_dim
         binding = self.position_binding

@@ -33,9 +33,9 @@ class AttentionCall(NamedTuple):
     `source_keys` source tokens first, then the target keys `k_target`. `query_positions` and
     `key_positions` (`position_range`s) number the queries and target keys, the queries being the
     last Tq of them (None where not `relative`). `relative`: the encoding's relative hooks apply
-    (self-attention with an encoding that has such hooks); `logit_terms`: ... and the encoding adds logit terms. `future_blocked`: the mask is
-    fairseq's future mask (checked). `logits`: B * H * Tq * Tk of the whole call (a block keeps
-    its call's)."""
+    (self-attention with an encoding that has such hooks); `logit_terms`: ... and the encoding
+    adds logit terms. `future_blocked`: the mask is fairseq's future mask (checked). `logits`:
+    B * H * Tq * Tk of the whole call (a block keeps its call's)."""
     q: Tensor
     k: Tensor
     v: Tensor
