@@ -40,7 +40,7 @@ from torch import Tensor
 
 from fairseq.modules import MultiheadAttention
 
-from .encodings.base import PositionalEncoding
+from .encodings.base import PositionalEncoding, hook_use
 from .encodings.positions import position_range
 from .kernels.masks import blocks_future
 from .kernels.plan import AttentionCall, Kernel, plan
@@ -168,14 +168,17 @@ class PositionalAttention(MultiheadAttention):
             raise NotImplementedError("posenc_fairseq attention does not support add_bias_kv / add_zero_attn")
         need_weights = need_weights or need_head_weights
         tgt_len, bsz, _ = query.size()
+        binding = self.position_binding
+        projects, relative = hook_use(binding.encoding) if binding is not None else (False, False)
         q, k, v, key_padding_mask, source_keys = self._projected(query, key, value, key_padding_mask,
-                                                                  incremental_state, static_kv)
-        call = self._call(q, k, v, attn_mask, key_padding_mask, source_keys, need_weights, before_softmax)
+                                                                  incremental_state, static_kv, projects)
+        call = self._call(q, k, v, attn_mask, key_padding_mask, source_keys, need_weights, before_softmax,
+                          relative)
         call_plan = plan(call)
-        out, probs = serve(call, call_plan, self.dropout_module)
+        out, probs = serve(call, call_plan, self._modules["dropout_module"])
         if call_plan.kernel is Kernel.LOGITS:  # fairseq's before_softmax: the logits and the values
             return out.reshape(-1, tgt_len, out.size(-1)), call.v.reshape(-1, out.size(-1), self.head_dim)
-        out = self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, -1))
+        out = self._modules["out_proj"](out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, -1))
         weights = None
         if need_weights:
             weights = probs.transpose(0, 1)  # (H, B, T, S)
@@ -184,11 +187,12 @@ class PositionalAttention(MultiheadAttention):
         return out, weights
 
     def _projected(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor],
-                   key_padding_mask: Optional[Tensor], incremental_state, static_kv: bool):
+                   key_padding_mask: Optional[Tensor], incremental_state, static_kv: bool, projects: bool):
         """q (B, H, Tq, D), unscaled, and the keys and values (B, H, Tk, D) of the call: projected
-        with the encoding's projection hooks, after the cached ones of incremental decoding, one
-        copy per beam; the key padding mask that goes with them, and the number of source keys
-        before the target keys (--cross-self-attention's decoder self-attention, else 0)."""
+        with the encoding's projection hooks (`projects`: it has some), after the cached ones of
+        incremental decoding, one copy per beam; the key padding mask that goes with them, and the
+        number of source keys before the target keys (--cross-self-attention's decoder
+        self-attention, else 0)."""
         tgt_len, bsz, _ = query.size()
         heads, head_dim = self.num_heads, self.head_dim
         binding = self.position_binding
@@ -199,14 +203,16 @@ class PositionalAttention(MultiheadAttention):
         # --cross-self-attention: the decoder self-attention keys are cat(source, target)
         cross_self = binding is not None and binding.role == "decoder" and not self.self_attention \
             and not self.encoder_decoder_attention
-        query_positions, key_positions = self._token_positions(binding)
+        query_positions = key_positions = None  # (read by the projection hooks alone)
+        if projects:
+            query_positions, key_positions = self._token_positions(binding)
         source_keys = 0  # keys (cached or not) that are source tokens, before the target keys
         if cross_self:
             source_positions = binding.encoding.token_positions.get("source")
             source_keys = source_positions.size(1) if source_positions is not None else 0
-            if key is not None and key.size(0) == source_keys + tgt_len and source_positions is not None:
+            if projects and key is not None and key.size(0) == source_keys + tgt_len and source_positions is not None:
                 key_positions = torch.cat([source_positions, key_positions], dim=1)
-        q = self._project("q", query, query_positions)
+        q = self._project("q", query, query_positions, projects)
         k = v = None
         if self.self_attention:
             key = value = query
@@ -218,8 +224,8 @@ class PositionalAttention(MultiheadAttention):
                     key_padding_mask = key_padding_mask.view(-1, self.beam_size, key_padding_mask.size(1))[:, 0, :]
                 if key_positions is not None:
                     key_positions = key_positions.view(-1, self.beam_size, key_positions.size(1))[:, 0, :]
-            k = self._project("k", key, key_positions)
-            v = self._project("v", value, key_positions)
+            k = self._project("k", key, key_positions, projects)
+            v = self._project("v", value, key_positions, projects)
 
         q = q.view(tgt_len, bsz, heads, head_dim).permute(1, 2, 0, 3)  # (B, H, T, D)
         if k is not None:
@@ -251,28 +257,32 @@ class PositionalAttention(MultiheadAttention):
         return q, k, v, key_padding_mask, source_keys
 
     def _call(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
-              source_keys: int, need_weights: bool, before_softmax: bool) -> AttentionCall:
+              source_keys: int, need_weights: bool, before_softmax: bool, relative_hooks: bool) -> AttentionCall:
         """The `AttentionCall` of the projected q, k, v: the relative positions of the queries and
         target keys (the queries are the last Tq of the target keys; with --cross-self-attention
         the relative terms cover the target keys only, nothing on the source keys, as on
         cross-attention), the encoding's step terms where a decoding step can use them, and the
-        facts the plan is made from."""
+        facts the plan is made from. `relative_hooks`: the encoding has relative hooks (else the call
+        is plain attention and needs no positions)."""
         binding = self.position_binding
         encoding = binding.encoding if binding is not None else None
         role, layer = (binding.role, binding.layer) if binding is not None else (None, None)
         bsz, heads, tgt_len, _ = q.shape
         src_len = k.size(2)
-        relative = encoding is not None and not self.encoder_decoder_attention
-        if relative and source_keys and src_len < source_keys + tgt_len:
+        self_attention = encoding is not None and not self.encoder_decoder_attention
+        relative = self_attention and relative_hooks
+        if self_attention and source_keys and src_len < source_keys + tgt_len:
             raise RuntimeError(f"cross-self-attention: {src_len} keys cannot hold {source_keys} source "
                                f"and {tgt_len} target tokens")
         target_len = src_len - source_keys
-        # built from Python integers: the encodings read their bounds without a device sync
-        q_pos = position_range(target_len - tgt_len, target_len, q.device)
-        k_pos = position_range(0, target_len, q.device)
+        q_pos = k_pos = None
+        if relative:  # built from Python integers: the encodings read their bounds without a device sync
+            q_pos = position_range(target_len - tgt_len, target_len, q.device)
+            k_pos = position_range(0, target_len, q.device)
         kept = self._kept_heads()
         # fairseq's future mask (checked): keys after a query are blocked, their terms may be skipped
-        future_blocked = relative and not source_keys and blocks_future(attn_mask, tgt_len, src_len)
+        future_blocked = (relative and not source_keys and attn_mask is not None  # (no call into the uncompiled check)
+                          and blocks_future(attn_mask, tgt_len, src_len))
         # a decoding step: relative terms on every key, no head pruning, neither weights nor logits asked
         step_terms = None
         if relative and tgt_len == 1 and not source_keys and not (need_weights or before_softmax) and kept is None:
@@ -291,7 +301,7 @@ class PositionalAttention(MultiheadAttention):
     def _dropout_probability(self) -> float:
         """What the dropout module itself would apply now: in training, and at inference when
         fairseq's --retain-dropout set `apply_during_inference` on it."""
-        module = self.dropout_module
+        module = self._modules["dropout_module"]
         applies = module.training or getattr(module, "apply_during_inference", False)
         return float(module.p) if applies else 0.0
 
@@ -304,11 +314,12 @@ class PositionalAttention(MultiheadAttention):
         key_role = "source" if role == "cross" else role
         return encoding.token_positions.get(query_role), encoding.token_positions.get(key_role)
 
-    def _project(self, which: str, x: Tensor, positions: Optional[Tensor]) -> Tensor:
-        """`{which}_proj(x)`, with the encoding's per-token bias and its project hook."""
+    def _project(self, which: str, x: Tensor, positions: Optional[Tensor], projects: bool) -> Tensor:
+        """`{which}_proj(x)`, with the encoding's per-token bias and its project hook (`projects`: it
+        has some)."""
         projection = self._modules[which + "_proj"]  # (once per projection of every decoding step)
         binding = self.position_binding
-        if binding is None:
+        if not projects:
             return projection(x)
         kept = self._kept_heads()
         bias = binding.encoding.projection_bias(binding.role, binding.layer, which, positions)

@@ -179,6 +179,32 @@ class PositionalEncoding(nn.Module):
         """Initialise so that the encoding adds nothing (used when converting stock checkpoints)."""
 
 
+#: the hooks through which an encoding changes the projected q, k, v
+PROJECTION_HOOKS = ("projection_bias", "project")
+#: the hooks through which an encoding adds relative terms to self-attention
+RELATIVE_HOOKS = ("step_terms", "logit_bias", "relative_logits", "content_query", "has_relative_values",
+                  "relative_values", "distance_logits")
+_HOOKS = frozenset(PROJECTION_HOOKS + RELATIVE_HOOKS)
+_CLASS_HOOK_USE: Dict[type, Tuple[bool, bool]] = {}
+
+
+def hook_use(encoding: PositionalEncoding) -> Tuple[bool, bool]:
+    """(projects, relative): whether `encoding` has its own version (its class's, or one set on the
+    object) of a `PROJECTION_HOOKS` hook, and of a `RELATIVE_HOOKS` hook. The attention asks only
+    an encoding that has: the neutral defaults add nothing. Decided once per class."""
+    kind = type(encoding)
+    use = _CLASS_HOOK_USE.get(kind)
+    if use is None:
+        use = _CLASS_HOOK_USE[kind] = tuple(
+            any(getattr(kind, name) is not getattr(PositionalEncoding, name) for name in hooks)
+            for hooks in (PROJECTION_HOOKS, RELATIVE_HOOKS))
+    own = encoding.__dict__
+    if not (use[0] and use[1]) and not _HOOKS.isdisjoint(own):
+        use = (use[0] or any(name in own for name in PROJECTION_HOOKS),
+               use[1] or any(name in own for name in RELATIVE_HOOKS))
+    return use
+
+
 class ModelDims:
     """What an encoding needs to know about the model it serves."""
 

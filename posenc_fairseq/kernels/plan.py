@@ -33,18 +33,18 @@ class AttentionCall(NamedTuple):
     `q` (B, H, Tq, D) scaled by 1/sqrt(D); `k`, `v` (B, H, Tk, D): under --cross-self-attention the
     `source_keys` source tokens first, then the target keys `k_target`. `query_positions` and
     `key_positions` (`position_range`s) number the queries and target keys, the queries being the
-    last Tq of them. `relative`: the encoding's relative hooks apply (self-attention with an
-    encoding); `logit_terms`: ... and the encoding adds logit terms. `future_blocked`: the mask is
-    fairseq's future mask (checked). `logits`: B * H * Tq * Tk of the whole call (a block keeps
-    its call's)."""
+    last Tq of them (None where not `relative`). `relative`: the encoding's relative hooks apply
+    (self-attention with an encoding that has such hooks); `logit_terms`: ... and the encoding
+    adds logit terms. `future_blocked`: the mask is fairseq's future mask (checked). `logits`:
+    B * H * Tq * Tk of the whole call (a block keeps its call's)."""
     q: Tensor
     k: Tensor
     v: Tensor
     k_target: Tensor
     attn_mask: Optional[Tensor]
     key_padding_mask: Optional[Tensor]
-    query_positions: Positions
-    key_positions: Positions
+    query_positions: Optional[Positions]
+    key_positions: Optional[Positions]
     source_keys: int
     need_weights: bool
     before_softmax: bool
@@ -85,7 +85,7 @@ class Plan(NamedTuple):
 
     def kernel_for(self, call: AttentionCall, terms: Optional[Tensor]) -> Kernel:
         """The kernel of `call` (the whole call or one block) whose dense terms are `terms`."""
-        if self.kernel is not Kernel.SDPA:
+        if self.kernel is not Kernel.SDPA or terms is None:
             return self.kernel
         if biased_cpu.applies(call.q, terms, call.dropout_p, call.logits):
             return Kernel.BIASED_CPU
@@ -95,11 +95,15 @@ class Plan(NamedTuple):
         return Kernel.SDPA
 
 
+#: the plans of whole calls (no query blocks): immutable values, made once rather than per call
+_WHOLE_CALL = {(kernel, fold): Plan(kernel, fold_content=fold) for kernel in Kernel for fold in (False, True)}
+
+
 def plan(call: AttentionCall) -> Plan:
     """Which kernel serves `call`, in query blocks or not."""
     if call.step_terms is not None:
-        return Plan(Kernel.STEP)
-    if _flex_serves(call):
+        return _WHOLE_CALL[Kernel.STEP, False]
+    if call.relative and _flex_serves(call):
         kernel = Kernel.FLEX
     elif call.before_softmax:
         kernel = Kernel.LOGITS
@@ -113,7 +117,7 @@ def plan(call: AttentionCall) -> Plan:
                     and kernel is not Kernel.FLEX)
     blockwise = call.relative and getattr(call.encoding, "query_blocks", False)
     if not blockwise:
-        return Plan(kernel, fold_content=fold_content)
+        return _WHOLE_CALL[kernel, fold_content]
     # whether the blocks' terms (if they need a gradient) take the fused CPU kernel
     fused_cpu = not call.value_term and biased_cpu.serves_call(call.q, call.dropout_p, call.logits)
     batch, heads, queries, _ = call.q.shape

@@ -33,7 +33,9 @@ def _serve_piece(call: AttentionCall, plan: Plan, content_query: Optional[Tensor
                                                  call.key_positions)
         return flex.attend(call.q, call.k, call.v, distance, call.attn_mask, call.key_padding_mask,
                            blocked_fill_value(call.q.dtype)), None
-    terms = with_masks(call, position_terms(call, content_folded=content_query is not None))
+    terms = position_terms(call, content_folded=content_query is not None) if call.relative else None
+    if call.attn_mask is not None or call.key_padding_mask is not None:
+        terms = with_masks(call, terms)
     q = call.q if content_query is None else call.q + content_query
     kernel = plan.kernel_for(call, terms)
     if kernel is Kernel.LOGITS:

@@ -14,6 +14,7 @@ from fairseq.modules import LearnedPositionalEmbedding
 from ..attention import bound_attentions, use_positional_attention
 from ..layer_checkpoint import checkpoint_layer
 from ..encodings import ENCODINGS, ModelDims, build_encoding
+from ..encodings.base import PositionalEncoding, hook_use
 from ..encodings.positions import AnyPositions, shared_range, tensor_of
 
 INPUT_POSITIONS = ("none", "sinusoidal", "learned", "stock")
@@ -90,6 +91,14 @@ def checkpointing(args) -> tuple:
     return wanted, offload, plain
 
 
+def reads_token_positions(encoding) -> bool:
+    """Whether `encoding` (each part of a `PerStackEncoding`) reads the target token positions of a
+    call: through its projection hooks (rotary, FLOATER) or its own `begin`. The relative hooks get
+    the positions from the attention instead."""
+    parts = encoding.parts() if isinstance(encoding, PerStackEncoding) else [encoding]
+    return any(hook_use(part)[0] or type(part).begin is not PositionalEncoding.begin for part in parts)
+
+
 class PositionalTransformerEncoder(TransformerEncoder):
     """fairseq's encoder with PositionalAttention; tells the encoding the source positions."""
 
@@ -150,7 +159,9 @@ class PositionalTransformerDecoder(TransformerDecoder):
                 positions = token_positions(prev_output_tokens, self.padding_idx)
             else:
                 earlier = prev_output_tokens.size(1) - 1
-                if prev_output_tokens.eq(self.padding_idx).any():  # (fairseq's decoder asks the same each step)
+                if not reads_token_positions(self.encoding):  # (a step's positions cost a device sync)
+                    positions = None
+                elif prev_output_tokens.eq(self.padding_idx).any():  # (fairseq's decoder asks the same each step)
                     positions = tensor_of(token_positions(prev_output_tokens, self.padding_idx))[:, -1:]
                 else:  # no padding: this step's token is at `earlier` in every row
                     positions = shared_range(prev_output_tokens.size(0), earlier, earlier + 1, prev_output_tokens.device)
@@ -160,7 +171,7 @@ class PositionalTransformerDecoder(TransformerDecoder):
                     source = real_token_positions(~encoder_out["encoder_padding_mask"][0])
                 elif len(encoder_out.get("encoder_out", [])) > 0:
                     length, batch = encoder_out["encoder_out"][0].shape[:2]
-                    source = shared_range(batch, 0, length, positions.device)
+                    source = shared_range(batch, 0, length, prev_output_tokens.device)
             self.encoding.begin("decoder", positions, source, earlier)
         return super().extract_features(prev_output_tokens, encoder_out, incremental_state, **kwargs)
 
