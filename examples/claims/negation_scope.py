@@ -23,13 +23,12 @@ column (OUT/results.md), with the first epoch whose validation accuracy reaches 
 encoding finds the rule); see runner.py for the runs.
 """
 import argparse
-import os
 import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import add_common_args, preprocess, run_all, table  # noqa: E402
+from runner import add_common_args, generate_and_run, report, table  # noqa: E402
 
 LENGTH = 24
 SCOPE = 7
@@ -76,21 +75,11 @@ def main(argv=None):
     parser.add_argument("--valid", type=int, default=1000)
     parser.add_argument("--test", type=int, default=2000)
     args = parser.parse_args(argv)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
-    raw = args.out / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(args.data_seed)
-    for split, count in zip(("train", "valid", "test"), (args.train, args.valid, args.test)):
-        write_split(raw, split, count, rng)
-    data = preprocess(raw, args.out / "bin", ("input0", "label"), args.out / "preprocess.log", env)
-    results = run_all(args.out, data, MODEL, args, env)
+    results = generate_and_run(args, MODEL, write_split)
     heading = (f"Negation scope (LENGTH {LENGTH}, SCOPE {SCOPE}): {args.train} training / {args.valid} validation / "
                f"{args.test} test sequences, {args.epochs} epochs, batch {args.batch_size}, lr {args.lr}; "
                "paper: SST-2 accuracy (%), table 1")
-    text = table(results, heading, PAPER, reach=REACH)
-    (args.out / "results.md").write_text(text)
-    print(text)
-    return 0 if all(result.get("test") is not None for result in results) else 1
+    return report(args, results, table(results, heading, PAPER, reach=REACH))
 
 
 if __name__ == "__main__":

@@ -20,13 +20,12 @@ OUT/results.md). Each run's log is OUT/ARCH.../train.log.
 """
 import argparse
 import math
-import os
 import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import add_common_args, preprocess, run_all, table  # noqa: E402
+from runner import add_common_args, generate_and_run, report, table  # noqa: E402
 
 LENGTH = 50
 REPEAT_PROBABILITY = (0.57, 0.43)  # P(symbol == previous symbol) of class 0 and class 1
@@ -74,22 +73,14 @@ def main(argv=None):
     parser.add_argument("--repeat", type=float, nargs=2, default=REPEAT_PROBABILITY, metavar=("P0", "P1"),
                         help="P(symbol == previous) of class 0 and 1; default 0.57 0.43 (an easier proxy: 0.75 0.25)")
     args = parser.parse_args(argv)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
-    raw = args.out / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(args.data_seed)
-    for split, count in zip(("train", "valid", "test"), (args.train, args.valid, args.test)):
-        write_split(raw, split, count, rng, tuple(args.repeat))
-    data = preprocess(raw, args.out / "bin", ("input0", "label"), args.out / "preprocess.log", env)
-    results = run_all(args.out, data, MODEL, args, env)
+    results = generate_and_run(args, MODEL, lambda folder, split, count, rng:
+                               write_split(folder, split, count, rng, tuple(args.repeat)))
     paper_task = tuple(args.repeat) == REPEAT_PROBABILITY
     heading = (f"Process-50 (P(repeat) {args.repeat[0]:g} / {args.repeat[1]:g}): {args.train} training / "
                f"{args.valid} validation / {args.test} test sequences, {args.epochs} epochs, batch {args.batch_size}, "
                f"lr {args.lr}; Bayes rate {bayes_accuracy(args.repeat):.3f}")
-    text = table(results, heading, {arch: f"{value:.3f}" for arch, value in PAPER.items()} if paper_task else {})
-    (args.out / "results.md").write_text(text)
-    print(text)
-    return 0 if all(result.get("test") is not None for result in results) else 1
+    paper = {arch: f"{value:.3f}" for arch, value in PAPER.items()} if paper_task else {}
+    return report(args, results, table(results, heading, paper))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ An entry is ARCH or ARCH:OPTIONS (extra fairseq-train options of that run). Each
 OUT/ENTRY[_seedN]/train.log; OUT/results.jsonl gets one line per finished run, as it finishes.
 """
 import json
+import os
+import random
 import re
 import shlex
 import shutil
@@ -118,6 +120,26 @@ def run_all(out: Path, data: Path, options: list, args, env) -> list:
     jobs = [(entry, seed) for seed in args.seeds for entry in args.arch]
     with ThreadPoolExecutor(args.jobs) as pool:
         return list(pool.map(one, jobs))
+
+
+def generate_and_run(args, options: list, write_split) -> list:
+    """Write the raw splits with `write_split(folder, split, count, rng)` (one generator seeded with
+    --data-seed), binarise them, and run every entry with every seed (`run_all`)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
+    raw = args.out / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.data_seed)
+    for split, count in zip(("train", "valid", "test"), (args.train, args.valid, args.test)):
+        write_split(raw, split, count, rng)
+    data = preprocess(raw, args.out / "bin", ("input0", "label"), args.out / "preprocess.log", env)
+    return run_all(args.out, data, options, args, env)
+
+
+def report(args, results, text: str) -> int:
+    """Print the table and keep it in OUT/results.md; the exit status (1 if a run failed)."""
+    (args.out / "results.md").write_text(text)
+    print(text)
+    return 0 if all(result.get("test") is not None for result in results) else 1
 
 
 def mean_and_spread(values) -> str:
