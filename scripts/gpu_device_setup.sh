@@ -34,6 +34,10 @@ _posenc_setup() {
         export PYTHONPATH="$repo/.gpu/site:$site${PYTHONPATH:+:$PYTHONPATH}"
     fi
     export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+    # fairseq-train batches with fairseq's Cython batch_by_size: a pure-Python port where it is missing
+    if ! "$python" -c "import fairseq.data.data_utils_fast" 2>/dev/null && [ -d "$repo/.gpu/site/fairseq/data" ]; then
+        cp "$repo/scripts/fairseq_data_utils_fast.py" "$repo/.gpu/site/fairseq/data/data_utils_fast.py"
+    fi
     if ! "$python" -c "import fairseq, hydra, omegaconf, bitarray" >&2; then
         echo "gpu_device_setup: fairseq still does not import (above)" >&2
         return 1
