@@ -40,7 +40,7 @@ from torch import Tensor
 
 from fairseq.modules import MultiheadAttention
 
-from .encodings.base import PositionalEncoding, hook_use
+from .encodings.base import adds_logit_terms, hook_use
 from .encodings.positions import position_range
 from .kernels.masks import blocks_future
 from .kernels.plan import AttentionCall, Kernel, plan
@@ -83,13 +83,6 @@ TORCHSCRIPT_MESSAGE = (
     "Python solver), which TorchScript cannot represent (torch.jit.trace neither). Run the model in eager "
     "mode (fairseq-generate, fairseq-interactive, hub interfaces) or with torch.compile; see README, "
     "'Works with'.")
-
-
-def adds_logit_terms(encoding) -> bool:
-    """Whether `encoding` adds anything to the logits (a `logit_bias` or `relative_logits` of its own)."""
-    kind = type(encoding)
-    return kind.logit_bias is not PositionalEncoding.logit_bias or \
-        kind.relative_logits is not PositionalEncoding.relative_logits
 
 
 class PositionalAttention(MultiheadAttention):

@@ -188,6 +188,11 @@ _HOOKS = frozenset(PROJECTION_HOOKS + RELATIVE_HOOKS)
 _CLASS_HOOK_USE: Dict[type, Tuple[bool, bool]] = {}
 
 
+def overrides(kind: type, hooks) -> bool:
+    """Whether the class `kind` has its own version of any of `hooks` (not the neutral default)."""
+    return any(getattr(kind, name) is not getattr(PositionalEncoding, name) for name in hooks)
+
+
 def hook_use(encoding: PositionalEncoding) -> Tuple[bool, bool]:
     """(projects, relative): whether `encoding` has its own version (its class's, or one set on the
     object) of a `PROJECTION_HOOKS` hook, and of a `RELATIVE_HOOKS` hook. The attention asks only
@@ -195,14 +200,19 @@ def hook_use(encoding: PositionalEncoding) -> Tuple[bool, bool]:
     kind = type(encoding)
     use = _CLASS_HOOK_USE.get(kind)
     if use is None:
-        use = _CLASS_HOOK_USE[kind] = tuple(
-            any(getattr(kind, name) is not getattr(PositionalEncoding, name) for name in hooks)
-            for hooks in (PROJECTION_HOOKS, RELATIVE_HOOKS))
+        use = _CLASS_HOOK_USE[kind] = (overrides(kind, PROJECTION_HOOKS), overrides(kind, RELATIVE_HOOKS))
     own = encoding.__dict__
     if not (use[0] and use[1]) and not _HOOKS.isdisjoint(own):
         use = (use[0] or any(name in own for name in PROJECTION_HOOKS),
                use[1] or any(name in own for name in RELATIVE_HOOKS))
     return use
+
+
+def adds_logit_terms(encoding: PositionalEncoding) -> bool:
+    """Whether `encoding` adds anything to the logits: its own `logit_bias` or `relative_logits`
+    (its class's, or one set on the object, as `hook_use`)."""
+    hooks = ("logit_bias", "relative_logits")
+    return overrides(type(encoding), hooks) or any(name in encoding.__dict__ for name in hooks)
 
 
 class ModelDims:

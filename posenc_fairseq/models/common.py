@@ -14,7 +14,7 @@ from fairseq.modules import LearnedPositionalEmbedding
 from ..attention import bound_attentions, use_positional_attention
 from ..layer_checkpoint import checkpoint_layer
 from ..encodings import ENCODINGS, ModelDims, build_encoding
-from ..encodings.base import PositionalEncoding, hook_use
+from ..encodings.base import hook_use, overrides
 from ..encodings.positions import AnyPositions, shared_range, tensor_of
 
 INPUT_POSITIONS = ("none", "sinusoidal", "learned", "stock")
@@ -96,7 +96,7 @@ def reads_token_positions(encoding) -> bool:
     call: through its projection hooks (rotary, FLOATER) or its own `begin`. The relative hooks get
     the positions from the attention instead."""
     parts = encoding.parts() if isinstance(encoding, PerStackEncoding) else [encoding]
-    return any(hook_use(part)[0] or type(part).begin is not PositionalEncoding.begin for part in parts)
+    return any(hook_use(part)[0] or overrides(type(part), ("begin",)) for part in parts)
 
 
 class PositionalTransformerEncoder(TransformerEncoder):
