@@ -12,7 +12,8 @@ For each architecture a fresh subprocess builds the model (same size for all), t
     both the median of `--gen-repeats` decodes after an untimed one, alternating with the reference
     model built in the same process (the generation ratios are taken within that process; so is the
     training ratio: after the solo timing, which gives the memory, --steps more updates of each
-    model alternate, median per update).
+    model alternate, median per update). The order alternates too: the architecture first in even
+    rounds, the reference first in odd ones (`alternating_medians`), for --growth as well.
 `--growth` prints instead, per arch, the training time per step at n = 128 and 2048 (batch 1) and
 its growth exponent log(t2048/t128)/log(16) next to the reference's.
 Timings on a shared machine vary from call to call, so every architecture is measured `--repeats`
@@ -166,12 +167,15 @@ def beam_search(model, src, lengths, task, args):
 
 def alternating_medians(runs, repeats, sync):
     """Median wall time of each of `runs` (name -> function) over `repeats` rounds that call them in
-    turn, after one untimed call each (first allocations and kept values)."""
+    turn, after one untimed call each (first allocations and kept values). Odd rounds call them in
+    reverse order: running first in a round changes the time measured (the same model against itself
+    gave ratios below 1 in a fixed order: docs/benchmarks.md), so neither may always run first."""
     times = {name: [] for name in runs}
     for name, run in runs.items():
         run()
-    for _ in range(repeats):
-        for name, run in runs.items():
+    order = list(runs.items())
+    for round_index in range(repeats):
+        for name, run in order if round_index % 2 == 0 else order[::-1]:
             sync()
             start = time.perf_counter()
             run()

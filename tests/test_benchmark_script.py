@@ -1,6 +1,8 @@
 """scripts/benchmark.py on a tiny model: the table (with the beam-search column) and --growth."""
+import importlib.util
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -39,3 +41,25 @@ def test_bad_counts_are_refused_in_one_line(option, value):
     done = subprocess.run([sys.executable, REPO / "scripts" / "benchmark.py", option, value],
                           capture_output=True, text=True)
     assert done.returncode == 2 and f"{option}: expected a whole number >= 1" in done.stderr
+
+
+def test_alternating_medians_alternates_which_run_goes_first(monkeypatch):
+    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    clock, calls = [0.0], []
+
+    def fake_run(name, seconds):
+        def run():
+            calls.append(name)
+            clock[0] += seconds
+        return run
+
+    # a fake clock that only the runs advance: each run's median is exactly its own duration
+    monkeypatch.setattr(benchmark, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    medians = benchmark.alternating_medians({"arch": fake_run("arch", 1.0), "reference": fake_run("reference", 3.0)},
+                                            4, sync=lambda: None)
+    untimed, timed = calls[:2], calls[2:]
+    assert untimed == ["arch", "reference"]
+    assert timed == ["arch", "reference", "reference", "arch", "arch", "reference", "reference", "arch"]
+    assert medians == {"arch": 1.0, "reference": 3.0}
