@@ -6,10 +6,8 @@ incremental-state layout and beam handling) with a forward that asks a bound
 
     projection_bias     per-token bias of the q/k/v projections              (FLOATER)
     project(q|k|v)      position-dependent change of the projected q/k/v    (rotary)
-    logit_bias          (heads, q_len, k_len) added to the scaled logits     (T5, AT5, ALiBi)
-    relative_logits     query against relative embeddings, (B, H, q, k)      (Shaw, LFHC, XL, GCDF)
-    relative_values     probabilities mixed into relative value embeddings   (Shaw, LFHC)
-    step_terms          one query's terms as additions to q, k, v and logits (Shaw, LFHC, XL, GCDF)
+    distance_term       the logit term per key - query distance              (T5, AT5, ALiBi, Shaw, LFHC, XL, GCDF)
+    value_term          a term on the values per distance                    (Shaw, LFHC)
 
 A forward is: project (q, k, v, the incremental cache, beams) -> positions (an `AttentionCall`)
 -> plan (`kernels.plan.plan`: which kernel serves the call) -> kernel (`kernels.serve`) -> output
@@ -18,14 +16,14 @@ projection. docs/design.md draws it; the kernels and the query blocks of long in
 
 Positions are explicit: in self-attention the queries are the last `q_len` of the `k_len` keys
 (the cache holds the earlier ones), so query i has position k_len - q_len + i during step-by-step
-decoding exactly as in the full forward pass. The positions are `position_range`s: built from
-Python integers, so the encodings read their bounds without a device synchronisation.
+decoding exactly as in the full forward pass. The encodings are asked for the call's key - query
+distances as Python integers (no device synchronisation).
 
 fairseq features handled here (see README, "Works with"):
 - `--cross-self-attention`: the decoder self-attention keys are cat(source, target). The projection
   hooks (rotary, FLOATER) see the key positions cat(source positions, target positions); the
-  relative hooks (logit_bias, relative_logits, relative_values) are given the target keys only and
-  add nothing on the source keys, exactly as they add nothing on cross-attention.
+  distance terms cover the target keys only and add nothing on the source keys, exactly as they
+  add nothing on cross-attention.
 - head pruning (`_adaptive_prune_heads`): the module remembers which of the original heads it keeps
   (`kept_heads`, saved with the model) and each kept head keeps its own per-head position terms.
 - `--retain-dropout`: attention dropout follows the dropout module's own decision
@@ -40,8 +38,8 @@ from torch import Tensor
 
 from fairseq.modules import MultiheadAttention
 
-from .encodings.base import adds_logit_terms, hook_use
-from .encodings.positions import position_range
+from .encodings.base import HookUse, hook_use
+from .encodings.distance import for_heads
 from .kernels.masks import blocks_future
 from .kernels.plan import AttentionCall, Kernel, plan
 from .kernels.serve import serve
@@ -83,6 +81,9 @@ TORCHSCRIPT_MESSAGE = (
     "Python solver), which TorchScript cannot represent (torch.jit.trace neither). Run the model in eager "
     "mode (fairseq-generate, fairseq-interactive, hub interfaces) or with torch.compile; see README, "
     "'Works with'.")
+
+
+NO_HOOKS = HookUse(projects=False, logits=False, values=False)
 
 
 class PositionalAttention(MultiheadAttention):
@@ -162,11 +163,10 @@ class PositionalAttention(MultiheadAttention):
         need_weights = need_weights or need_head_weights
         tgt_len, bsz, _ = query.size()
         binding = self.position_binding
-        projects, relative = hook_use(binding.encoding) if binding is not None else (False, False)
+        use = hook_use(binding.encoding) if binding is not None else NO_HOOKS
         q, k, v, key_padding_mask, source_keys = self._projected(query, key, value, key_padding_mask,
-                                                                  incremental_state, static_kv, projects)
-        call = self._call(q, k, v, attn_mask, key_padding_mask, source_keys, need_weights, before_softmax,
-                          relative)
+                                                                  incremental_state, static_kv, use.projects)
+        call = self._call(q, k, v, attn_mask, key_padding_mask, source_keys, need_weights, before_softmax, use)
         call_plan = plan(call)
         out, probs = serve(call, call_plan, self._modules["dropout_module"])
         if call_plan.kernel is Kernel.LOGITS:  # fairseq's before_softmax: the logits and the values
@@ -250,45 +250,39 @@ class PositionalAttention(MultiheadAttention):
         return q, k, v, key_padding_mask, source_keys
 
     def _call(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
-              source_keys: int, need_weights: bool, before_softmax: bool, relative_hooks: bool) -> AttentionCall:
-        """The `AttentionCall` of the projected q, k, v: the relative positions of the queries and
-        target keys (the queries are the last Tq of the target keys; with --cross-self-attention
-        the relative terms cover the target keys only, nothing on the source keys, as on
-        cross-attention), the encoding's step terms where a decoding step can use them, and the
-        facts the plan is made from. `relative_hooks`: the encoding has relative hooks (else the call
-        is plain attention and needs no positions)."""
+              source_keys: int, need_weights: bool, before_softmax: bool, use: HookUse) -> AttentionCall:
+        """The `AttentionCall` of the projected q, k, v: the encoding's terms over the distances of
+        the queries and target keys (the queries are the last Tq of the target keys; with
+        --cross-self-attention the relative terms cover the target keys only, nothing on the source
+        keys, as on cross-attention) and the facts the plan is made from. `use`: the encoding's
+        hooks (without relative ones the call is plain attention and asks nothing)."""
         binding = self.position_binding
         encoding = binding.encoding if binding is not None else None
-        role, layer = (binding.role, binding.layer) if binding is not None else (None, None)
         bsz, heads, tgt_len, _ = q.shape
         src_len = k.size(2)
         self_attention = encoding is not None and not self.encoder_decoder_attention
-        relative = self_attention and relative_hooks
-        if self_attention and source_keys and src_len < source_keys + tgt_len:
-            raise RuntimeError(f"cross-self-attention: {src_len} keys cannot hold {source_keys} source "
-                               f"and {tgt_len} target tokens")
-        target_len = src_len - source_keys
-        q_pos = k_pos = None
-        if relative:  # built from Python integers: the encodings read their bounds without a device sync
-            q_pos = position_range(target_len - tgt_len, target_len, q.device)
-            k_pos = position_range(0, target_len, q.device)
-        kept = self._kept_heads()
+        term = values = None
+        if self_attention and (use.logits or use.values):
+            if source_keys and src_len < source_keys + tgt_len:
+                raise RuntimeError(f"cross-self-attention: {src_len} keys cannot hold {source_keys} source "
+                                   f"and {tgt_len} target tokens")
+            # key - query distances: from the last query (position target_len - 1) to the first key,
+            # to the first query (target_len - tgt_len) to the last key
+            target_len = src_len - source_keys
+            low, high = 1 - target_len, tgt_len - 1
+            role, layer, kept = binding.role, binding.layer, self._kept_heads()
+            if use.logits:
+                term = for_heads(encoding.distance_term(role, layer, low, high, tgt_len, q.dtype), kept)
+            if use.values:
+                values = for_heads(encoding.value_term(role, layer, low, high, tgt_len, q.dtype), kept)
         # fairseq's future mask (checked): keys after a query are blocked, their terms may be skipped
-        future_blocked = (relative and not source_keys and attn_mask is not None  # (no call into the uncompiled check)
-                          and blocks_future(attn_mask, tgt_len, src_len))
-        # a decoding step: relative terms on every key, no head pruning, neither weights nor logits asked
-        step_terms = None
-        if relative and tgt_len == 1 and not source_keys and not (need_weights or before_softmax) and kept is None:
-            step_terms = encoding.step_terms(role, layer, q_pos, k_pos)
+        future_blocked = ((term is not None or values is not None) and not source_keys and attn_mask is not None
+                          and blocks_future(attn_mask, tgt_len, src_len))  # (no call into the uncompiled check)
         return AttentionCall(
             q=q * self.scaling, k=k, v=v, k_target=k[:, :, source_keys:] if source_keys else k,
-            attn_mask=attn_mask, key_padding_mask=key_padding_mask, query_positions=q_pos, key_positions=k_pos,
-            source_keys=source_keys, need_weights=need_weights, before_softmax=before_softmax,
-            encoding=encoding, role=role, layer=layer, relative=relative,
-            logit_terms=relative and adds_logit_terms(encoding),
-            value_term=relative and encoding.has_relative_values(role, layer),
-            future_blocked=future_blocked, step_terms=step_terms, kept_heads=kept,
-            full_heads=self._full_heads(), dropout_p=self._dropout_probability(),
+            attn_mask=attn_mask, key_padding_mask=key_padding_mask, source_keys=source_keys,
+            need_weights=need_weights, before_softmax=before_softmax, encoding=encoding, term=term, values=values,
+            future_blocked=future_blocked, dropout_p=self._dropout_probability(),
             logits=bsz * heads * tgt_len * src_len)
 
     def _dropout_probability(self) -> float:

@@ -10,8 +10,8 @@ import math
 import torch
 from torch import Tensor
 
-from .base import DistanceLogits, PositionalEncoding, distance_range, register_encoding
-from .positions import bounds, tensor_of
+from .base import PositionalEncoding, register_encoding
+from .distance import DistanceTerm
 
 
 def alibi_slopes(heads: int) -> Tensor:
@@ -37,25 +37,15 @@ class ALiBi(PositionalEncoding):
         super().__init__(args, dims)
         self.register_buffer("slopes", alibi_slopes(dims.heads), persistent=False)
 
-    def logit_bias(self, role, layer, query_positions, key_positions):
-        if role == "cross":
-            return None
-
-        def compute():
-            return self.penalty(tensor_of(key_positions)[None, :] - tensor_of(query_positions)[:, None])
-        (q_low, _), (k_low, _) = bounds(query_positions), bounds(key_positions)  # no device sync
-        return self.memoize((role, "alibi", q_low, len(query_positions), k_low, len(key_positions)), compute)
-
     def penalty(self, distance: Tensor) -> Tensor:
         """-m_h |d| of key - query distances `distance` (any shape) -> (heads, *distance.shape)."""
         return -self.slopes.view(-1, *[1] * distance.dim()) * distance.abs()
 
-    def distance_logits(self, role, layer, query, key, query_positions, key_positions):
-        """The penalty per distance, (1, H, 1, Tq + Tk - 1), once per forward."""
+    def distance_term(self, role, layer, low, high, queries, dtype):
+        """The penalty per distance, once per forward (the same in every layer)."""
         if role == "cross":
             return None
-        low, high = distance_range(query_positions, key_positions)
 
         def compute():
-            return self.penalty(torch.arange(low, high + 1, device=self.slopes.device))[None, :, None, :]
-        return DistanceLogits(self.memoize((role, "alibi per distance", low, high), compute))
+            return self.penalty(torch.arange(low, high + 1, device=self.slopes.device))
+        return DistanceTerm(low, high, bias=self.memoize((role, "alibi", low, high), compute), key=(role, "alibi"))

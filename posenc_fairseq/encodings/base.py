@@ -3,59 +3,27 @@
 An encoding is one `nn.Module` per model, shared by every attention layer (x-transformers
 style). Layers call it with their role ('encoder' self-attention, 'decoder' self-attention,
 'cross' attention) and 0-based layer index; every hook has a default that adds nothing, so an
-encoding overrides only where its position information enters. The query and key positions of
-the relative hooks are 1-D: `Positions` from the attention (consecutive, bounds known; the values
-are `.tensor`), or any tensor of positions (`AnyPositions`; `positions.tensor_of` reads either).
+encoding overrides only where its position information enters. Four hooks:
+
+    projection_bias, project    per token: the q/k/v projections' bias, a change of q/k/v (FLOATER, rotary)
+    distance_term, value_term   per key - query distance of a self-attention call: the logit term
+                                and a term on the values, as a `DistanceTerm` (distance.py, which
+                                makes of it what each kernel reads)
+
 Values an encoding computes from positions and parameters go to its `cache` (cache.py). This file does not import
 fairseq: encodings are plain torch and testable in milliseconds.
 """
 import argparse
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
 
 from .cache import EncodingCache
-from .positions import AnyPositions, Positions, bounds, tensor_of
+from .distance import DistanceTerm
+from .positions import AnyPositions, Positions, tensor_of
 
 ROLES = ("encoder", "decoder", "cross")
-
-
-class StepTerms(NamedTuple):
-    """One query's position terms (a decoding step) as additions to the attention's inputs, which
-    then make plain (fused) attention:
-
-        softmax_j((q + query) . (k_j + keys_j) + logits_j) . (v_j + values_j)
-
-    `query` broadcasts against (B, H, 1, D) (e.g. (H, 1, D)); `keys`/`values` against (B, H, Tk, D)
-    ((Tk, D) shared by the heads, or (H, Tk, D)); `logits` against (B, H, 1, Tk) (e.g. (H, 1, Tk));
-    None: nothing there. q arrives scaled by 1/sqrt(D)."""
-    query: Optional[Tensor] = None
-    keys: Optional[Tensor] = None
-    values: Optional[Tensor] = None
-    logits: Optional[Tensor] = None
-
-
-class DistanceLogits(NamedTuple):
-    """The logit terms of one call as a fused kernel reads them (`distance_logits`,
-    flex_attention.py): for query i and key j of consecutive positions, c = j - i + Tq - 1 numbers
-    the Tq + Tk - 1 distances key - query in ascending order, and the term of (b, h, i, j) is
-
-        table[b, h, i, column[c]]  (+ key_bias[b, h, j])
-
-    `table` (B or 1, H, Tq or 1, R): a size-1 batch or query dimension is shared (read at 0);
-    `column` (Tq + Tk - 1,) long, the table column of each distance; None: column c itself;
-    `key_bias` (B, H, Tk): a term of the key alone (XL/GCDF's u.k_j), or None."""
-    table: Tensor
-    column: Optional[Tensor] = None
-    key_bias: Optional[Tensor] = None
-
-
-def distance_range(query_positions: AnyPositions, key_positions: AnyPositions) -> Tuple[int, int]:
-    """(lowest, highest) key - query distance of the pairs of 1-D positions (no device sync for a
-    `position_range`); for consecutive positions the distances `DistanceLogits` numbers."""
-    (q_low, q_high), (k_low, k_high) = bounds(query_positions), bounds(key_positions)
-    return k_low - q_high, k_high - q_low
 
 
 class PositionalEncoding(nn.Module):
@@ -129,49 +97,18 @@ class PositionalEncoding(nn.Module):
         None keeps the projection as it is. Positions are (B, T)."""
         return None
 
-    def step_terms(self, role: str, layer: int, query_positions: AnyPositions,
-                   key_positions: AnyPositions) -> Optional[StepTerms]:
-        """One query (a decoding step) against consecutive keys: the encoding's terms as
-        `StepTerms`, used instead of `logit_bias`, `relative_logits` and `relative_values` for the
-        call; None: no such form (the hooks serve the step)."""
+    def distance_term(self, role: str, layer: int, low: int, high: int, queries: int,
+                      dtype: torch.dtype) -> Optional[DistanceTerm]:
+        """The logit term of a self-attention call of `queries` queries whose key - query distances
+        are low..high, as values per distance (`DistanceTerm`, distance.py), in `dtype`; None where
+        the layer has none. The attention makes of it what its kernel reads (the dense (B, H, Tq, Tk)
+        term, a block's slice, a decoding step's row, FlexAttention's table)."""
         return None
 
-    def logit_bias(self, role: str, layer: int, query_positions: AnyPositions,
-                   key_positions: AnyPositions) -> Optional[Tensor]:
-        """(H, Tq, Tk) added to the scaled logits; positions are 1-D."""
-        return None
-
-    def relative_logits(self, role, layer, query: Tensor, key: Tensor, query_positions, key_positions,
-                        future_blocked: bool = False, content_folded: bool = False) -> Optional[Tensor]:
-        """(B, H, Tq, Tk) added to the scaled logits; `query` (B, H, Tq, D) is already scaled by
-        1/sqrt(D), `key` is (B, H, Tk, D). `future_blocked`: the attention mask blocks every key
-        after its query (fairseq's future mask, checked), so those entries may hold any finite value.
-        `content_folded`: the attention adds `content_query` to the queries of its product with the
-        keys, so the term it stands for is left out here."""
-        return None
-
-    def content_query(self, role: str, layer: int, dtype: torch.dtype) -> Optional[Tensor]:
-        """(H, 1, D) or None: a vector u per head whose logit term u.k_j (every key j; scaled as the
-        queries) the attention may fold into its product with the keys, (q + u).k_j, instead of one
-        more (B, H, Tq, Tk) addition (XL's content bias). Asked where every key carries the relative
-        terms and no head is pruned; `relative_logits` is then called with `content_folded=True`."""
-        return None
-
-    def has_relative_values(self, role: str, layer: int) -> bool:
-        return False
-
-    def relative_values(self, role, layer, probs: Tensor, query_positions, key_positions) -> Optional[Tensor]:
-        """(B, H, Tq, D) added to the attention output, from probabilities (B, H, Tq, Tk)."""
-        return None
-
-    # --- optional: the logit terms for a fused kernel (flex_attention.py) ------------------
-    def distance_logits(self, role, layer, query: Tensor, key: Tensor, query_positions: AnyPositions,
-                        key_positions: AnyPositions) -> Optional[DistanceLogits]:
-        """The terms `logit_bias` + `relative_logits` add in this layer, as a table per distance
-        (see `DistanceLogits`) instead of a (B, H, Tq, Tk) tensor; arguments as `relative_logits`,
-        positions consecutive (`position_range`). An encoding that overrides it promises exactly
-        those terms (the fused path calls neither of the two hooks) and returns None where the
-        layer has none. Not overridden: PositionalAttention never takes the fused path."""
+    def value_term(self, role: str, layer: int, low: int, high: int, queries: int,
+                   dtype: torch.dtype) -> Optional[DistanceTerm]:
+        """A term added to the attention output, sum_j p_ij vectors[row of j - i] (`DistanceTerm`
+        with `vectors` and `rows`); None where the layer has none."""
         return None
 
     # --- warm start ------------------------------------------------------------------------
@@ -182,10 +119,16 @@ class PositionalEncoding(nn.Module):
 #: the hooks through which an encoding changes the projected q, k, v
 PROJECTION_HOOKS = ("projection_bias", "project")
 #: the hooks through which an encoding adds relative terms to self-attention
-RELATIVE_HOOKS = ("step_terms", "logit_bias", "relative_logits", "content_query", "has_relative_values",
-                  "relative_values", "distance_logits")
+RELATIVE_HOOKS = ("distance_term", "value_term")
 _HOOKS = frozenset(PROJECTION_HOOKS + RELATIVE_HOOKS)
-_CLASS_HOOK_USE: Dict[type, Tuple[bool, bool]] = {}
+_CLASS_HOOK_USE: Dict[type, "HookUse"] = {}
+
+
+class HookUse(NamedTuple):
+    """Which kinds of hooks an encoding has its own version of (`hook_use`)."""
+    projects: bool  # a PROJECTION_HOOKS hook
+    logits: bool  # distance_term
+    values: bool  # value_term
 
 
 def overrides(kind: type, hooks) -> bool:
@@ -193,26 +136,19 @@ def overrides(kind: type, hooks) -> bool:
     return any(getattr(kind, name) is not getattr(PositionalEncoding, name) for name in hooks)
 
 
-def hook_use(encoding: PositionalEncoding) -> Tuple[bool, bool]:
-    """(projects, relative): whether `encoding` has its own version (its class's, or one set on the
-    object) of a `PROJECTION_HOOKS` hook, and of a `RELATIVE_HOOKS` hook. The attention asks only
-    an encoding that has: the neutral defaults add nothing. Decided once per class."""
+def hook_use(encoding: PositionalEncoding) -> HookUse:
+    """Which hooks `encoding` has its own version of (its class's, or one set on the object): the
+    attention asks only those; the neutral defaults add nothing. Decided once per class."""
     kind = type(encoding)
     use = _CLASS_HOOK_USE.get(kind)
     if use is None:
-        use = _CLASS_HOOK_USE[kind] = (overrides(kind, PROJECTION_HOOKS), overrides(kind, RELATIVE_HOOKS))
+        use = _CLASS_HOOK_USE[kind] = HookUse(overrides(kind, PROJECTION_HOOKS), overrides(kind, ("distance_term",)),
+                                              overrides(kind, ("value_term",)))
     own = encoding.__dict__
-    if not (use[0] and use[1]) and not _HOOKS.isdisjoint(own):
-        use = (use[0] or any(name in own for name in PROJECTION_HOOKS),
-               use[1] or any(name in own for name in RELATIVE_HOOKS))
+    if not _HOOKS.isdisjoint(own):
+        use = HookUse(use.projects or any(name in own for name in PROJECTION_HOOKS),
+                      use.logits or "distance_term" in own, use.values or "value_term" in own)
     return use
-
-
-def adds_logit_terms(encoding: PositionalEncoding) -> bool:
-    """Whether `encoding` adds anything to the logits: its own `logit_bias` or `relative_logits`
-    (its class's, or one set on the object, as `hook_use`)."""
-    hooks = ("logit_bias", "relative_logits")
-    return overrides(type(encoding), hooks) or any(name in encoding.__dict__ for name in hooks)
 
 
 class ModelDims:

@@ -31,11 +31,11 @@ import argparse
 import torch
 from torch import Tensor, nn
 
-from .base import DistanceLogits, PositionalEncoding, StepTerms, register_encoding
+from .base import PositionalEncoding, register_encoding
+from .distance import DistanceTerm
 from .option_types import Checker, check_size, checked, one_of, option
 from .cache import range_values, signature, use_kept_values
-from .positions import (bounds, first_of_runs, is_range, relative_shift, row_runs, sum_by_distance_runs, take_runs,
-                        tensor_of)
+from .positions import row_runs, tensor_of
 
 SELF_ROLES = ("encoder", "decoder")
 #: parse-time bound of k (2k+1 table rows per layer); build time checks the exact table size
@@ -111,143 +111,58 @@ class Shaw(PositionalEncoding):
                           "the key term only; on is an extension, Shaw et al.'s value term)"
         parser.add_argument(f"--{p}-values", type=switch, metavar="on|off", help=values_help)
 
-    # --- buckets ------------------------------------------------------------------------------
+    # --- rows ----------------------------------------------------------------------------------
     def bucket_of(self, query_positions: Tensor, key_positions: Tensor, layer: int) -> Tensor:
         """(Tq, Tk) table rows (0..2k) at 0-based `layer`: Shaw's clip(j - i, k) + k."""
         return shaw_buckets(tensor_of(key_positions)[None, :] - tensor_of(query_positions)[:, None], self.k)
 
-    def buckets(self, role: str, layer: int, query_positions: Tensor, key_positions: Tensor):
-        """(index, low, high): the rows low..high that the call uses and each pair's row - low.
-        The bucket is monotone in the distance, so low and high are the buckets of the extreme
-        pairs, found from the positions' bounds (no device synchronisation)."""
-        (q_low, q_high), (k_low, k_high) = bounds(query_positions), bounds(key_positions)
+    def row_bounds(self, low: int, high: int, layer: int):
+        """Lowest and highest row of the key - query distances low..high, in Python integers:
+        clip(j - i, k) + k is monotone in j - i."""
+        return max(-self.k, min(self.k, low)) + self.k, max(-self.k, min(self.k, high)) + self.k
 
-        def compute():
-            rows = self.bucket_of(query_positions, key_positions, layer)
-            low, high = self.bucket_bounds(q_low, q_high, k_low, k_high, layer)
-            return rows - low, low, high
-        return self.memoize((role, self.name, self._layer_key(layer), *self._call_key(query_positions, key_positions)),
-                            compute)
-
-    def bucket_bounds(self, q_low, q_high, k_low, k_high, layer):
-        """Lowest and highest row of the pairs of queries q_low..q_high and keys k_low..k_high, in
-        Python integers: clip(j - i, k) + k is monotone in j - i."""
-        return (max(-self.k, min(self.k, k_low - q_high)) + self.k,
-                max(-self.k, min(self.k, k_high - q_low)) + self.k)
-
-    def _layer_key(self, layer):
-        return 0  # Shaw: the same index matrix at every layer
-
-    # --- hooks ----------------------------------------------------------------------------------
-    def distance_rows(self, role, layer, query_positions, key_positions):
-        """(rows, low, high) for consecutive positions: the row - low of each query - key distance
-        of the call, descending from last query - first key (the order `relative_shift` reads)."""
-        return self.memoize((role, self.name, "distance rows", self._layer_key(layer), *self._call_key(
-            query_positions, key_positions)), lambda: self._distance_rows(layer, query_positions, key_positions,
-                                                                          query_positions.device))
-
-    def distance_runs(self, role, layer, query_positions, key_positions):
-        """`distance_rows` as `row_runs` pieces (Python integers, computed on the host: no device
-        synchronisation), with low and high."""
-        def compute():
-            rows, low, high = self._distance_rows(layer, query_positions, key_positions, "cpu")
-            return row_runs(rows.tolist()), low, high
-        return self.memoize((role, self.name, "distance runs", self._layer_key(layer), *self._call_key(
-            query_positions, key_positions)), compute)
-
-    def _distance_rows(self, layer, query_positions, key_positions, device):
-        (q_low, q_high), (k_low, k_high) = bounds(query_positions), bounds(key_positions)
-        rows = self.rows_of_distances(layer, q_high - k_low, q_low - k_high, device)
-        low, high = self.bucket_bounds(q_low, q_high, k_low, k_high, layer)
-        return rows - low, low, high
-
-    def rows_of_distances(self, layer, high, low, device):
-        """Table rows (0..2k) of the query - key distances high, high - 1, ..., low (descending)."""
-        x = torch.arange(high, low - 1, -1, device=device)  # query - key
+    def rows_of_distances(self, layer: int, low: int, high: int, device) -> Tensor:
+        """Table rows (0..2k) of the key - query distances low..high (ascending)."""
+        x = torch.arange(-low, -high - 1, -1, device=device)  # query - key
         return self.bucket_of(x, torch.zeros(1, dtype=x.dtype, device=x.device), layer)[:, 0]
 
-    @staticmethod
-    def _call_key(query_positions, key_positions):
-        (q_low, _), (k_low, _) = bounds(query_positions), bounds(key_positions)
-        return q_low, len(query_positions), k_low, len(key_positions)
+    def _layer_key(self, layer):
+        return 0  # Shaw: the same rows at every layer
 
-    def relative_logits(self, role, layer, query, key, query_positions, key_positions, future_blocked=False,
-                        content_folded=False):
-        if role not in SELF_ROLES:
+    def distance_runs(self, role: str, layer: int, low: int, high: int):
+        """(runs, first, last): the rows first..last that the distances low..high use, and the row
+        of each distance - first as `row_runs` pieces (Python integers, computed on the host: no
+        device synchronisation), once per forward."""
+        def compute():
+            first, last = self.row_bounds(low, high, layer)
+            rows = self.rows_of_distances(layer, low, high, "cpu") - first
+            return tuple(row_runs(rows.tolist())), first, last
+        return self.memoize((role, self.name, "distance runs", self._layer_key(layer), low, high), compute)
+
+    # --- hooks ----------------------------------------------------------------------------------
+    def distance_term(self, role, layer, low, high, queries, dtype):
+        """w^K of each distance: q_i . a^K_ij (the query already scaled by 1/sqrt(d))."""
+        return self._term(role, layer, "key", low, high, queries, dtype) if role in SELF_ROLES else None
+
+    def value_term(self, role, layer, low, high, queries, dtype):
+        """w^V of each distance: sum_j alpha_ij a^V_ij."""
+        if not (self.values and role in SELF_ROLES):
             return None
-        if query.size(2) > 1 and is_range(query_positions) and is_range(key_positions):
-            # the attention's consecutive positions: query . row per distance, then a strided view
-            runs, low, high = self.distance_runs(role, layer, query_positions, key_positions)
-            if future_blocked:  # distances high..-1 (relative_shift): the rest is blocked
-                runs = first_of_runs(runs, key.size(2) + 1)
-            return relative_shift(take_runs(self.key_scores(role, layer, query, low, high), runs), key.size(2))
-        index, low, high = self.buckets(role, layer, query_positions, key_positions)  # (Tq, Tk)
-        scores = self.key_scores(role, layer, query, low, high)  # (B, H, Tq, #rows used)
-        batch, heads, tq, _ = scores.shape
-        return scores.gather(-1, index.expand(batch, heads, tq, index.size(-1)))
+        return self._term(role, layer, "value", low, high, queries, dtype)
 
-    def step_terms(self, role, layer, query_positions, key_positions):
-        """One query: a^K_ij and a^V_ij depend on the key j alone, so they are (Tk, D) rows of the
-        tables added to the keys and values: q_i . (k_j + a^K_ij) and sum_j alpha_ij (v_j + a^V_ij)
-        are e_ij and z_i themselves. In inference the rows of each distance are kept across steps
-        (`range_values`, in the keys' order: a slice per step)."""
-        if role not in SELF_ROLES:
-            return None
-        if use_kept_values(self) and len(query_positions) == 1 and is_range(key_positions):
-            (query, _), (first_key, last_key) = bounds(query_positions), bounds(key_positions)
-            low, high = query - last_key, query - first_key  # distances i - j, the keys' order descending
-            keys = self._kept_rows(role, layer, "key", low, high)
-            if not self.has_relative_values(role, layer):
-                return StepTerms(keys=keys)
-            return StepTerms(keys=keys, values=self._kept_rows(role, layer, "value", low, high))
-        index, low, high = self.buckets(role, layer, query_positions, key_positions)  # (1, Tk), shared by the layers
-        keys = self.key_tables[f"{role}{layer}"][low: high + 1].index_select(0, index[0])
-        if not self.has_relative_values(role, layer):
-            return StepTerms(keys=keys)
-        return StepTerms(keys=keys, values=self.value_tables[f"{role}{layer}"][low: high + 1].index_select(0, index[0]))
-
-    def _kept_rows(self, role, layer, which, low, high):
-        """Rows of the layer's `which` ('key' or 'value') table for the distances high..low
-        (descending), kept in inference."""
+    def _term(self, role, layer, which, low, high, queries, dtype):
+        """The rows of the layer's `which` ('key' or 'value') table that the distances low..high use,
+        one (D,) vector per row shared by the heads. A decoding step in inference: the row of each
+        distance itself, kept across steps (`range_values`: a slice per step)."""
         table = (self.key_tables if which == "key" else self.value_tables)[f"{role}{layer}"]
-
-        def compute(first, last):
-            return table.index_select(0, self.rows_of_distances(layer, last, first, table.device))
-        return range_values(self.cache.inference(self), (role, layer, which), signature([table]), low, high, compute,
-                            dim=0, descending=True)
-
-    def key_scores(self, role, layer, query, low, high):
-        """(B, H, Tq, high - low + 1): the query (already scaled by 1/sqrt(d)) against the key
-        embeddings w^K of the rows low..high."""
-        table = self.key_tables[f"{role}{layer}"][low: high + 1].to(query.dtype)
-        return query @ table.t()
-
-    def distance_logits(self, role, layer, query, key, query_positions, key_positions):
-        """The key term as the query against the rows the call uses, (B, H, Tq, #rows), and the
-        row of each distance (`distance_rows`); the value term has no such form (see
-        `has_relative_values`: the fused path is not taken with it)."""
-        if role not in SELF_ROLES:
-            return None
-        rows, low, high = self.distance_rows(role, layer, query_positions, key_positions)
-        return DistanceLogits(self.key_scores(role, layer, query, low, high), rows)
-
-    def has_relative_values(self, role, layer):
-        return self.values and role in SELF_ROLES
-
-    def relative_values(self, role, layer, probs, query_positions, key_positions):
-        if not self.has_relative_values(role, layer):
-            return None
-        batch, heads, tq, tk = probs.shape
-        if tq > 1 and is_range(query_positions) and is_range(key_positions):
-            # the attention's consecutive positions: probabilities summed per run of distances
-            runs, low, high = self.distance_runs(role, layer, query_positions, key_positions)
-            per_bucket = sum_by_distance_runs(probs, runs, high - low + 1)
-        else:
-            index, low, high = self.buckets(role, layer, query_positions, key_positions)
-            per_bucket = probs.new_zeros(batch, heads, tq, high - low + 1)
-            per_bucket = per_bucket.scatter_add(-1, index.expand(batch, heads, tq, tk), probs)
-        table = self.value_tables[f"{role}{layer}"][low: high + 1]
-        return per_bucket @ table.to(probs.dtype)  # (B, H, Tq, D)
+        if queries == 1 and use_kept_values(self):
+            def compute(first, last):
+                return table.index_select(0, self.rows_of_distances(layer, first, last, table.device))
+            rows = range_values(self.cache.inference(self), (role, layer, which), signature([table]), low, high,
+                                compute, dim=0)
+            return DistanceTerm(low, high, vectors=rows.to(dtype)[None])
+        runs, first, last = self.distance_runs(role, layer, low, high)
+        return DistanceTerm(low, high, vectors=table[first: last + 1].to(dtype)[None], rows=runs)
 
     def reset_to_identity(self):
         with torch.no_grad():
@@ -278,13 +193,13 @@ class LFHC(Shaw):
         relative = tensor_of(query_positions)[:, None] - tensor_of(key_positions)[None, :]  # x = i - j (eq. 5)
         return lfhc_buckets(relative, self.k, layer + 1, self.rounding)
 
-    def bucket_bounds(self, q_low, q_high, k_low, k_high, layer):
+    def row_bounds(self, low, high, layer):
         """Eq. 9's rows are monotone in x = i - j: those of the smallest and largest x."""
         def row(x):
             l = layer + 1
             part = x // l if self.rounding == "floor" or x >= 0 else -((-x) // l)
             return max(-self.k, min(self.k, part)) + self.k
-        return row(q_low - k_high), row(q_high - k_low)
+        return row(-high), row(-low)
 
     def _layer_key(self, layer):
         return layer

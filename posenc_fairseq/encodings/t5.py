@@ -30,15 +30,14 @@ distance to 0) and refused where it does not.
 """
 import argparse
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from .base import DistanceLogits, PositionalEncoding, distance_range, layers_with_bias, register_encoding
+from .base import PositionalEncoding, layers_with_bias, register_encoding
+from .distance import DistanceTerm, distance_range, rows_of
 from .option_types import OptionValueError, check_size, even_int_in_range, int_in_range, one_of, option
 from .cache import range_values, signature, use_kept_values
-from .positions import bounds, is_range, tensor_of, toeplitz
 
 #: parse-time bounds; beyond them a table would be absurdly large (build time checks the exact size)
 MAX_BUCKETS = 2 ** 20
@@ -143,24 +142,6 @@ class ScalarBias(PositionalEncoding):
         for parameter set `key`; subclasses implement it."""
         raise NotImplementedError
 
-    def bias(self, role: str, layer: int, query_positions: Tensor, key_positions: Tensor) -> Optional[Tensor]:
-        """(heads, q_len, k_len) bias between arbitrary 1-D positions, not memoized; None where the
-        layer has no bias."""
-        if not self.has_bias(role, layer):
-            return None
-        (q_low, q_high), (k_low, k_high) = bounds(query_positions), bounds(key_positions)
-        low, high = k_low - q_high, k_high - q_low
-        key = self.table_key(role, layer)
-        if len(query_positions) == 1 and is_range(key_positions):
-            # one query (a decoding step) and consecutive keys: key j is at distance low + j, so
-            # the bias is the per-distance values themselves, kept across steps in inference
-            return self.distance_values(key, low, high)[:, None, :]
-        values = self.distance_bias(key, low, high)  # over the distinct distances
-        if is_range(query_positions) and is_range(key_positions):
-            return toeplitz(values, len(query_positions))
-        relative = tensor_of(key_positions).long()[None, :] - tensor_of(query_positions).long()[:, None]
-        return values[:, relative - low]
-
     def distance_values(self, key: str, low: int, high: int) -> Tensor:
         """`distance_bias`, kept across calls in inference (positions.py: a decoding step reads a
         slice of it)."""
@@ -169,22 +150,15 @@ class ScalarBias(PositionalEncoding):
                                 low, high, lambda a, b: self.distance_bias(key, a, b), dim=1)
         return self.distance_bias(key, low, high)
 
-    def logit_bias(self, role, layer, query_positions, key_positions):
+    def distance_term(self, role, layer, low, high, queries, dtype):
+        """The bias per distance itself, once per forward and table (a decoding step: a slice of the
+        values kept across steps)."""
         if not self.has_bias(role, layer):
             return None
-        key = self.table_key(role, layer)
-        (q_low, _), (k_low, _) = bounds(query_positions), bounds(key_positions)
-        memo = (role, self.name, key, q_low, len(query_positions), k_low, len(key_positions))
-        return self.memoize(memo, lambda: self.bias(role, layer, query_positions, key_positions))
-
-    def distance_logits(self, role, layer, query, key, query_positions, key_positions):
-        """The bias per distance itself, (1, H, 1, Tq + Tk - 1), once per forward and table."""
-        if not self.has_bias(role, layer):
-            return None
-        name, (low, high) = self.table_key(role, layer), distance_range(query_positions, key_positions)
+        name = self.table_key(role, layer)
         values = self.memoize((role, self.name, name, "per distance", low, high),
                               lambda: self.distance_values(name, low, high))
-        return DistanceLogits(values[None, :, None, :])
+        return DistanceTerm(low, high, bias=values, key=(role, self.name, name))
 
 
 class _TableBias(ScalarBias):
@@ -284,7 +258,7 @@ def prior_distribution(encoding: PositionalEncoding, role: str, layer: int, quer
     """The prior beta over the keys of one head (paper eq. 6): softmax over `key_positions` of the
     encoding's token-independent logit bias for query position i = `query_position`.
 
-    Works for every encoding: the bias is what its `logit_bias` hook adds in that layer (T5,
+    Works for every encoding: the bias is its `distance_term` in that layer when that is a bias alone (T5,
     T5-NoB, AT5, AT5-NoB: e_h(j - i); ALiBi: -m_h |j - i|), computed as in the model (its device
     and dtype) but with dropout off (eval mode, restored afterwards) and without touching the
     per-forward cache. In the causal decoder keys after the query get probability 0. A layer,
@@ -293,17 +267,19 @@ def prior_distribution(encoding: PositionalEncoding, role: str, layer: int, quer
     gives the uniform prior. Returns a 1-D float32 tensor (len(key_positions),) on the model's
     device that sums to 1, e.g. to plot with `plt.plot(key_positions, prior.cpu())`.
     """
-    device, _ = _device_and_dtype(encoding)
+    device, dtype = _device_and_dtype(encoding)
     keys = torch.as_tensor(key_positions, device=device).long().reshape(-1)
     query = torch.tensor([int(query_position)], device=device)
     training = encoding.training
     encoding.eval()
     try:
         with torch.no_grad(), encoding.cache.apart():
-            bias = encoding.logit_bias(role, layer, query, keys)
+            term = encoding.distance_term(role, layer, *distance_range(query, keys), 1, dtype)
     finally:
         encoding.train(training)
-    scores = torch.zeros(len(keys), device=device) if bias is None else bias[head, 0].float()
+    scores = torch.zeros(len(keys), device=device)
+    if term is not None and term.vectors is None and term.content is None:  # a bias alone
+        scores = term.bias[head, rows_of(term, keys - query)].float()
     if role == "decoder":
         scores = scores.masked_fill(keys > int(query_position), float("-inf"))
     return torch.softmax(scores, dim=-1)

@@ -1,6 +1,6 @@
-"""Long inputs of the encodings with `query_blocks` (Shaw, LFHC, XL, GCDF): a kernel serves one
-block of queries at a time, so that a block's relative terms and distances are all that exist at
-once; the result is the same. Under fairseq's future mask a block leaves out the keys after its
+"""Long inputs whose terms depend on the query (Shaw, LFHC, XL, GCDF): a kernel serves one block
+of queries at a time, so that a block's relative terms are all that exist at once (its window of
+the call's distances); the result is the same. Under fairseq's future mask a block leaves out the keys after its
 last query (all blocked). In training each block is recomputed during backward (activation
 checkpointing of the block alone), so a step keeps only the blocks' inputs, not the probabilities
 (B, H, n, n) of every layer, at the price of computing the blocked attention twice."""
@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from ..encodings.positions import position_range
+from ..encodings.distance import window
 
 #: queries per block when relative terms are computed a block at a time (see `query_block_size`)
 QUERY_BLOCK = 128
@@ -45,10 +45,12 @@ def attend(call, block: int, recompute: bool, serve: Callable) -> Tensor:
         rows = slice(start, min(start + block, queries))
         target_keys = first + rows.stop if call.future_blocked else target_len
         keys = source_keys + target_keys
+        # the block's distances: its last query to the first key .. its first query to the last key
+        low, high = -(first + rows.stop - 1), target_keys - 1 - (first + rows.start)
         block_call = call._replace(
             k_target=call.k_target[:, :, :target_keys],
-            query_positions=position_range(first + rows.start, first + rows.stop, q.device),
-            key_positions=position_range(0, target_keys, q.device),
+            term=window(call.term, low, high) if call.term is not None else None,
+            values=window(call.values, low, high) if call.values is not None else None,
             attn_mask=call.attn_mask[..., rows, :keys] if call.attn_mask is not None else None,
             key_padding_mask=call.key_padding_mask[:, :keys] if call.key_padding_mask is not None else None)
 

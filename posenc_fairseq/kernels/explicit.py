@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .subnormals import flush_subnormals_in_backward
-from .terms import all_heads
+from ..encodings.distance import dense_values
 
 
 def logits(q: Tensor, k: Tensor, terms: Optional[Tensor]) -> Tensor:
@@ -28,18 +28,9 @@ def attend(call, q: Tensor, terms: Optional[Tensor], dropout: Callable[[Tensor],
     probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).type_as(scores)
     dropped = dropout(probs) if call.dropout_p > 0 else probs
     out = dropped @ call.v
-    if call.value_term:
-        kept = call.kept_heads
+    if call.values is not None:
         target_probs = dropped[..., call.source_keys:] if call.source_keys else dropped
-        if kept is None:
-            term = call.encoding.relative_values(call.role, call.layer, target_probs, call.query_positions,
-                                                 call.key_positions)
-        else:
-            term = call.encoding.relative_values(call.role, call.layer, all_heads(target_probs, 1, kept, call.full_heads),
-                                                 call.query_positions, call.key_positions)
-            term = term[:, kept] if term is not None else None
-        if term is not None:
-            out = out + term.to(out.dtype)
-    if call.logit_terms and terms is not None:
+        out = out + dense_values(call.values, target_probs).to(out.dtype)
+    if call.term is not None and terms is not None:
         flush_subnormals_in_backward(out, products)
     return out, probs

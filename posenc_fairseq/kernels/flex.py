@@ -2,8 +2,8 @@
 
 For the encodings with a distance term (T5, T5-NoB, AT5, AT5-NoB, ALiBi, Shaw without its value
 term, LFHC, XL, GCDF) the FLEX kernel (plan.py) hands FlexAttention a `score_mod` that adds each
-logit's term from the encoding's per-distance table (`PositionalEncoding.distance_logits`, a
-`DistanceLogits`) and applies the masks, instead of building the (B, H, Tq, Tk) additive tensor
+logit's term from the encoding's per-distance table (its `DistanceTerm` as a `DistanceLogits`,
+`distance.flex_table`) and applies the masks, instead of building the (B, H, Tq, Tk) additive tensor
 that the SDPA and explicit paths are given. What the table costs: T5/AT5/ALiBi (1, H, 1, Tq+Tk-1),
 Shaw/LFHC (B, H, Tq, at most 2k+1 rows), XL/GCDF (B, H, Tq, Tq+Tk-1): the query meets every
 distance, so XL/GCDF still keep O(n^2) per layer on this path (about the logits' size, twice it
@@ -23,7 +23,7 @@ faster (`scripts/gpu_check.py --device cuda`, docs/gpu_check.md).
 It is used only where nothing needs the explicit path (`plan._flex_serves`): no
 attention weights or logits asked for, no relative value term (Shaw's default, LFHC's
 `--lfhc-values on`), no attention dropout (training with --attention-dropout > 0,
---retain-dropout), no head pruning, no --cross-self-attention, a 2-D attn_mask, and on CUDA a head
+--retain-dropout), no --cross-self-attention, a 2-D attn_mask, and on CUDA a head
 dimension of at least 16 (FlexAttention's kernel). Everything else takes the existing paths.
 A compilation that fails raises an error naming POSENC_FLEX_ATTENTION: no silent switch of kernels
 mid-training (every rank would decide on its own).
@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
-from ..encodings.base import DistanceLogits, PositionalEncoding
+from ..encodings.distance import DistanceLogits
 
 MODES = ("off", "on", "train")
 MODE = os.environ.get("POSENC_FLEX_ATTENTION", "off")
@@ -61,11 +61,6 @@ def available(q: Tensor) -> bool:
     if q.is_cuda:
         return q.size(-1) >= MIN_CUDA_HEAD_DIM and (MODE == "train" or not torch.is_grad_enabled())
     return not torch.is_grad_enabled()  # (FlexAttention's eager CPU path has no backward)
-
-
-def supports(encoding: PositionalEncoding) -> bool:
-    """Whether the encoding gives its logit terms as `distance_logits`."""
-    return type(encoding).distance_logits is not PositionalEncoding.distance_logits
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, distance: Optional[DistanceLogits], attn_mask: Optional[Tensor],

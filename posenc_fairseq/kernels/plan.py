@@ -1,7 +1,7 @@
 """Which kernel serves one attention call: `plan(AttentionCall) -> Plan`, the one place that decides.
 
-    STEP        a decoding step whose encoding gives its terms as additions to q, k, v and the
-                logits (`StepTerms`): SDPA of the changed inputs (step.py)
+    STEP        a decoding step (one query): its terms as additions to q, k, v and the logits
+                (`distance.step_terms`), SDPA of the changed inputs (step.py)
     FLEX        FlexAttention, the encoding's per-distance terms read inside the kernel (flex.py)
     LOGITS      the caller asked for the logits before softmax (explicit.py)
     EXPLICIT    the softmax written out: attention weights asked for, a relative value term, or
@@ -10,8 +10,8 @@
     BIASED_CPU  CPU float32 training: SDPA's fused CPU kernel forward and a blockwise backward of
                 our own, for terms that need a gradient (biased_cpu.py)
 
-Where an encoding computes its relative terms a block of queries at a time (`query_blocks`) and
-the call is long, the plan runs the kernel one block at a time (blocks.py).
+Where the terms depend on the query (a (B, H, Tq, .) product per call: Shaw, LFHC, XL, GCDF) and
+the call is long, the plan runs the kernel one block of queries at a time (blocks.py).
 
 One fact is known only once the dense terms exist: whether they need a gradient. It moves an
 SDPA plan to BIASED_CPU, or to EXPLICIT for the blockwise encodings (`Plan.kernel_for`).
@@ -22,8 +22,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..encodings.base import PositionalEncoding, StepTerms
-from ..encodings.positions import Positions
+from ..encodings.base import PositionalEncoding
+from ..encodings.distance import DistanceTerm
 from . import biased_cpu, blocks, flex
 
 
@@ -31,35 +31,31 @@ class AttentionCall(NamedTuple):
     """One call of PositionalAttention after projection, scaling and the incremental cache.
 
     `q` (B, H, Tq, D) scaled by 1/sqrt(D); `k`, `v` (B, H, Tk, D): under --cross-self-attention the
-    `source_keys` source tokens first, then the target keys `k_target`. `query_positions` and
-    `key_positions` (`position_range`s) number the queries and target keys, the queries being the
-    last Tq of them (None where not `relative`). `relative`: the encoding's relative hooks apply
-    (self-attention with an encoding that has such hooks); `logit_terms`: ... and the encoding
-    adds logit terms. `future_blocked`: the mask is fairseq's future mask (checked). `logits`:
-    B * H * Tq * Tk of the whole call (a block keeps its call's)."""
+    `source_keys` source tokens first, then the target keys `k_target`; the queries are the last
+    Tq of the target keys. `term`, `values`: the encoding's logit and value terms of the call
+    (`DistanceTerm`s over its key - query distances, the kept heads only), None where there are
+    none. `future_blocked`: the mask is fairseq's future mask (checked). `logits`: B * H * Tq * Tk
+    of the whole call (a block keeps its call's)."""
     q: Tensor
     k: Tensor
     v: Tensor
     k_target: Tensor
     attn_mask: Optional[Tensor]
     key_padding_mask: Optional[Tensor]
-    query_positions: Optional[Positions]
-    key_positions: Optional[Positions]
     source_keys: int
     need_weights: bool
     before_softmax: bool
     encoding: Optional[PositionalEncoding]
-    role: Optional[str]
-    layer: Optional[int]
-    relative: bool
-    logit_terms: bool
-    value_term: bool
+    term: Optional[DistanceTerm]
+    values: Optional[DistanceTerm]
     future_blocked: bool
-    step_terms: Optional[StepTerms]
-    kept_heads: Optional[Tensor]
-    full_heads: int
     dropout_p: float
     logits: int
+
+    @property
+    def relative(self) -> bool:
+        """Whether the encoding adds relative terms to this call."""
+        return self.term is not None or self.values is not None
 
 
 class Kernel(enum.Enum):
@@ -101,25 +97,27 @@ _WHOLE_CALL = {(kernel, fold): Plan(kernel, fold_content=fold) for kernel in Ker
 
 def plan(call: AttentionCall) -> Plan:
     """Which kernel serves `call`, in query blocks or not."""
-    if call.step_terms is not None:
+    if (call.relative and call.q.size(2) == 1 and not call.source_keys
+            and not (call.need_weights or call.before_softmax)):
         return _WHOLE_CALL[Kernel.STEP, False]
     if call.relative and _flex_serves(call):
         kernel = Kernel.FLEX
     elif call.before_softmax:
         kernel = Kernel.LOGITS
-    elif call.need_weights or call.value_term:
+    elif call.need_weights or call.values is not None:
         kernel = Kernel.EXPLICIT
     else:
         kernel = Kernel.SDPA
     # XL/GCDF's u.k_j: folded into the product with the keys, (q + u).k_j, where every key carries
-    # the relative terms and no head is pruned (one (B, H, Tq, Tk) addition fewer)
-    fold_content = (call.relative and not call.source_keys and call.kept_heads is None
+    # the relative terms (one (B, H, Tq, Tk) addition fewer)
+    fold_content = (call.term is not None and call.term.content is not None and not call.source_keys
                     and kernel is not Kernel.FLEX)
-    blockwise = call.relative and getattr(call.encoding, "query_blocks", False)
+    # terms that depend on the query ((B, H, Tq, .) per call) are computed a block of queries at a time
+    blockwise = call.values is not None or (call.term is not None and call.term.vectors is not None)
     if not blockwise:
         return _WHOLE_CALL[kernel, fold_content]
     # whether the blocks' terms (if they need a gradient) take the fused CPU kernel
-    fused_cpu = not call.value_term and biased_cpu.serves_call(call.q, call.dropout_p, call.logits)
+    fused_cpu = call.values is None and biased_cpu.serves_call(call.q, call.dropout_p, call.logits)
     batch, heads, queries, _ = call.q.shape
     block = blocks.query_block_size(batch * heads, call.k.size(2), fused=fused_cpu)
     query_block = None
@@ -137,10 +135,8 @@ def plan(call: AttentionCall) -> Plan:
 
 def _flex_serves(call: AttentionCall) -> bool:
     """Whether FlexAttention serves the call (flex.py): the caller asked for neither weights nor
-    logits, FlexAttention is on for the device, the encoding gives its terms per distance, and
-    nothing needs the explicit path: no relative value term, attention dropout, head pruning or
-    --cross-self-attention keys, and a 2-D attn_mask (fairseq's)."""
-    return (not (call.need_weights or call.before_softmax) and call.relative and flex.supports(call.encoding)
-            and flex.available(call.q) and not call.value_term and call.dropout_p == 0.0
-            and call.kept_heads is None and not call.source_keys
+    logits, FlexAttention is on for the device, and nothing needs the explicit path: no relative
+    value term, attention dropout or --cross-self-attention keys, and a 2-D attn_mask (fairseq's)."""
+    return (not (call.need_weights or call.before_softmax) and call.term is not None and call.values is None
+            and flex.available(call.q) and call.dropout_p == 0.0 and not call.source_keys
             and (call.attn_mask is None or call.attn_mask.dim() == 2))

@@ -3,6 +3,7 @@ from typing import Callable, Optional, Tuple
 
 from torch import Tensor
 
+from ..encodings.distance import flex_table
 from . import biased_cpu, blocks, explicit, flex, sdpa, step
 from .masks import blocked_fill_value
 from .plan import AttentionCall, Kernel, Plan
@@ -16,9 +17,7 @@ def serve(call: AttentionCall, plan: Plan, dropout: Callable[[Tensor], Tensor]) 
     module (EXPLICIT applies it to the probabilities)."""
     if plan.kernel is Kernel.STEP:
         return step.attend(call), None
-    content_query = None
-    if plan.fold_content:
-        content_query = call.encoding.content_query(call.role, call.layer, call.q.dtype)
+    content_query = call.term.content if plan.fold_content else None
     if plan.query_block is None:
         return _serve_piece(call, plan, content_query, dropout)
     return blocks.attend(call, plan.query_block, plan.recompute_blocks,
@@ -29,11 +28,9 @@ def _serve_piece(call: AttentionCall, plan: Plan, content_query: Optional[Tensor
                  dropout: Callable[[Tensor], Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
     """One piece (the whole call or one block of queries)."""
     if plan.kernel is Kernel.FLEX:
-        distance = call.encoding.distance_logits(call.role, call.layer, call.q, call.k, call.query_positions,
-                                                 call.key_positions)
-        return flex.attend(call.q, call.k, call.v, distance, call.attn_mask, call.key_padding_mask,
-                           blocked_fill_value(call.q.dtype)), None
-    terms = position_terms(call, content_folded=content_query is not None) if call.relative else None
+        return flex.attend(call.q, call.k, call.v, flex_table(call.term, call.q, call.k), call.attn_mask,
+                           call.key_padding_mask, blocked_fill_value(call.q.dtype)), None
+    terms = position_terms(call, content_folded=content_query is not None)
     if call.attn_mask is not None or call.key_padding_mask is not None:
         terms = with_masks(call, terms)
     q = call.q if content_query is None else call.q + content_query
@@ -46,6 +43,6 @@ def _serve_piece(call: AttentionCall, plan: Plan, content_query: Optional[Tensor
         out = biased_cpu.attend(q, call.k, call.v, terms, call.future_blocked)
     else:
         out = sdpa.attend(q, call.k, call.v, terms, call.dropout_p)
-    if call.logit_terms and terms is not None:
+    if call.term is not None and terms is not None:
         flush_subnormals_in_backward(out, out)
     return out, None

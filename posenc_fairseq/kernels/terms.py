@@ -1,5 +1,5 @@
-"""The dense form of what is added to the scaled logits: the encoding's position terms
-(`logit_bias`, `relative_logits`) and the masks, as one tensor that broadcasts against
+"""The dense form of what is added to the scaled logits: the encoding's position term
+(`distance.dense_logits`) and the masks, as one tensor that broadcasts against
 (B, H, Tq, Tk). The kernels that read the terms in another form (FLEX, STEP) do not build it."""
 from typing import Optional
 
@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..encodings.distance import dense_logits
 from .masks import blocked_fill_value, only_blocks
 
 
@@ -20,33 +21,14 @@ def all_heads(x: Tensor, dim: int, kept: Tensor, heads: int) -> Tensor:
 
 
 def position_terms(call, content_folded: bool) -> Optional[Tensor]:
-    """The encoding's logit terms of the `AttentionCall` `call`, (B or 1, H, Tq, Tk), zero on the
-    --cross-self-attention source keys; None: none. `content_folded`: the caller adds the
-    encoding's `content_query` to the queries of its product with the keys (the encoding leaves
-    that term out)."""
-    if not call.relative:
+    """The encoding's logit term of the `AttentionCall` `call` in the dense form, (B or 1, H, Tq, Tk),
+    zero on the --cross-self-attention source keys; None: none. `content_folded`: the caller adds
+    the term's content vector to the queries of its product with the keys."""
+    if call.term is None:
         return None
-    encoding, role, layer, kept = call.encoding, call.role, call.layer, call.kept_heads
-    q, q_pos, k_pos = call.q, call.query_positions, call.key_positions
-    bias = encoding.logit_bias(role, layer, q_pos, k_pos)
-    if bias is not None and kept is not None:
-        bias = bias[kept]
-    if kept is None:
-        rel = encoding.relative_logits(role, layer, q, call.k_target, q_pos, k_pos,
-                                       future_blocked=call.future_blocked, content_folded=content_folded)
-    else:
-        rel = encoding.relative_logits(role, layer, all_heads(q, 1, kept, call.full_heads),
-                                       all_heads(call.k_target, 1, kept, call.full_heads), q_pos, k_pos,
-                                       future_blocked=call.future_blocked)
-        rel = rel[:, kept] if rel is not None else None
-    additive = None
-    for term in (bias, rel):
-        if term is not None:
-            term = term.to(q.dtype)
-            if call.source_keys:
-                term = F.pad(term, (call.source_keys, 0))
-            additive = term if additive is None else additive + term
-    return additive
+    term = dense_logits(call.term, call.q, call.k_target, call.future_blocked, content_folded,
+                        memoize=call.encoding.memoize).to(call.q.dtype)
+    return F.pad(term, (call.source_keys, 0)) if call.source_keys else term
 
 
 def with_masks(call, additive: Optional[Tensor]) -> Optional[Tensor]:
