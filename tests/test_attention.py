@@ -7,6 +7,7 @@ from fairseq.modules import MultiheadAttention
 from fairseq import utils
 from posenc_fairseq.attention import use_positional_attention
 from posenc_fairseq.encodings.base import ModelDims, PositionalEncoding
+from posenc_fairseq.encodings.distance import DistanceTerm
 from posenc_fairseq.encodings.positions import tensor_of
 
 EMBED, HEADS = 16, 4
@@ -66,10 +67,9 @@ def test_incremental_matches_fairseq(kind):
 class ConstantBias(PositionalEncoding):
     """A test encoding: logit bias b[h, i, j] = (h + 1) * (j - i) / 10, and a q-projection shift."""
 
-    def logit_bias(self, role, layer, query_positions, key_positions):
-        heads = torch.arange(1, HEADS + 1, dtype=torch.float)[:, None, None]
-        query_positions, key_positions = tensor_of(query_positions), tensor_of(key_positions)
-        return heads * (key_positions[None, None, :] - query_positions[None, :, None]).float() / 10
+    def distance_term(self, role, layer, low, high, queries, dtype):
+        heads = torch.arange(1, HEADS + 1, dtype=torch.float)[:, None]
+        return DistanceTerm(low, high, bias=heads * torch.arange(low, high + 1).float()[None, :] / 10)
 
 
 def naive_attention(module, x, bias):
@@ -85,7 +85,7 @@ def naive_attention(module, x, bias):
 
 
 @pytest.mark.parametrize("need_weights", [True, False])
-def test_logit_bias_hook_and_incremental_positions(need_weights):
+def test_distance_term_hook_and_incremental_positions(need_weights):
     _, ours = pair("self")
     encoding = ConstantBias(None, ModelDims(EMBED, HEADS, 1, 1))
     ours.bind_position(encoding, "decoder", 0)

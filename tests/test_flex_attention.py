@@ -8,8 +8,8 @@ import posenc_fairseq  # noqa: F401
 from posenc_fairseq.kernels import blocks as block_module
 from posenc_fairseq import flex_attention
 from posenc_fairseq.encodings import ModelDims
-from posenc_fairseq.encodings.base import PositionalEncoding
-from posenc_fairseq.encodings.positions import position_range
+from posenc_fairseq.encodings.base import hook_use
+from posenc_fairseq.encodings.distance import flex_table, logits_between
 from util import TINY_TRANSFORMER, bound_attention, build_model, perturbed_encoding, random_batch
 
 EMBED, HEADS = 16, 4
@@ -61,10 +61,12 @@ def test_model_full_pass_and_decoding_steps_equal_the_explicit_path(translation_
     src, src_lengths, prev = random_batch(dictionary, batch=3, src_len=9, tgt_len=7)
     padded_prev = prev.clone()
     padded_prev[2, :2] = dictionary.pad()
+    # the self-attention layers with a term: T5/AT5 by default only the first of each stack
+    per_stack = 1 if name in ("t5", "t5_nob", "at5", "at5_nob") and "all" not in argv else 2
     for target in (prev, padded_prev):
         expected, explicit_calls = fused("off", lambda: model(src, src_lengths, target)[0])
         got, calls = fused("on", lambda: model(src, src_lengths, target)[0])
-        assert explicit_calls == 0 and calls == 4  # every self-attention layer of both stacks
+        assert explicit_calls == 0 and calls == 2 * per_stack  # those layers of both stacks
         assert (got - expected).abs().max() <= 1e-5
 
     def steps():
@@ -75,10 +77,9 @@ def test_model_full_pass_and_decoding_steps_equal_the_explicit_path(translation_
 
     expected, _ = fused("off", lambda: model(src, src_lengths, prev)[0])
     got, calls = fused("on", steps)
-    # the encoder's layers, then the decoder's at every step, unless the encoding gives a step's
-    # terms as additions to plain attention's inputs (`step_terms`: Shaw/LFHC/XL/GCDF)
-    folded = type(model.positional_encoding).step_terms is not PositionalEncoding.step_terms
-    assert calls == 2 + (0 if folded else 2 * prev.size(1))
+    # the encoder's layers only: a decoding step's terms are additions to plain attention's inputs
+    # (`distance.step_terms`)
+    assert calls == per_stack
     assert (got - expected).abs().max() <= 1e-5
 
 
@@ -138,29 +139,25 @@ def test_fully_masked_rows_are_finite(fused):
 
 @pytest.mark.parametrize("name,argv,role", [(name, argv, role) for name, argv in DISTANCE
                                              for role in ("encoder", "decoder")])
-def test_distance_logits_are_the_logit_terms(name, argv, role):
-    """The hook's table and columns give exactly `logit_bias` + `relative_logits`: a whole call, a
-    block of queries in the middle and a decoding step (one query after the keys)."""
+def test_flex_table_is_the_logit_term(name, argv, role):
+    """FlexAttention's table and columns give exactly the term `logits_between` gathers for the
+    positions given as plain tensors (the general path): a whole call, a block of queries in the
+    middle and a decoding step (one query after the keys)."""
     enc = perturbed_encoding(name, *argv, dims=ModelDims(EMBED, HEADS, 2, 2))
     enc.eval()
     torch.manual_seed(2)
     keys = 9
     key = torch.randn(2, HEADS, keys, EMBED // HEADS, dtype=torch.float64)
-    k_pos = position_range(0, keys)
     for layer, (first, stop) in [(layer, span) for layer in (0, 1) for span in ((0, keys), (3, 7), (keys - 1, keys))]:
         query = torch.randn(2, HEADS, stop - first, EMBED // HEADS, dtype=torch.float64)
-        q_pos = position_range(first, stop)
         with torch.no_grad():
             enc.begin(role)
-            terms = [enc.logit_bias(role, layer, q_pos, k_pos),
-                     enc.relative_logits(role, layer, query, key, q_pos, k_pos)]
-            terms = [term for term in terms if term is not None]
-            distance = enc.distance_logits(role, layer, query, key, q_pos, k_pos)
-        if distance is None:  # T5/AT5 --scalar-bias-layers first: nothing in the second layer
-            assert not terms and layer == 1
+            expected = logits_between(enc, role, layer, query, key, torch.arange(first, stop), torch.arange(keys))
+            term = enc.distance_term(role, layer, -(stop - 1), keys - 1 - first, stop - first, torch.float64)
+        if term is None:  # T5/AT5 --scalar-bias-layers first: nothing in the second layer
+            assert expected is None and layer == 1
             continue
-        expected = sum(terms)
-        table, column, key_bias = distance
+        table, column, key_bias = flex_table(term, query, key)
         i, j = torch.arange(stop - first)[:, None], torch.arange(keys)[None, :]
         c = j - i + (stop - first) - 1
         c = column[c] if column is not None else c
@@ -176,15 +173,24 @@ def test_no_distance_term_no_hook():
     never take the fused path."""
     dims = ModelDims(EMBED, HEADS, 2, 2)
     for name in ("rotary", "sinusoidal", "nope"):
-        assert not flex_attention.supports(perturbed_encoding(name, dims=dims))
-    assert flex_attention.supports(perturbed_encoding("t5", dims=dims))
-    q_pos, k_pos, query = position_range(0, 3), position_range(0, 4), torch.zeros(1, HEADS, 3, EMBED // HEADS)
+        assert not hook_use(perturbed_encoding(name, dims=dims)).logits
+    assert hook_use(perturbed_encoding("t5", dims=dims)).logits
     for name in ("t5", "alibi", "shaw", "xl"):
         enc = perturbed_encoding(name, dims=dims).float()
-        assert enc.distance_logits("cross", 0, query, query, q_pos, k_pos) is None
+        assert enc.distance_term("cross", 0, -2, 3, 3, torch.float32) is None
 
 
-FALLBACKS = ["weights", "shaw values", "lfhc values", "dropout", "retain dropout", "pruned heads", "gradient",
+def test_pruned_heads_take_the_fused_path(fused):
+    """After head pruning the kept heads' terms (`distance.for_heads`) serve FlexAttention as the
+    explicit path."""
+    module, call = attention_call("xl", [], "decoder")
+    module._adaptive_prune_heads([(0, module.head_dim), (2 * module.head_dim, 3 * module.head_dim)])
+    got, calls = fused("on", call)
+    expected, _ = fused("off", call)
+    assert calls == 1 and (got - expected).abs().max() <= 1e-6
+
+
+FALLBACKS = ["weights", "shaw values", "lfhc values", "dropout", "retain dropout", "gradient",
              "off", "cross-attention"]
 
 
@@ -202,8 +208,6 @@ def test_fallbacks_take_the_existing_paths(fused, case):
     elif case == "retain dropout":
         module.dropout_module.p = 0.1
         module.dropout_module.apply_during_inference = True
-    elif case == "pruned heads":
-        module._adaptive_prune_heads([(0, module.head_dim), (2 * module.head_dim, 3 * module.head_dim)])
     elif case == "cross-attention":
         module.encoder_decoder_attention, module.self_attention = True, False
     # "gradient": eager FlexAttention on CPU has no backward

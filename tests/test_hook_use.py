@@ -3,31 +3,31 @@ without relative hooks build no positions, and a hook set on the object itself i
 import pytest
 import torch
 
-import posenc_fairseq.attention as attention_module
 from posenc_fairseq.encodings import ENCODINGS
 from posenc_fairseq.encodings.base import ModelDims, PositionalEncoding, hook_use
 from test_attention import EMBED, HEADS, ConstantBias, pair
 
 
-@pytest.mark.parametrize("name, expected", [("sinusoidal", (False, False)), ("nope", (False, False)),
-                                            ("rotary", (True, False)), ("floater", (True, False)),
-                                            ("t5", (False, True)), ("alibi", (False, True)),
-                                            ("xl", (False, True)), ("shaw", (False, True))])
+@pytest.mark.parametrize("name, expected", [("sinusoidal", (False, False, False)), ("nope", (False, False, False)),
+                                            ("rotary", (True, False, False)), ("floater", (True, False, False)),
+                                            ("t5", (False, True, False)), ("alibi", (False, True, False)),
+                                            ("xl", (False, True, False)), ("shaw", (False, True, True))])
 def test_hook_use_of_the_registered_encodings(name, expected):
     cls = ENCODINGS[name]
     assert hook_use(cls.__new__(cls)) == expected  # (decided by the class: no instance state needed)
 
 
-def test_plain_calls_build_no_positions(monkeypatch):
+def test_plain_calls_ask_no_terms(monkeypatch):
     """An encoding without relative hooks: full and step-by-step self-attention equal the unbound
-    module's, and no position range is built on the way."""
+    module's, and no term is asked on the way."""
     _, ours = pair("self")
     _, unbound = pair("self")
     ours.bind_position(PositionalEncoding(None, ModelDims(EMBED, HEADS, 1, 1)), "decoder", 0)
 
     def refuse(*args, **kwargs):
-        raise AssertionError("a plain call built positions")
-    monkeypatch.setattr(attention_module, "position_range", refuse)
+        raise AssertionError("a plain call asked for a term")
+    for hook in ("distance_term", "value_term"):  # (the neutral defaults: still not the encoding's own)
+        monkeypatch.setattr(PositionalEncoding, hook, refuse)
     x = torch.randn(5, 2, EMBED)
     future = torch.full((5, 5), float("-inf")).triu(1)
     assert torch.equal(ours(x, x, x, attn_mask=future)[0], unbound(x, x, x, attn_mask=future)[0])
@@ -40,13 +40,13 @@ def test_plain_calls_build_no_positions(monkeypatch):
 
 @pytest.mark.parametrize("need_weights", [True, False])
 def test_a_hook_set_on_the_object_is_asked(need_weights):
-    """A logit bias set on an encoding object whose class adds nothing changes the output exactly
+    """A distance term set on an encoding object whose class adds nothing changes the output exactly
     as the same hook defined by a class does."""
     _, by_class = pair("self")
     _, by_object = pair("self")
     by_class.bind_position(ConstantBias(None, ModelDims(EMBED, HEADS, 1, 1)), "encoder", 0)
     plain = PositionalEncoding(None, ModelDims(EMBED, HEADS, 1, 1))
-    plain.logit_bias = ConstantBias.logit_bias.__get__(plain)
+    plain.distance_term = ConstantBias.distance_term.__get__(plain)
     by_object.bind_position(plain, "encoder", 0)
     _, unbound = pair("self")
     x = torch.randn(6, 2, EMBED)

@@ -6,6 +6,7 @@ import torch
 
 import posenc_fairseq  # noqa: F401
 from posenc_fairseq.kernels import blocks as block_module
+from posenc_fairseq.kernels import terms as terms_module
 from posenc_fairseq.encodings import ModelDims
 from util import bound_attention, perturbed_encoding
 
@@ -21,19 +22,19 @@ def blocks(monkeypatch, size):
 
 def run_both(monkeypatch, enc, call, queries, size=4):
     """call() -> (output, tensors whose .grad to compare); whole first, then in blocks of `size`
-    (checked: the relative terms are asked for once per block, and once more per block when
+    (checked: the dense relative terms are made once per block, and once more per block when
     backward recomputes it)."""
     results = []
     calls = []
-    original = enc.relative_logits
+    original = terms_module.dense_logits
 
-    def counted(role, layer, query, *rest, **options):
+    def counted(term, query, *rest, **options):
         calls.append(query.size(2))
-        return original(role, layer, query, *rest, **options)
+        return original(term, query, *rest, **options)
 
     for block in (None, size):
         monkeypatch.undo()
-        monkeypatch.setattr(enc, "relative_logits", counted)
+        monkeypatch.setattr(terms_module, "dense_logits", counted)
         if block is not None:
             blocks(monkeypatch, block)
         calls.clear()
