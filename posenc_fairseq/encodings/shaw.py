@@ -16,15 +16,12 @@ taken literally, i.e. floor also for negative x (the paper prints the branches x
 separately but identically; `--lfhc-rounding trunc` is the symmetric reading, truncation
 toward zero). Same number of parameters as Shaw.
 
-Memory: never an (n, n, d_head) tensor. The query meets the embeddings of the buckets the call
-uses (at most Tq + Tk - 1 of the 2k+1) once, (B, H, Tq, #buckets). For the attention's consecutive
-positions, those scores are repeated per run of distances sharing a bucket and laid out as
-(B, H, Tq, Tk) by a strided view (`relative_shift`), and the value term sums the probabilities per
-run of distances (`sum_by_distance_runs`) before multiplying by w^V; other positions (given
-explicitly) use a (Tq, Tk) bucket-index matrix, gather and scatter-add. On long
-inputs PositionalAttention calls the hooks one block of queries at a time (`query_blocks`), so
-these exist for one block at once. Nothing on cross-attention; nothing sized to a maximum length,
-so a large k costs parameters only.
+The terms (`DistanceTerm`, distance.py) are the table rows the call's distances use (at most
+Tq + Tk - 1 of the 2k+1) and the row of each distance as runs (the two clipped ends and the band
+between them): the query meets the rows once, (B, H, Tq, #rows), repeated per run and laid out as
+(B, H, Tq, Tk) by a strided view; the value term sums the probabilities per run before multiplying
+by w^V. Never an (n, n, d_head) tensor; on long inputs a block of queries at a time. Nothing on
+cross-attention; nothing sized to a maximum length, so a large k costs parameters only.
 """
 import argparse
 

@@ -9,13 +9,11 @@ interleaved: R^(2k) = sin(d / 10000^(2k/d_model)), R^(2k+1) = cos(same)); GCDF's
 R_d^k = lambda * Phi(d / sigma_k), sigma_k = d_model^(k/d_model), k = 0..d_model-1, the same
 formula for negative d.
 
-Memory: R and W_r R are computed once per forward and layer for the distinct distances of the
-call only (Tq + Tk - 1 of them). For consecutive positions the query (plus v) meets them a chunk
-of queries at a time, each chunk only the distances its pairs have, read into (B, H, Tq, Tk)
-through the strided relative shift (`positions.shifted_product`); other positions: the whole
-(B, H, Tq, #distances) product, gathered. On long inputs PositionalAttention calls this one block
-of queries at a time (`query_blocks`), never (B, H, n, 2n - 1). No table sized to a maximum
-length, no (n, n, d) tensor. Nothing on cross-attention.
+The term (`DistanceTerm`, distance.py): W_r R of each distance of the call (Tq + Tk - 1 of them,
+computed once per forward and layer), the query shift v and the content u. The query (plus v)
+meets them a chunk of queries at a time, each chunk only the distances its pairs have
+(`positions.shifted_product`); on long inputs a block of queries at a time, never (B, H, n, 2n - 1).
+No table sized to a maximum length, no (n, n, d) tensor. Nothing on cross-attention.
 """
 import math
 
