@@ -5,8 +5,10 @@ import pytest
 import torch
 
 import posenc_fairseq  # noqa: F401
-from posenc_fairseq.kernels import blocks as block_module
-from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
+from posenc_fairseq.kernels import blocks as block_module, explicit as explicit_module, step as step_module, terms as terms_module
+from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding, distance
+from posenc_fairseq.encodings.distance import DistanceTerm, dense_logits, distance_range, logits_between, rows_of
+from posenc_fairseq.encodings.positions import position_range
 from util import attention_steps, assert_attention_runs_on, bound_attention, encoding_options, perturbed_encoding, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, run
 
 EMBED, HEADS, LAYERS = 16, 4, 3
@@ -30,6 +32,16 @@ def inputs(length=8, batch=2):
 
 def causal_mask(length):
     return torch.triu(torch.full((length, length), float("-inf"), dtype=torch.float64), 1)
+
+
+def count_calls(monkeypatch, functions):
+    """The names of `functions` ((module, name) pairs, each as imported where it is used), one
+    entry per call, in the order of the calls."""
+    used = []
+    for module, name in functions:
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, original=original, name=name, **kw: used.append(name) or original(*a, **kw))
+    return used
 
 
 # --- the papers' clip functions, written case by case ------------------------------------------
@@ -114,8 +126,8 @@ def test_attention_output_equals_naive_loops(name, layer, role, values, block, m
 @pytest.mark.parametrize("values", ["on", "off"])
 def test_decoding_steps_fold_the_terms_into_keys_and_values_and_equal_naive_loops(name, layer, values, monkeypatch):
     """One query at a time (incremental decoding): a^K and a^V depend on the key alone, so each step
-    adds them to the cached keys and values and runs plain attention, without the relative_logits
-    and relative_values hooks; every step equals the naive loops' row."""
+    adds them to the cached keys and values (`step_terms`) and runs plain attention, without the
+    dense logit and value forms; every step equals the naive loops' row."""
     k = 2
     enc = encoding(name, f"--{name}-k", str(k), f"--{name}-values", values)
     module = attention(enc, "decoder", layer)
@@ -126,12 +138,11 @@ def test_decoding_steps_fold_the_terms_into_keys_and_values_and_equal_naive_loop
     with torch.no_grad():
         expected = naive(module, x, no_padding, True, enc.key_tables[key],
                          enc.value_tables[key] if values == "on" else None, clip)
-    hooks = []
-    for hook in ("relative_logits", "relative_values"):
-        original = getattr(type(enc), hook)
-        monkeypatch.setattr(type(enc), hook, lambda self, *a, original=original, hook=hook, **kw: hooks.append(hook) or original(self, *a, **kw))
+    used = count_calls(monkeypatch, [(step_module, "step_terms"), (terms_module, "dense_logits"),
+                                     (explicit_module, "dense_values"), (distance, "dense_logits"),
+                                     (distance, "dense_values")])
     steps = attention_steps(module, enc, x)
-    assert hooks == []
+    assert used == ["step_terms"] * len(x)
     assert (steps - expected).abs().max() <= 1e-5
 
 
@@ -145,9 +156,9 @@ def test_options_and_defaults():
     assert lfhc.k == 16 and not lfhc.values and len(lfhc.value_tables) == 0 and lfhc.rounding == "floor"
     off = build_encoding("lfhc", encoding_options("--lfhc-k", "4", "--lfhc-values", "off"), ModelDims(EMBED, HEADS, 2, 0))
     assert off.k == 4 and not off.values and len(off.value_tables) == 0 and sorted(off.key_tables) == ["encoder0", "encoder1"]
-    assert not off.has_relative_values("encoder", 0)
+    assert off.value_term("encoder", 0, -2, 2, 3, torch.float32) is None
     on = build_encoding("lfhc", encoding_options("--lfhc-values", "on"), ModelDims(EMBED, HEADS, 2, 3))
-    assert on.values and on.has_relative_values("encoder", 0)
+    assert on.values and on.value_term("encoder", 0, -2, 2, 3, torch.float32) is not None
     assert sum(p.numel() for p in enc.parameters()) == sum(p.numel() for p in on.parameters())
     assert ENCODINGS["shaw"].default_input_positions == ENCODINGS["lfhc"].default_input_positions == "none"
 
@@ -206,9 +217,14 @@ def test_lfhc_index_matrix_is_eq_9():
     assert (enc.bucket_of(positions, positions, 0) - 2).tolist() == [
         [shaw_clip(i - j, 2) for j in range(6)] for i in range(6)]
     assert (enc.bucket_of(positions[-1:], positions, 1) - 2).tolist() == [LAYER_2[-1]]
-    # buckets(): the rows the call uses and the index relative to the first of them
-    index, low, high = enc.buckets("encoder", 1, positions, positions)
-    assert (low, high) == (0, 4) and (index + low - 2).tolist() == LAYER_2
+    # distance_runs(): the rows the call's key - query distances use and each distance's row
+    # relative to the first of them
+    enc.begin("encoder")
+    low, high = distance_range(positions, positions)
+    runs, first, last = enc.distance_runs("encoder", 1, low, high)
+    assert (low, high) == (-5, 5) and (first, last) == (0, 4) and enc.row_bounds(low, high, 1) == (0, 4)
+    index = rows_of(DistanceTerm(low, high, rows=runs), positions[None, :] - positions[:, None])
+    assert (index + first - 2).tolist() == LAYER_2
     trunc = encoding("lfhc", "--lfhc-k", "2", "--lfhc-rounding", "trunc")
     assert (trunc.bucket_of(positions, positions, 1) - 2).tolist() == LAYER_2_TRUNC
     assert (trunc.bucket_of(positions, positions, 0) - 2).tolist() == [
@@ -216,20 +232,27 @@ def test_lfhc_index_matrix_is_eq_9():
 
 
 @pytest.mark.parametrize("name", ["shaw", "lfhc"])
-def test_large_k_uses_only_the_rows_of_the_call(name):
+def test_large_k_uses_only_the_rows_of_the_call(name, monkeypatch):
     """k far beyond the length: only the rows of the call's distances enter the product."""
     k = 50
     enc = encoding(name, f"--{name}-k", str(k), f"--{name}-values", "on")
     module = attention(enc, "encoder", 1)
     x, padding = inputs()
+    terms = []
+    for hook in ("distance_term", "value_term"):
+        original = getattr(type(enc), hook)
+        monkeypatch.setattr(type(enc), hook, lambda self, *a, original=original: terms.append(original(self, *a)) or terms[-1])
     enc.begin("encoder")
     got, _ = module(x, x, x, key_padding_mask=padding)
     clip = (lambda i, j: shaw_clip(j - i, k)) if name == "shaw" else (lambda i, j: lfhc_clip(i - j, k, 2))
     with torch.no_grad():
         expected = naive(module, x, padding, False, enc.key_tables["encoder1"], enc.value_tables["encoder1"], clip)
     assert (got - expected).abs().max() <= 1e-5
-    _, low, high = enc.buckets("encoder", 1, torch.arange(8), torch.arange(8))
-    assert high - low + 1 <= 15 < 2 * k + 1
+    # the key and the value term of the call: (1, rows, D) with the rows of distances -7..7 alone
+    assert len(terms) == 2 and all(term.vectors.size(1) <= 15 < 2 * k + 1 for term in terms)
+    first, last = enc.row_bounds(-7, 7, 1)
+    for term, table in zip(terms, (enc.key_tables["encoder1"], enc.value_tables["encoder1"])):
+        assert (term.low, term.high) == (-7, 7) and torch.equal(term.vectors[0], table[first: last + 1])
 
 
 def test_reset_to_identity_adds_nothing():
@@ -267,14 +290,15 @@ def test_fairseq_train_roberta_shaw(masked_lm_data, tmp_path):
 
 
 @pytest.mark.parametrize("name,argv", [("shaw", []), ("lfhc", []), ("lfhc", ["--lfhc-rounding", "trunc"])])
-def test_bucket_bounds_are_the_rows_min_and_max(name, argv):
-    """The rows a call uses, found from the positions' bounds without a device sync, are exactly
-    the min and max of its index matrix."""
+def test_row_bounds_are_the_rows_min_and_max(name, argv):
+    """The rows a call uses, found from its key - query distances' bounds without a device sync,
+    are exactly the min and max of its index matrix."""
     enc = encoding(name, f"--{name}-k", "3", *argv)
     for layer in range(LAYERS):
         for q_low, q_high, k_low, k_high in [(0, 9, 0, 9), (5, 5, 0, 5), (0, 2, 4, 30), (20, 40, 0, 3), (7, 7, 7, 7)]:
             rows = enc.bucket_of(torch.arange(q_low, q_high + 1), torch.arange(k_low, k_high + 1), layer)
-            assert enc.bucket_bounds(q_low, q_high, k_low, k_high, layer) == (int(rows.min()), int(rows.max()))
+            low, high = k_low - q_high, k_high - q_low
+            assert enc.row_bounds(low, high, layer) == (int(rows.min()), int(rows.max()))
 
 
 @pytest.mark.parametrize("name,argv", [("shaw", []), ("lfhc", []), ("lfhc", ["--lfhc-rounding", "trunc"])])
@@ -283,8 +307,6 @@ def test_bucket_bounds_are_the_rows_min_and_max(name, argv):
 def test_strided_relative_shift_equals_gather_with_gradients(name, argv, tq, tk, first, layer):
     """Consecutive positions (the attention's own, `position_range`) take per-distance rows and
     the strided relative shift; any other positions the (Tq, Tk) gather. Same logits and gradients."""
-    from posenc_fairseq.encodings.positions import position_range
-
     enc = encoding(name, f"--{name}-k", "2", *argv)
     torch.manual_seed(7)
     q = torch.randn(2, HEADS, tq, EMBED // HEADS, dtype=torch.float64, requires_grad=True)
@@ -295,7 +317,7 @@ def test_strided_relative_shift_equals_gather_with_gradients(name, argv, tq, tk,
         enc.begin("decoder")
         q_pos = position_range(first, first + tq) if ranged else torch.arange(first, first + tq)
         k_pos = position_range(0, tk) if ranged else torch.arange(tk)
-        logits = enc.relative_logits("decoder", layer, q, k, q_pos, k_pos)
+        logits = logits_between(enc, "decoder", layer, q, k, q_pos, k_pos)
         results.append((logits.detach(), torch.autograd.grad(logits.pow(2).sum(), [q, table])))
     (a, grads_a), (b, grads_b) = results
     assert (a - b).abs().max() <= 1e-12
@@ -308,8 +330,6 @@ def test_strided_relative_shift_equals_gather_with_gradients(name, argv, tq, tk,
 def test_future_blocked_logits_agree_where_not_blocked(name, argv, tq, tk):
     """Under the future mask (queries the last of the keys) only the distances high..-1 are taken:
     the same logits and gradients for every key up to its query."""
-    from posenc_fairseq.encodings.positions import position_range
-
     enc = encoding(name, f"--{name}-k", "2", *argv)
     torch.manual_seed(8)
     q = torch.randn(2, HEADS, tq, EMBED // HEADS, dtype=torch.float64, requires_grad=True)
@@ -318,8 +338,9 @@ def test_future_blocked_logits_agree_where_not_blocked(name, argv, tq, tk):
     results = []
     for future_blocked in (False, True):
         enc.begin("decoder")
-        logits = enc.relative_logits("decoder", 1, q, k, position_range(tk - tq, tk), position_range(0, tk),
-                                     future_blocked=future_blocked)
+        low, high = distance_range(position_range(tk - tq, tk), position_range(0, tk))
+        term = enc.distance_term("decoder", 1, low, high, tq, q.dtype)
+        logits = dense_logits(term, q, k, future_blocked=future_blocked)
         assert torch.isfinite(logits).all()
         results.append((logits.detach(), torch.autograd.grad(logits[..., seen].pow(2).sum(), q)[0]))
     (full, full_grad), (cut, cut_grad) = results

@@ -5,8 +5,10 @@ import pytest
 import torch
 
 import posenc_fairseq  # noqa: F401
-from posenc_fairseq.kernels import blocks as block_module
-from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
+import posenc_fairseq.attention
+from posenc_fairseq.kernels import blocks as block_module, step as step_module, terms as terms_module
+from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding, distance
+from posenc_fairseq.encodings.distance import dense_logits, distance_range, logits_between
 from posenc_fairseq.encodings.positions import position_range
 from posenc_fairseq.encodings.xl import gcdf_prior, sinusoidal_prior
 from util import attention_steps, assert_attention_runs_on, bound_attention, encoding_options, perturbed_encoding, QUICK_TRAIN, TINY_TRANSFORMER, USER_DIR, run
@@ -134,17 +136,17 @@ def test_decoder_mask_other_than_the_future_mask(name, block, future, monkeypatc
 
 @pytest.mark.parametrize("name", ["xl", "gcdf"])
 def test_future_blocked_logits_agree_where_not_blocked(name):
-    """`future_blocked` reads distances -1..high only: the same logits for every key up to its
-    query, for the whole call and a block of queries (the last of its keys)."""
+    """`future_blocked` (`dense_logits`) reads distances low..+1 only: the same logits for every key
+    up to its query, for the whole call and a block of queries (the last of its keys)."""
     enc = encoding(name)
     torch.manual_seed(4)
     q, k = torch.randn(2, HEADS, 9, 4, dtype=torch.float64), torch.randn(2, HEADS, 9, 4, dtype=torch.float64)
     for first, stop in ((0, 9), (3, 7)):
         enc.begin("decoder")
-        q_pos, k_pos = position_range(first, stop), position_range(0, stop)
-        full = enc.relative_logits("decoder", 1, q[:, :, first:stop], k[:, :, :stop], q_pos, k_pos)
-        cut = enc.relative_logits("decoder", 1, q[:, :, first:stop], k[:, :, :stop], q_pos, k_pos,
-                                  future_blocked=True)
+        low, high = distance_range(position_range(first, stop), position_range(0, stop))
+        term = enc.distance_term("decoder", 1, low, high, stop - first, q.dtype)
+        full = dense_logits(term, q[:, :, first:stop], k[:, :, :stop])
+        cut = dense_logits(term, q[:, :, first:stop], k[:, :, :stop], future_blocked=True)
         seen = torch.arange(first, stop)[:, None] >= torch.arange(stop)[None, :]
         assert torch.isfinite(cut).all()
         assert (full - cut).abs()[..., seen].max() <= 1e-12
@@ -156,7 +158,7 @@ def test_future_blocked_logits_agree_where_not_blocked(name):
 def test_decoding_steps_in_inference_fold_the_terms_and_equal_naive_loops(name, layer, monkeypatch):
     """Incremental decoding in inference: each step is plain attention of (q + u) against
     (k_j + W_r R_{i-j}) with (v - u).W_r R_{i-j} added (`step_terms`, kept across steps), without
-    the relative_logits hook; every step equals the naive loops' row."""
+    the dense logit form; every step equals the naive loops' row."""
     enc = encoding(name)
     enc.eval()
     module = attention(enc, "decoder", layer)
@@ -167,10 +169,11 @@ def test_decoding_steps_in_inference_fold_the_terms_and_equal_naive_loops(name, 
     with torch.no_grad():
         expected = naive(module, enc, "decoder", layer, x, no_padding, True, prior)
     calls = []
-    original = type(enc).relative_logits
-    monkeypatch.setattr(type(enc), "relative_logits", lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
+    for module_of, name in ((step_module, "step_terms"), (terms_module, "dense_logits"), (distance, "dense_logits")):
+        original = getattr(module_of, name)
+        monkeypatch.setattr(module_of, name, lambda *a, original=original, name=name, **kw: calls.append(name) or original(*a, **kw))
     steps = attention_steps(module, enc, x)
-    assert calls == []
+    assert calls == ["step_terms"] * len(x)
     assert (steps - expected).abs().max() <= 1e-10
 
 
@@ -182,10 +185,10 @@ def test_stepwise_decoder_queries_match_full(name):
     q, k = torch.randn(2, HEADS, 6, 4, dtype=torch.float64), torch.randn(2, HEADS, 6, 4, dtype=torch.float64)
     positions = torch.arange(6)
     enc.begin("decoder")
-    full = enc.relative_logits("decoder", 1, q, k, positions, positions)
+    full = logits_between(enc, "decoder", 1, q, k, positions, positions)
     for t in range(6):
         enc.begin("decoder")
-        step = enc.relative_logits("decoder", 1, q[:, :, t: t + 1], k[:, :, : t + 1], positions[t: t + 1], positions[: t + 1])
+        step = logits_between(enc, "decoder", 1, q[:, :, t: t + 1], k[:, :, : t + 1], positions[t: t + 1], positions[: t + 1])
         assert (step - full[:, :, t: t + 1, : t + 1]).abs().max() <= 1e-12
 
 
@@ -267,8 +270,6 @@ def test_fairseq_train(translation_data, tmp_path, arch, extra):
 def test_strided_relative_shift_equals_gather_with_gradients(name, tq, tk, first):
     """Consecutive positions (the attention's own, `position_range`) take the strided relative
     shift; any other positions the gather. Same logits, same gradients."""
-    from posenc_fairseq.encodings.positions import position_range
-
     enc = encoding(name)
     torch.manual_seed(7)
     q = torch.randn(2, HEADS, tq, 4, dtype=torch.float64, requires_grad=True)
@@ -279,7 +280,7 @@ def test_strided_relative_shift_equals_gather_with_gradients(name, tq, tk, first
         enc.begin("encoder")
         q_pos = position_range(first, first + tq) if ranged else torch.arange(first, first + tq)
         k_pos = position_range(0, tk) if ranged else torch.arange(tk)
-        logits = enc.relative_logits("encoder", 1, q, k, q_pos, k_pos)
+        logits = logits_between(enc, "encoder", 1, q, k, q_pos, k_pos)
         grads = torch.autograd.grad(logits.pow(2).sum(), [q, k, weight, enc.position_bias["encoder"]])
         results.append((logits.detach(), grads))
     (a, grads_a), (b, grads_b) = results
@@ -301,7 +302,7 @@ def test_kept_terms_follow_parameter_changes(name):
         enc.train(training)
         enc.begin("decoder")
         with torch.no_grad():
-            return enc.relative_logits("decoder", 1, q, k, q_pos, k_pos)
+            return logits_between(enc, "decoder", 1, q, k, q_pos, k_pos)
 
     before = step()
     for parameter in (enc.content_bias["decoder"], enc.position_bias["decoder"], enc.projections["decoder1"].weight):
@@ -317,8 +318,8 @@ def test_kept_terms_follow_parameter_changes(name):
 @pytest.mark.parametrize("role", ["encoder", "decoder"])
 @pytest.mark.parametrize("block", [None, 3], ids=["whole", "query-blocks"])
 def test_content_bias_folded_into_the_key_product_gives_the_same_values_and_gradients(name, role, block, monkeypatch):
-    """u.k_j is computed as (q + u).k_j by the attention (`content_query`): relative_logits is asked
-    without it, and outputs and every gradient (u's included) equal the unfolded computation."""
+    """u.k_j is computed as (q + u).k_j by the attention (the plan's `fold_content`): `dense_logits`
+    is asked without it, and outputs and every gradient (u's included) equal the unfolded computation."""
     if block is not None:
         monkeypatch.setattr(block_module, "QUERY_BLOCK", block)
         monkeypatch.setattr(block_module, "QUERY_BLOCK_ELEMENTS", 1)
@@ -327,9 +328,11 @@ def test_content_bias_folded_into_the_key_product_gives_the_same_values_and_grad
     x, padding = inputs(left=role == "encoder")
     mask = causal_mask(len(x)) if role == "decoder" else None
     asked = []
-    original = type(enc).relative_logits
-    monkeypatch.setattr(type(enc), "relative_logits",
-                        lambda self, *a, **kw: asked.append(kw.get("content_folded")) or original(self, *a, **kw))
+
+    def dense_logits_asked(term, query, key, future_blocked=False, content_folded=False, memoize=None):
+        asked.append(content_folded)
+        return dense_logits(term, query, key, future_blocked, content_folded, memoize)
+    monkeypatch.setattr(terms_module, "dense_logits", dense_logits_asked)
 
     def run_once():
         parameters = [*module.parameters(), *enc.parameters()]
@@ -343,7 +346,8 @@ def test_content_bias_folded_into_the_key_product_gives_the_same_values_and_grad
     folded, folded_grads = run_once()
     assert asked and all(asked)
     asked.clear()
-    monkeypatch.setattr(type(enc), "content_query", lambda self, *args: None)
+    plan = posenc_fairseq.attention.plan
+    monkeypatch.setattr(posenc_fairseq.attention, "plan", lambda call: plan(call)._replace(fold_content=False))
     unfolded, unfolded_grads = run_once()
     assert asked and not any(asked)
     assert torch.allclose(folded, unfolded, atol=1e-10)
