@@ -175,3 +175,13 @@ def load_script(path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def count_calls(monkeypatch, functions):
+    """The names of `functions` ((module, name) pairs, each as imported where it is used), one
+    entry per call, in the order of the calls."""
+    used = []
+    for module, name in functions:
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, original=original, name=name, **kw: used.append(name) or original(*a, **kw))
+    return used

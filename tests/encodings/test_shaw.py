@@ -9,7 +9,7 @@ from posenc_fairseq.kernels import blocks as block_module, explicit as explicit_
 from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding, distance
 from posenc_fairseq.encodings.distance import DistanceTerm, dense_logits, distance_range, logits_between, rows_of
 from posenc_fairseq.encodings.positions import position_range
-from util import attention_steps, assert_attention_runs_on, bound_attention, encoding_options, perturbed_encoding, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, run
+from util import attention_steps, count_calls, assert_attention_runs_on, bound_attention, encoding_options, perturbed_encoding, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, run
 
 EMBED, HEADS, LAYERS = 16, 4, 3
 
@@ -32,16 +32,6 @@ def inputs(length=8, batch=2):
 
 def causal_mask(length):
     return torch.triu(torch.full((length, length), float("-inf"), dtype=torch.float64), 1)
-
-
-def count_calls(monkeypatch, functions):
-    """The names of `functions` ((module, name) pairs, each as imported where it is used), one
-    entry per call, in the order of the calls."""
-    used = []
-    for module, name in functions:
-        original = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, original=original, name=name, **kw: used.append(name) or original(*a, **kw))
-    return used
 
 
 # --- the papers' clip functions, written case by case ------------------------------------------

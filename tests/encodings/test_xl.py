@@ -11,7 +11,7 @@ from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding, dista
 from posenc_fairseq.encodings.distance import dense_logits, distance_range, logits_between
 from posenc_fairseq.encodings.positions import position_range
 from posenc_fairseq.encodings.xl import gcdf_prior, sinusoidal_prior
-from util import attention_steps, assert_attention_runs_on, bound_attention, encoding_options, perturbed_encoding, QUICK_TRAIN, TINY_TRANSFORMER, USER_DIR, run
+from util import attention_steps, count_calls, assert_attention_runs_on, bound_attention, encoding_options, perturbed_encoding, QUICK_TRAIN, TINY_TRANSFORMER, USER_DIR, run
 
 EMBED, HEADS, LAYERS = 16, 4, 3
 
@@ -168,10 +168,8 @@ def test_decoding_steps_in_inference_fold_the_terms_and_equal_naive_loops(name, 
     prior = (lambda d: xl_r(d, EMBED)) if name == "xl" else (lambda d: gcdf_r(d, EMBED))
     with torch.no_grad():
         expected = naive(module, enc, "decoder", layer, x, no_padding, True, prior)
-    calls = []
-    for module_of, name in ((step_module, "step_terms"), (terms_module, "dense_logits"), (distance, "dense_logits")):
-        original = getattr(module_of, name)
-        monkeypatch.setattr(module_of, name, lambda *a, original=original, name=name, **kw: calls.append(name) or original(*a, **kw))
+    calls = count_calls(monkeypatch, [(step_module, "step_terms"), (terms_module, "dense_logits"),
+                                      (distance, "dense_logits")])
     steps = attention_steps(module, enc, x)
     assert calls == ["step_terms"] * len(x)
     assert (steps - expected).abs().max() <= 1e-10
