@@ -176,9 +176,8 @@ def same_values(copies: Optional[List[Tensor]], tensors: Iterable[Tensor]) -> bo
 
 
 def range_values(cache: Dict, key, depends_on: tuple, low: int, high: int,
-                 compute: Callable[[int, int], Tensor], dim: int, descending: bool = False) -> Tensor:
-    """compute(low, high) (values of the distances low..high along `dim`; with `descending`,
-    high..low), kept in `cache[key]` while `depends_on` holds: a request inside the kept range is a
+                 compute: Callable[[int, int], Tensor], dim: int) -> Tensor:
+    """compute(low, high) (values of the distances low..high along `dim`), kept in `cache[key]` while `depends_on` holds: a request inside the kept range is a
     slice (a view) of it. A new range starts `KEPT_MARGIN` wider on each side; a request outside it
     computes a range that also doubles the kept one on the missing side, so a decoding step that
     needs one more distance than the last recomputes only O(log n) times in n steps."""
@@ -194,4 +193,4 @@ def range_values(cache: Dict, key, depends_on: tuple, low: int, high: int,
     if entry is None or (entry[0], entry[1], entry[2]) != (depends_on, kept_low, kept_high):
         entry = (depends_on, kept_low, kept_high, compute(kept_low, kept_high))
         cache[key] = entry
-    return entry[3].narrow(dim, entry[2] - high if descending else low - entry[1], high - low + 1)
+    return entry[3].narrow(dim, low - entry[1], high - low + 1)

@@ -260,17 +260,6 @@ def row_runs(rows: List[int]) -> List[Tuple[int, int, int]]:
     return [tuple(piece) for piece in pieces]
 
 
-def first_of_runs(runs: List[Tuple[int, int, int]], count: int) -> List[Tuple[int, int, int]]:
-    """The pieces of the first `count` columns of `runs` (`row_runs`)."""
-    kept = []
-    for first, length, step in runs:
-        if count <= 0:
-            break
-        kept.append((first, min(length, count), step))
-        count -= length
-    return kept
-
-
 def take_runs(values: Tensor, runs: List[Tuple[int, int, int]]) -> Tensor:
     """values[..., rows] for the rows that `row_runs` describes: slices and expanded single rows
     joined by one cat, i.e. no index tensor, and a backward pass of copies and sums (index_select

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from posenc_fairseq.encodings.cache import range_values
-from posenc_fairseq.encodings.positions import first_of_runs, position_range, row_runs, take_runs
+from posenc_fairseq.encodings.positions import position_range, row_runs, take_runs
 
 
 @pytest.mark.parametrize("rows, pieces", [
@@ -33,30 +33,17 @@ def test_take_runs_equals_index_select_with_gradients():
         assert torch.allclose(grad, expected_grad, rtol=0, atol=1e-12), rows
 
 
-def test_first_of_runs_takes_the_first_columns():
-    generator = random.Random(1)
-    values = torch.randn(2, 7)
-    for _ in range(200):
-        rows = [generator.randrange(7) for _ in range(generator.randint(1, 15))]
-        count = generator.randint(1, len(rows))
-        assert torch.equal(take_runs(values, first_of_runs(row_runs(rows), count)), values[:, rows[:count]]), rows
-    assert first_of_runs([(5, 3, -1), (2, 4, 0)], 4) == [(5, 3, -1), (2, 1, 0)]
-
-
-@pytest.mark.parametrize("descending", [False, True])
-def test_range_values_slices_in_either_order(descending):
+def test_range_values_slices_what_it_keeps():
     calls = []
 
     def compute(first, last):
         calls.append((first, last))
-        distances = torch.arange(last, first - 1, -1) if descending else torch.arange(first, last + 1)
-        return distances.double() ** 2
+        return torch.arange(first, last + 1).double() ** 2
 
     cache = {}
     for low, high in [(0, 3), (0, 4), (-2, 4), (1, 2), (0, 9)]:
-        got = range_values(cache, "key", ("same",), low, high, compute, dim=0, descending=descending)
-        wanted = torch.arange(low, high + 1).double() ** 2
-        assert torch.equal(got, wanted.flip(0) if descending else wanted), (low, high)
+        got = range_values(cache, "key", ("same",), low, high, compute, dim=0)
+        assert torch.equal(got, torch.arange(low, high + 1).double() ** 2), (low, high)
     assert len(calls) < 5  # (1, 2) and some growth steps were slices of what was kept
 
 
