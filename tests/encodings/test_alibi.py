@@ -7,6 +7,7 @@ import torch
 from posenc_fairseq.encodings import build_encoding
 from posenc_fairseq.encodings.alibi import ALiBi, alibi_slopes
 from posenc_fairseq.encodings.base import ModelDims
+from posenc_fairseq.encodings.distance import logits_between
 from posenc_fairseq.encodings.t5 import prior_distribution
 
 
@@ -25,13 +26,13 @@ def test_bias_equals_naive_loop_including_offset_queries():
         # queries at positions 3..5 (a decoding step with cache), keys 0..5
         query_positions, key_positions = torch.arange(3, 6), torch.arange(6)
         encoding.begin(role)
-        bias = encoding.logit_bias(role, 0, query_positions, key_positions)
+        bias = logits_between(encoding, role, 0, None, None, query_positions, key_positions)
         for h in range(heads):
             slope = 2 ** (-8 * (h + 1) / heads)
             for a, i in enumerate(query_positions.tolist()):
                 for b, j in enumerate(key_positions.tolist()):
                     assert math.isclose(bias[h, a, b].item(), -slope * abs(i - j), abs_tol=1e-6)
-    assert encoding.logit_bias("cross", 0, torch.arange(2), torch.arange(3)) is None
+    assert logits_between(encoding, "cross", 0, None, None, torch.arange(2), torch.arange(3)) is None
 
 
 @pytest.mark.parametrize("role", ["encoder", "decoder"])

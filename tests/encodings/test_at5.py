@@ -9,6 +9,7 @@ import torch
 
 from posenc_fairseq.encodings import ModelDims, build_encoding
 from posenc_fairseq.encodings.at5 import GAMMA_STEP_SCALE, MLP_STEP_SCALE, HeadMLPs, prior_distribution, raw_gamma
+from posenc_fairseq.encodings.distance import logits_between
 from util import encoding_options, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, random_batch, run
 
 
@@ -65,7 +66,7 @@ def test_bias_equals_naive_double_loop(name, role):
     encoding.eval()
     queries, keys = torch.arange(10, 30), torch.arange(0, 45)
     encoding.begin(role)
-    bias = encoding.logit_bias(role, 0, queries, keys)
+    bias = logits_between(encoding, role, 0, None, None, queries, keys, dtype=torch.float64)
     assert bias.shape == (3, 20, 45)
     for head in range(3):
         for qi, i in enumerate(queries.tolist()):
@@ -91,7 +92,7 @@ def test_options_and_parameter_layout():
     every = make("at5", scalar_bias_layers="all")
     assert {name.split(".")[1] for name, _ in every.named_parameters()} == {
         "encoder_0_minus", "encoder_0_plus", "encoder_1_minus", "encoder_1_plus", "decoder_0_minus", "decoder_1_minus"}
-    assert make("at5").logit_bias("cross", 0, torch.arange(3), torch.arange(4)) is None
+    assert logits_between(make("at5"), "cross", 0, None, None, torch.arange(3), torch.arange(4)) is None
 
 
 @pytest.mark.parametrize("role", ["encoder", "decoder"])
@@ -102,7 +103,7 @@ def test_prior_sums_to_one(name, role):
     prior = prior_distribution(encoding, role, 0, 20, torch.arange(64), head=1)
     assert prior.shape == (64,) and abs(prior.sum().item() - 1) < 1e-6
     visible = 21 if role == "decoder" else 64
-    bias = encoding.bias(role, 0, torch.tensor([20]), torch.arange(64))[1, 0]
+    bias = logits_between(encoding, role, 0, None, None, torch.tensor([20]), torch.arange(64))[1, 0]
     assert torch.allclose(prior[:visible], torch.softmax(bias[:visible], -1)) and (prior[visible:] == 0).all()
 
 
@@ -128,7 +129,7 @@ def test_nob_learned_input_equals_the_authors_formula(role):
     encoding.eval()
     queries, keys = torch.arange(10, 30), torch.arange(0, 45)  # distances beyond +-8 are clipped
     encoding.begin(role)
-    bias = encoding.logit_bias(role, 0, queries, keys)
+    bias = logits_between(encoding, role, 0, None, None, queries, keys, dtype=torch.float64)
     for head in range(3):
         for qi, i in enumerate(queries.tolist()):
             for kj, j in enumerate(keys.tolist()):
@@ -140,25 +141,27 @@ def test_nob_learned_input_equals_the_authors_formula(role):
 def test_nob_learned_input_gets_gradients_and_resets_to_identity():
     encoding = make("at5_nob", at5_nob_input="learned", at5_length_scale=8.0, scalar_bias_layers="all")
     encoding.begin("encoder")
-    encoding.logit_bias("encoder", 1, torch.arange(12), torch.arange(12)).sum().backward()
+    logits_between(encoding, "encoder", 1, None, None, torch.arange(12), torch.arange(12)).sum().backward()
     assert encoding.inputs["encoder_1"].grad.abs().sum() > 0
     encoding.reset_to_identity()
     encoding.begin("decoder")
-    assert (encoding.logit_bias("decoder", 0, torch.arange(9), torch.arange(9)) == 0).all()
+    assert (logits_between(encoding, "decoder", 0, None, None, torch.arange(9), torch.arange(9)) == 0).all()
 
 
 def test_prior_has_dropout_off_and_leaves_the_encoding_as_it_was():
     encoding = make("at5", at5_dropout=0.5)
     encoding.train()
     encoding.begin("encoder")
-    cached = encoding.logit_bias("encoder", 0, torch.arange(5), torch.arange(5))
+    cached = encoding.distance_term("encoder", 0, -4, 4, 5, torch.float32).bias  # memoized for this pass
     memo = {role: dict(values) for role, values in encoding.cache.pass_values.items()}
     priors = [prior_distribution(encoding, "encoder", 0, 3, torch.arange(30), head=0) for _ in range(3)]
-    assert encoding.training and encoding.cache.pass_values == memo and encoding.logit_bias("encoder", 0, torch.arange(5), torch.arange(5)) is cached
+    assert encoding.training and encoding.cache.pass_values == memo
+    assert encoding.distance_term("encoder", 0, -4, 4, 5, torch.float32).bias is cached
     assert all(torch.equal(priors[0], prior) for prior in priors)  # no dropout noise
     encoding.eval()
     with torch.no_grad():
-        expected = torch.softmax(encoding.bias("encoder", 0, torch.tensor([3]), torch.arange(30))[0, 0], -1)
+        bias = logits_between(encoding, "encoder", 0, None, None, torch.tensor([3]), torch.arange(30))
+        expected = torch.softmax(bias[0, 0], -1)
     assert torch.allclose(priors[0], expected)
 
 
@@ -169,7 +172,7 @@ def test_reset_to_identity_adds_zero():
         for role in ("encoder", "decoder"):
             encoding.begin(role)
             for layer in (0, 1):
-                assert (encoding.logit_bias(role, layer, torch.arange(9), torch.arange(9)) == 0).all()
+                assert (logits_between(encoding, role, layer, None, None, torch.arange(9), torch.arange(9)) == 0).all()
 
 
 def test_bias_saturates_beyond_the_length_scale():
@@ -177,7 +180,7 @@ def test_bias_saturates_beyond_the_length_scale():
     encoding = make("at5")
     encoding.eval()
     with torch.no_grad():
-        far = encoding.bias("encoder", 0, torch.tensor([0]), torch.tensor([50_000, 100_000]))
+        far = logits_between(encoding, "encoder", 0, None, None, torch.tensor([0]), torch.tensor([50_000, 100_000]))
         near_limit = encoding.mlps["encoder_plus"](torch.ones(3, 1))[:, 0]
     assert torch.isfinite(far).all()
     assert torch.allclose(far[:, 0, 0], near_limit, atol=1e-6) and torch.allclose(far[:, 0, 1], near_limit, atol=1e-6)
@@ -190,7 +193,8 @@ def test_runs_on_1000_tokens(translation_data, name):
     src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=1000, tgt_len=1000)
     with torch.no_grad():
         logits, _ = model(src, src_lengths, prev)
-        bias = model.positional_encoding.bias("encoder", 0, torch.arange(1000), torch.arange(1000))
+        positions = torch.arange(1000)
+        bias = logits_between(model.positional_encoding, "encoder", 0, None, None, positions, positions)
     assert torch.isfinite(logits).all() and torch.isfinite(bias).all()
     if name == "at5_nob":  # the input is clipped at the length scale: constant beyond it
         assert (bias[:, 0, 256:] == bias[:, 0, 256:257]).all()
@@ -250,7 +254,7 @@ def assert_bias_is_naive(encoding, gammas, mlps, tolerance, roles=("encoder", "d
     for role in roles:
         encoding.begin(role)
         with torch.no_grad():
-            bias = encoding.bias(role, 0, torch.arange(12), torch.arange(12))
+            bias = logits_between(encoding, role, 0, None, None, torch.arange(12), torch.arange(12))
         for head in range(3):
             for i in range(12):
                 for j in range(12):
@@ -316,7 +320,7 @@ def test_gamma_cannot_die():
     optimizer.zero_grad()
     for role in ("encoder", "decoder"):
         encoding.begin(role)
-        encoding.logit_bias(role, 0, torch.arange(30), torch.arange(30)).pow(2).sum().backward()
+        logits_between(encoding, role, 0, None, None, torch.arange(30), torch.arange(30)).pow(2).sum().backward()
     for name, raw in encoding.raw_gammas.items():
         assert (encoding.gamma(name) > 0).all() and (raw.grad != 0).all(), name
 

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from posenc_fairseq.encodings import ModelDims, build_encoding
+from posenc_fairseq.encodings.distance import logits_between
+from posenc_fairseq.encodings.positions import position_range
 from posenc_fairseq.encodings.t5 import prior_distribution, relative_position_bucket
 from util import encoding_options, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, random_batch, run
 
@@ -62,6 +64,14 @@ def make(name, layers=2, heads=4, **options):
     return build_encoding(name, args, ModelDims(embed_dim=16, heads=heads, encoder_layers=layers, decoder_layers=layers))
 
 
+def consecutive_bias(encoding, role, layer, queries: range, keys: range):
+    """`logits_between` over consecutive positions: the dense (Toeplitz) form the attention uses.
+    dense_logits reads the query and key counts from the tensors (a bias ignores their values)."""
+    query, key = torch.zeros(1, 1, len(queries), 0), torch.zeros(1, 1, len(keys), 0)
+    return logits_between(encoding, role, layer, query, key, position_range(queries.start, queries.stop),
+                          position_range(keys.start, keys.stop))
+
+
 def naive_t5(table, i, j, bidirectional, num_buckets, max_distance, head):
     """e_h(j - i) = E[b(j - i), h] with b from paper eqs. 14-16 via the scalar reference."""
     return table[reference_bucket(j - i, bidirectional, num_buckets, max_distance), head].item()
@@ -73,14 +83,18 @@ def naive_t5_nob(table, i, j, bidirectional, max_distance, head):
     return table[row, head].item()
 
 
+@pytest.mark.parametrize("consecutive", [False, True])  # gathered per pair / the dense (Toeplitz) form
 @pytest.mark.parametrize("role", ["encoder", "decoder"])
 @pytest.mark.parametrize("name", ["t5", "t5_nob"])
-def test_bias_equals_naive_double_loop(name, role):
+def test_bias_equals_naive_double_loop(name, role, consecutive):
     encoding = make(name, t5_num_buckets=16, t5_max_distance=20)
     table = encoding.tables[role].detach()
     queries, keys = torch.arange(30, 70), torch.arange(0, 100)
     encoding.begin(role)
-    bias = encoding.logit_bias(role, 0, queries, keys)
+    if consecutive:
+        bias = consecutive_bias(encoding, role, 0, range(30, 70), range(0, 100))
+    else:
+        bias = logits_between(encoding, role, 0, None, None, queries, keys)
     assert bias.shape == (4, 40, 100)
     for head in range(4):
         for qi, i in enumerate(queries.tolist()):
@@ -94,21 +108,24 @@ def test_bias_equals_naive_double_loop(name, role):
 
 def test_layers_option_and_cross_attention():
     first = make("t5")
-    assert first.logit_bias("cross", 0, torch.arange(3), torch.arange(5)) is None
-    assert first.logit_bias("encoder", 1, torch.arange(3), torch.arange(5)) is None
+    assert logits_between(first, "cross", 0, None, None, torch.arange(3), torch.arange(5)) is None
+    assert logits_between(first, "encoder", 1, None, None, torch.arange(3), torch.arange(5)) is None
     assert sorted(dict(first.named_parameters())) == ["tables.decoder", "tables.encoder"]
     every = make("t5", scalar_bias_layers="all")
     assert sorted(dict(every.named_parameters())) == ["tables.decoder_0", "tables.decoder_1",
                                                       "tables.encoder_0", "tables.encoder_1"]
     every.begin("encoder")
-    b0 = every.logit_bias("encoder", 0, torch.arange(5), torch.arange(5))
-    b1 = every.logit_bias("encoder", 1, torch.arange(5), torch.arange(5))
+    b0 = logits_between(every, "encoder", 0, None, None, torch.arange(5), torch.arange(5))
+    b1 = logits_between(every, "encoder", 1, None, None, torch.arange(5), torch.arange(5))
     assert not torch.equal(b0, b1)
     shared = make("t5", scalar_bias_layers="all", scalar_bias_share_layers=True)
     assert sorted(dict(shared.named_parameters())) == ["tables.decoder", "tables.encoder"]
     shared.begin("encoder")
-    b0 = shared.logit_bias("encoder", 0, torch.arange(5), torch.arange(5))
-    assert shared.logit_bias("encoder", 1, torch.arange(5), torch.arange(5)) is b0  # computed once
+    # computed once: the per-distance values and their dense form are shared by the layers
+    term = shared.distance_term("encoder", 0, -4, 4, 5, torch.float32)
+    assert shared.distance_term("encoder", 1, -4, 4, 5, torch.float32).bias is term.bias
+    b0 = consecutive_bias(shared, "encoder", 0, range(5), range(5))
+    assert consecutive_bias(shared, "encoder", 1, range(5), range(5)) is b0
 
 
 def test_rejects_max_distance_within_exact_buckets():
@@ -122,7 +139,7 @@ def test_prior_sums_to_one(name, role):
     encoding = make(name)
     prior = prior_distribution(encoding, role, 0, 10, torch.arange(40), head=2)
     assert prior.shape == (40,) and abs(prior.sum().item() - 1) < 1e-6
-    bias = encoding.bias(role, 0, torch.tensor([10]), torch.arange(40))[2, 0]
+    bias = logits_between(encoding, role, 0, None, None, torch.tensor([10]), torch.arange(40))[2, 0]
     visible = 11 if role == "decoder" else 40
     expected = torch.softmax(bias[:visible], dim=-1)
     assert torch.allclose(prior[:visible], expected) and (prior[visible:] == 0).all()
@@ -154,7 +171,7 @@ def test_reset_to_identity_adds_zero():
         encoding = make(name)
         encoding.reset_to_identity()
         encoding.begin("encoder")
-        assert (encoding.logit_bias("encoder", 0, torch.arange(9), torch.arange(9)) == 0).all()
+        assert (logits_between(encoding, "encoder", 0, None, None, torch.arange(9), torch.arange(9)) == 0).all()
 
 
 @pytest.mark.parametrize("name", ["t5", "t5_nob"])
@@ -169,14 +186,14 @@ def test_distances_beyond_training_use_the_last_bucket(translation_data, name):
         assert torch.isfinite(logits).all()
         encoding = model.positional_encoding
         positions = torch.arange(1000)
-        bias = encoding.bias("encoder", 0, positions, positions)
+        bias = logits_between(encoding, "encoder", 0, None, None, positions, positions)
         table = encoding.tables["encoder"]
         far_right, far_left = table[-1] if name == "t5_nob" else table[31], table[0] if name == "t5_nob" else table[15]
         relative = positions[None, :] - positions[:, None]
         assert torch.isfinite(bias).all()
         assert (bias.permute(1, 2, 0)[relative >= 32] == far_right).all()
         assert (bias.permute(1, 2, 0)[relative <= -32] == far_left).all()
-        causal = encoding.bias("decoder", 0, positions, positions).permute(1, 2, 0)
+        causal = logits_between(encoding, "decoder", 0, None, None, positions, positions).permute(1, 2, 0)
         last = encoding.tables["decoder"][-1]
         assert (causal[relative <= -32] == last).all()
 

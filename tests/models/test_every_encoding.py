@@ -9,6 +9,7 @@ import torch
 import posenc_fairseq  # noqa: F401
 from fairseq.models import ARCH_MODEL_REGISTRY
 from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
+from posenc_fairseq.encodings.base import PROJECTION_HOOKS, RELATIVE_HOOKS, PositionalEncoding
 from util import (QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, encoding_options, random_batch,
                   run_distributed)
 
@@ -60,20 +61,18 @@ def perturb_away_from_identity(model):
             parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
 
 
-#: the hooks through which an encoding changes the attention (returning None: it adds nothing)
-POSITION_HOOKS = ("projection_bias", "step_terms", "logit_bias", "relative_logits", "content_query",
-                  "relative_values", "distance_logits")
+#: every hook through which an encoding changes the attention
+POSITION_HOOKS = PROJECTION_HOOKS + RELATIVE_HOOKS
 
 
 def without_position_term(model):
-    """A copy of `model` that has lost its position information: its encoding's hooks add nothing and
-    its stacks have no absolute position embedding (what a path that dropped the term would give)."""
+    """A copy of `model` that has lost its position information: its encoding's hooks are the neutral
+    defaults (they add nothing) and its stacks have no absolute position embedding (what a path that
+    dropped the term would give)."""
     model = copy.deepcopy(model)
     encoding = model.positional_encoding
     for hook in POSITION_HOOKS:
-        setattr(encoding, hook, lambda *args, **kwargs: None)
-    encoding.has_relative_values = lambda role, layer: False
-    encoding.project = lambda role, layer, which, x, positions: x
+        setattr(encoding, hook, getattr(PositionalEncoding, hook).__get__(encoding))
     for stack in (getattr(model, "encoder", None), model.decoder):
         if stack is not None:
             stack.embed_positions = None
