@@ -88,6 +88,8 @@ NO_HOOKS = HookUse(projects=False, logits=False, values=False)
 
 class PositionalAttention(MultiheadAttention):
     position_binding: Optional[PositionBinding] = None
+    #: the heads before the first pruning (None: never pruned)
+    full_heads: Optional[int] = None
 
     def bind_position(self, encoding, role: str, layer: int):
         self.position_binding = PositionBinding(encoding, role, layer) if encoding is not None else None
@@ -100,7 +102,8 @@ class PositionalAttention(MultiheadAttention):
         """fairseq's pruning, plus a record of which original heads remain (in their new order):
         per-head position terms (ALiBi slopes, T5 columns, XL u/v, ...) stay with their head."""
         previous = self._kept_heads()
-        self.__dict__.setdefault("full_heads", self.num_heads)  # what the encoding's per-head terms cover
+        if self.full_heads is None:
+            self.full_heads = self.num_heads  # what the encoding's per-head terms cover
         full_biases = {which: self.full_projection_bias(which) for which in "qkv"}
         full_biases = {which: b.detach().clone() for which, b in full_biases.items() if b is not None}
         super()._adaptive_prune_heads(reserve_head_index)
@@ -128,7 +131,7 @@ class PositionalAttention(MultiheadAttention):
 
     def _full_heads(self) -> int:
         """The heads before pruning: what the encoding's per-head terms cover."""
-        return self.__dict__.get("full_heads", self.num_heads)
+        return self.num_heads if self.full_heads is None else self.full_heads
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -136,7 +139,8 @@ class PositionalAttention(MultiheadAttention):
         if key in state_dict and "kept_heads" not in self._buffers:
             # a pruned checkpoint loaded into a model pruned the same way before loading: adopt it
             self.register_buffer("kept_heads", torch.empty_like(state_dict[key]))
-            self.__dict__.setdefault("full_heads", self.num_heads)
+            if self.full_heads is None:
+                self.full_heads = self.num_heads
             for which in "qkv":
                 if prefix + f"pruned_{which}_bias" in state_dict:
                     self.register_buffer(f"pruned_{which}_bias", torch.empty_like(state_dict[prefix + f"pruned_{which}_bias"]))

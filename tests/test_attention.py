@@ -252,6 +252,22 @@ def test_blocks_future_recognises_fairseq_future_mask_only():
     assert blocks_future(buffered[:2, :2], 2, 2)
 
 
+def test_mask_facts_stay_off_the_mask_and_go_with_it():
+    """The remembered answers are not stored on fairseq's tensor, and are forgotten with it: a new
+    mask (which may reuse the old one's id) is checked afresh."""
+    import gc
+
+    from posenc_fairseq.kernels import masks
+    buffered = torch.triu(utils.fill_with_neg_inf(torch.zeros(6, 6)), 1)
+    assert masks.blocks_future(buffered[:6, :6], 6, 6)
+    assert id(buffered) in masks._MASK_FACTS and not buffered.__dict__
+    owner = id(buffered)
+    del buffered
+    gc.collect()
+    assert owner not in masks._MASK_FACTS
+    assert not masks.blocks_future(torch.zeros(6, 6), 6, 6)
+
+
 @pytest.mark.parametrize("name,need_weights", [("alibi", False), ("xl", False), ("xl", True), ("sinusoidal", False)])
 @pytest.mark.parametrize("already_flushing", [False, True])
 def test_subnormals_flushed_during_attention_backward_only(monkeypatch, name, need_weights, already_flushing):

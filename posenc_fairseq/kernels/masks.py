@@ -1,5 +1,6 @@
 """Facts about fairseq's attention masks, and the fill value of a blocked logit."""
-from typing import Callable, Optional
+import weakref
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import Tensor
@@ -11,21 +12,30 @@ def blocked_fill_value(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
 
 
+#: answers about live masks: id of the mask's storage owner -> {question and view: answer}; an
+#: entry goes with its owner (weakref.finalize), so a new tensor at the same id starts empty
+_MASK_FACTS: Dict[int, Dict[tuple, bool]] = {}
+
+
 def _remembered_about_mask(attn_mask: Tensor, question: str, *geometry, answer: Callable[[], bool]) -> bool:
     """`answer()` about `attn_mask`, computed once per mask tensor, in-place version, view geometry
-    and `geometry` (one device sync) and remembered on the mask's storage owner: fairseq slices its
-    buffered mask anew each call."""
+    and `geometry` (one device sync) and remembered for the mask's storage owner while it lives:
+    fairseq slices its buffered mask anew each call."""
     owner = attn_mask if attn_mask._base is None else attn_mask._base
-    version = None if owner.is_inference() else owner._version  # inference tensors have no version
+    if owner.is_inference():  # inference tensors have no version counter: nothing to remember by
+        return answer()
     key = (question, attn_mask.storage_offset(), tuple(attn_mask.stride()), tuple(attn_mask.shape), attn_mask.dtype,
-           version, *geometry)
-    remembered = owner.__dict__.setdefault("_posenc_mask_facts", {}) if version is not None else {}
+           owner._version, *geometry)
+    remembered = _MASK_FACTS.get(id(owner))
+    if remembered is None:
+        remembered = _MASK_FACTS[id(owner)] = {}
+        weakref.finalize(owner, _MASK_FACTS.pop, id(owner), None)
     if key not in remembered:
         remembered[key] = answer()
     return remembered[key]
 
 
-@torch.compiler.disable  # (the remembered answer lives on the tensor, which torch.compile cannot trace)
+@torch.compiler.disable  # (the remembered answers are Python state, which torch.compile cannot trace)
 def blocks_future(attn_mask: Optional[Tensor], queries: int, keys: int) -> bool:
     """Whether the 2-D `attn_mask` (queries, keys) blocks (-inf or True) every key after its query,
     the queries being the last `queries` of the keys: fairseq's future mask. Checked once per mask
