@@ -9,7 +9,7 @@ Checks (each prints a markdown table and its elapsed seconds; `--only a,c` picks
      against the same weights on CPU in fp32 (with --device cpu: against float64): loss and every
      gradient, relative to the reference's largest entry.
   b. FlexAttention (`posenc_fairseq.flex_attention.MODE = "train"`: with gradients on CUDA) against the reference path ("off")
-     for the encodings whose `distance_logits` it reads: logits and every gradient over batches of
+     for the encodings whose per-distance table it reads (`distance.flex_table`): logits and every gradient over batches of
      mixed lengths and padding, Dynamo's compiles (a recompile limit reached or a failed compile
      shows as frames not compiled), and forward + backward time of both. CPU: forward only under
      no_grad (FlexAttention's eager CPU path has no backward).
@@ -429,10 +429,11 @@ def dynamo_counts():
 
 
 def flex_cases():
-    from posenc_fairseq import flex_attention
     from posenc_fairseq.encodings import ENCODINGS
+    from posenc_fairseq.encodings.base import hook_use
 
-    supported = [name for name in sorted(ENCODINGS) if flex_attention.supports(ENCODINGS[name].__new__(ENCODINGS[name]))]
+    # the encodings with a logit term (FlexAttention reads it as a table per distance)
+    supported = [name for name in sorted(ENCODINGS) if hook_use(ENCODINGS[name].__new__(ENCODINGS[name])).logits]
     return sorted(supported, key=lambda name: (FLEX_FIRST.index(name) if name in FLEX_FIRST else len(FLEX_FIRST), name))
 
 

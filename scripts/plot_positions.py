@@ -129,15 +129,12 @@ def matrix_rows(first_column, matrix):
 def bias_row(encoding, role, layer, query: int, keys: torch.Tensor):
     """(heads, len(keys)) logit bias of the query at position `query`, or None (no bias there: no
     term, or one that depends on the tokens)."""
-    from posenc_fairseq.encodings.distance import distance_range, rows_of
+    from posenc_fairseq.encodings.distance import bias_between
 
-    query = torch.tensor([query])
     # the hook memoizes per forward: compute afresh, leave the model's pass alone
     with torch.no_grad(), encoding.cache.apart():
-        term = encoding.distance_term(role, layer, *distance_range(query, keys), 1, torch.float32)
-    if term is None or term.vectors is not None or term.content is not None:
-        return None
-    return term.bias[:, rows_of(term, keys - query)].float()
+        bias = bias_between(encoding, role, layer, torch.tensor([query]), keys, torch.float32)
+    return None if bias is None else bias[:, 0].float()
 
 
 def plot_logit_bias(model, encoding, writer, length, max_distance):

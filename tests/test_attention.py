@@ -8,7 +8,6 @@ from fairseq import utils
 from posenc_fairseq.attention import use_positional_attention
 from posenc_fairseq.encodings.base import ModelDims, PositionalEncoding
 from posenc_fairseq.encodings.distance import DistanceTerm
-from posenc_fairseq.encodings.positions import tensor_of
 
 EMBED, HEADS = 16, 4
 

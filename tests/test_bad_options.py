@@ -21,6 +21,7 @@ from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
 from posenc_fairseq.encodings.option_types import (MAX_PARAMETER_BYTES, OptionValueError, check_encoding_options,
                                                    check_size, even_int_in_range, float_in_range, int_in_range, option,
                                                    option_pair, positive_float, probability)
+from posenc_fairseq.encodings.distance import logits_between
 from util import USER_DIR, encoding_options
 
 DIMS = ModelDims(embed_dim=16, heads=4, encoder_layers=2, decoder_layers=2)
@@ -210,7 +211,7 @@ def test_t5_nob_max_distance_zero_clips_every_distance():
     encoding = build_encoding("t5_nob", encoding_options(t5_max_distance=0), DIMS)
     assert encoding.max_distance == 0 and encoding.tables["encoder"].shape == (1, 4)
     assert encoding.tables["decoder"].shape == (1, 4)
-    bias = encoding.bias("encoder", 0, torch.arange(5), torch.arange(5))
+    bias = logits_between(encoding, "encoder", 0, None, None, torch.arange(5), torch.arange(5))
     assert (bias == bias[:, :1, :1]).all()  # one value per head for every distance
 
 

@@ -100,8 +100,9 @@ class PositionalEncoding(nn.Module):
     def distance_term(self, role: str, layer: int, low: int, high: int, queries: int,
                       dtype: torch.dtype) -> Optional[DistanceTerm]:
         """The logit term of a self-attention call of `queries` queries whose key - query distances
-        are low..high, as values per distance (`DistanceTerm`, distance.py), in `dtype`; None where
-        the layer has none. The attention makes of it what its kernel reads (the dense (B, H, Tq, Tk)
+        are low..high, as values per distance (`DistanceTerm`, distance.py); None where the layer has
+        none. `dtype`: the queries' (a term may keep its parameters' dtype: the attention casts what
+        it adds). The attention makes of it what its kernel reads (the dense (B, H, Tq, Tk)
         term, a block's slice, a decoding step's row, FlexAttention's table)."""
         return None
 

@@ -237,6 +237,11 @@ def _term(encoding, role, layer, queries, dtype, query_positions, key_positions,
     return getattr(encoding, hook)(role, layer, low, high, queries, dtype)
 
 
+def pair_distances(query_positions: AnyPositions, key_positions: AnyPositions) -> Tensor:
+    """(Tq, Tk) key - query distance of each pair of 1-D positions."""
+    return tensor_of(key_positions).long()[None, :] - tensor_of(query_positions).long()[:, None]
+
+
 def rows_of(term: DistanceTerm, distances: Tensor) -> Tensor:
     """The row of each key - query distance in `distances` (any shape, within low..high)."""
     column = distances - term.low
@@ -255,9 +260,9 @@ def logits_between(encoding, role: str, layer: int, query: Optional[Tensor], key
     term = _term(encoding, role, layer, queries, dtype, query_positions, key_positions)
     if term is None:
         return None
-    if is_range(query_positions) and is_range(key_positions):
+    if query is not None and is_range(query_positions) and is_range(key_positions):
         return dense_logits(term, query, key, memoize=encoding.memoize)
-    index = rows_of(term, tensor_of(key_positions).long()[None, :] - tensor_of(query_positions).long()[:, None])
+    index = rows_of(term, pair_distances(query_positions, key_positions))
     out = None
     if term.bias is not None:
         out = term.bias[:, index]
@@ -272,6 +277,16 @@ def logits_between(encoding, role: str, layer: int, query: Optional[Tensor], key
     return out
 
 
+def bias_between(encoding, role: str, layer: int, query_positions: AnyPositions, key_positions: AnyPositions,
+                 dtype: torch.dtype) -> Optional[Tensor]:
+    """(H, Tq, Tk): the encoding's logit term between 1-D positions where it is a bias alone (T5,
+    AT5, ALiBi); None where the layer has no term or one that depends on the tokens."""
+    term = _term(encoding, role, layer, len(tensor_of(query_positions)), dtype, query_positions, key_positions)
+    if term is None or term.vectors is not None or term.content is not None:
+        return None
+    return term.bias[:, rows_of(term, pair_distances(query_positions, key_positions))]
+
+
 def values_between(encoding, role: str, layer: int, probs: Tensor, query_positions: AnyPositions,
                    key_positions: AnyPositions) -> Optional[Tensor]:
     """The encoding's value term between 1-D positions, any: (B, H, Tq, D) from the probabilities
@@ -281,7 +296,7 @@ def values_between(encoding, role: str, layer: int, probs: Tensor, query_positio
         return None
     if is_range(query_positions) and is_range(key_positions):
         return dense_values(term, probs)
-    index = rows_of(term, tensor_of(key_positions).long()[None, :] - tensor_of(query_positions).long()[:, None])
+    index = rows_of(term, pair_distances(query_positions, key_positions))
     batch, heads, tq, tk = probs.shape
     per_row = probs.new_zeros(batch, heads, tq, term.vectors.size(1))
     per_row = per_row.scatter_add(-1, index.expand(batch, heads, tq, tk), probs)

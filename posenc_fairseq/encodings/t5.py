@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionalEncoding, layers_with_bias, register_encoding
-from .distance import DistanceTerm, distance_range, rows_of
+from .distance import DistanceTerm, bias_between
 from .option_types import OptionValueError, check_size, even_int_in_range, int_in_range, one_of, option
 from .cache import range_values, signature, use_kept_values
 
@@ -274,12 +274,10 @@ def prior_distribution(encoding: PositionalEncoding, role: str, layer: int, quer
     encoding.eval()
     try:
         with torch.no_grad(), encoding.cache.apart():
-            term = encoding.distance_term(role, layer, *distance_range(query, keys), 1, dtype)
+            bias = bias_between(encoding, role, layer, query, keys, dtype)
     finally:
         encoding.train(training)
-    scores = torch.zeros(len(keys), device=device)
-    if term is not None and term.vectors is None and term.content is None:  # a bias alone
-        scores = term.bias[head, rows_of(term, keys - query)].float()
+    scores = torch.zeros(len(keys), device=device) if bias is None else bias[head, 0].float()
     if role == "decoder":
         scores = scores.masked_fill(keys > int(query_position), float("-inf"))
     return torch.softmax(scores, dim=-1)
