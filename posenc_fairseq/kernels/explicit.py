@@ -17,15 +17,19 @@ def logits(q: Tensor, k: Tensor, terms: Optional[Tensor]) -> Tensor:
     return products if terms is None else products + terms
 
 
+def softmax(scores: Tensor) -> Tensor:
+    """softmax over the keys, in float32 for half precision and in the scores' own dtype otherwise
+    (float64's blocked fill, its finite minimum, would become -inf in float32: NaN for a row that
+    sees no key)."""
+    return torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).type_as(scores)
+
+
 def attend(call, q: Tensor, terms: Optional[Tensor], dropout: Callable[[Tensor], Tensor]) -> Tuple[Tensor, Tensor]:
     """softmax(q k^T + terms) v of the `AttentionCall` `call` (its queries as `q`: with the content
     query where folded), plus its relative value term; the output (B, H, Tq, D) and the
     probabilities (B, H, Tq, Tk). `dropout`: the attention's dropout module."""
     products = q @ call.k.transpose(-1, -2)
-    scores = products if terms is None else products + terms
-    # softmax in float32 for half precision, in the scores' own dtype otherwise (float64's blocked
-    # fill, its finite minimum, would become -inf in float32: NaN for a row that sees no key)
-    probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).type_as(scores)
+    probs = softmax(products if terms is None else products + terms)
     dropped = dropout(probs) if call.dropout_p > 0 else probs
     out = dropped @ call.v
     if call.values is not None:

@@ -5,6 +5,7 @@ from torch import Tensor
 
 from ..encodings.distance import step_terms
 from . import sdpa
+from .explicit import softmax
 from .terms import with_masks
 
 
@@ -23,4 +24,8 @@ def attend(call) -> Tensor:
     if terms.logits is not None:
         logits = terms.logits.to(q.dtype)
         additive = logits if additive is None else additive + logits
+    if additive is not None and q.device.type == "cpu" and call.dropout_p == 0.0:
+        # one query with an additive term: SDPA's CPU kernel with a float mask costs more than the
+        # softmax written out (docs/benchmarks.md)
+        return softmax(q @ k.transpose(-1, -2) + additive) @ v
     return sdpa.attend(q, k, v, additive, call.dropout_p)
