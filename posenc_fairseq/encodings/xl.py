@@ -128,8 +128,9 @@ class TransformerXL(PositionalEncoding):
         (the keys' order): r (L, H, N, D), (v - u).r (L, H, N) and u (H, 1, D), scaled as the
         queries arrive; r and (v - u).r kept across steps (`range_values`) while W_r, u and v hold."""
         heads, head_dim = self.dims.heads, self.dims.head_dim
+        # (the containers' own dicts: a step pays per Python call)
         projections = [self.projections._modules[f"{role}{layer}"] for layer in range(self.dims.layers(role))]
-        u, v = self.content_bias[role], self.position_bias[role]  # (H, D)
+        u, v = self.content_bias._parameters[role], self.position_bias._parameters[role]  # (H, D)
         dtype, scale = projections[0].weight.dtype, head_dim ** -0.5
 
         def compute(first, last):
@@ -139,7 +140,9 @@ class TransformerXL(PositionalEncoding):
             return torch.cat([rel, shift], dim=3).transpose(1, 2).contiguous()  # (L, H, N, D + 1)
         depends_on = signature([*(projection.weight for projection in projections), u, v], self.prior_key())
         kept = range_values(self.cache.inference(self), (role, "step"), depends_on, low, high, compute, dim=2)
-        return kept.narrow(3, 0, head_dim), kept.select(3, head_dim), self.scaled_biases(role, dtype)[0]
+        content = self.cache.inference_value(self, ("step u", role), depends_on,
+                                             lambda: (u.to(dtype) * scale)[:, None, :])  # as `scaled_biases`
+        return kept.narrow(3, 0, head_dim), kept.select(3, head_dim), content
 
     def reset_to_identity(self):
         with torch.no_grad():
