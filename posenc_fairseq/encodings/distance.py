@@ -9,7 +9,7 @@ on the values `value_term`) for the distances low..high of a call; this module m
     window          the term of a block of queries: a slice of the call's (query blocks, future mask)
     step_terms      one query's terms as additions to q, k, v and the logits (a decoding step)
     flex_table      the per-distance table FlexAttention reads inside its kernel
-    logits_between, values_between: the same for arbitrary (not consecutive) positions
+    logits_between, values_between, bias_between: the same for arbitrary (not consecutive) positions
 """
 from typing import Hashable, NamedTuple, Optional, Tuple
 
