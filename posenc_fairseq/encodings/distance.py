@@ -196,14 +196,14 @@ def step_terms(term: Optional[DistanceTerm], values: Optional[DistanceTerm]) -> 
     query = keys = logits = None
     if term is not None:
         logits = term.bias
+        if logits is not None and term.rows is not None:
+            logits = take_runs(logits, term.rows)  # (H, Tk): each key's row
         if term.vectors is not None:
             keys = _per_column(term)
             if term.shift is not None and term.shift is not term.content:
                 difference = term.shift if term.content is None else term.shift - term.content
                 extra = (keys * difference).sum(-1)  # (H, Tk)
                 logits = extra if logits is None else logits + extra
-        if logits is not None and term.rows is not None:
-            logits = take_runs(logits, term.rows)
         logits = logits[:, None, :] if logits is not None else None
         query = term.content
     return StepTerms(query=query, keys=keys, values=_per_column(values) if values is not None else None,

@@ -14,6 +14,7 @@ from posenc_fairseq.encodings.distance import (DistanceTerm, dense_logits, dense
 from posenc_fairseq.encodings.positions import position_range, row_runs, take_runs
 
 B, H, D = 2, 3, 4
+KINDS = ["bias", "rows", "vectors", "everything"]
 
 
 def make_term(kind, low, high, generator):
@@ -23,11 +24,16 @@ def make_term(kind, low, high, generator):
         return torch.randn(*shape, generator=generator, dtype=torch.float64)
     if kind == "bias":
         return DistanceTerm(low, high, bias=randn(H, n))
-    if kind == "rows":  # Shaw-like: clipped at +-2 around 0
+    if kind in ("rows", "everything"):  # Shaw-like: clipped at +-2 around 0
         rows = [min(max(d, -2), 2) + 2 for d in range(low, high + 1)]
         first, last = min(rows), max(rows)
-        return DistanceTerm(low, high, vectors=randn(1, last - first + 1, D),
-                            rows=tuple(row_runs([row - first for row in rows])))
+        runs = tuple(row_runs([row - first for row in rows]))
+        if kind == "rows":
+            return DistanceTerm(low, high, vectors=randn(1, last - first + 1, D), rows=runs)
+        # every field at once: a bias and per-head vectors per row, shift and content
+        count = last - first + 1
+        return DistanceTerm(low, high, bias=randn(H, count), vectors=randn(H, count, D), rows=runs,
+                            shift=randn(H, 1, D), content=randn(H, 1, D))
     return DistanceTerm(low, high, vectors=randn(H, n, D), shift=randn(H, 1, D), content=randn(H, 1, D))
 
 
@@ -67,7 +73,7 @@ def call(kind, queries, keys, seed=0):
     return term, query, key, list(range(keys - queries, keys)), list(range(keys))
 
 
-@pytest.mark.parametrize("kind", ["bias", "rows", "vectors"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("queries,keys", [(5, 5), (3, 7), (1, 6)])
 def test_dense_logits_is_the_definition(kind, queries, keys):
     term, query, key, q_pos, k_pos = call(kind, queries, keys)
@@ -79,7 +85,7 @@ def test_dense_logits_is_the_definition(kind, queries, keys):
         assert torch.allclose(folded + content, expected, atol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["rows", "vectors"])
+@pytest.mark.parametrize("kind", ["rows", "vectors", "everything"])
 def test_future_blocked_keeps_every_pair_it_does_not_block(kind):
     term, query, key, q_pos, k_pos = call(kind, 6, 6)
     expected = naive(term, query, key, q_pos, k_pos)
@@ -88,7 +94,7 @@ def test_future_blocked_keeps_every_pair_it_does_not_block(kind):
     assert torch.allclose(got[..., seen], expected[..., seen], atol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["bias", "rows", "vectors"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_window_is_the_block_of_the_whole_call(kind):
     """Queries 2..4 of 7 against keys 0..5 (a block under the future mask): the window of the
     call's term gives the block's part of the whole call's logits."""
@@ -114,7 +120,7 @@ def test_rows_window_takes_the_columns_it_is_asked():
         assert torch.equal(take_runs(values[:, low: high + 1], pieces), values[:, chosen]), rows
 
 
-@pytest.mark.parametrize("kind", ["bias", "rows", "vectors"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("step_form", [False, True])
 def test_a_step_is_plain_attention_of_the_changed_inputs(kind, step_form):
     """One query: (q + query) . (k_j + keys_j) + logits_j - q . k_j is the term of every key; with
@@ -122,8 +128,8 @@ def test_a_step_is_plain_attention_of_the_changed_inputs(kind, step_form):
     term, query, key, q_pos, k_pos = call(kind, 1, 6)
     expected = naive(term, query, key, q_pos, k_pos)
     if step_form and term.shift is not None:
-        extra = (term.vectors * (term.shift - term.content)).sum(-1)  # (H, N)
-        term = term._replace(bias=extra, shift=term.content)
+        extra = (term.vectors * (term.shift - term.content)).sum(-1)  # (H, R)
+        term = term._replace(bias=extra if term.bias is None else term.bias + extra, shift=term.content)
     terms = step_terms(term, None)
     q = query + (terms.query if terms.query is not None else 0)
     k = key + (terms.keys if terms.keys is not None else 0)
@@ -131,7 +137,7 @@ def test_a_step_is_plain_attention_of_the_changed_inputs(kind, step_form):
     assert torch.allclose(got, expected, atol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["bias", "rows", "vectors"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_flex_table_is_the_definition(kind):
     term, query, key, q_pos, k_pos = call(kind, 4, 6)
     expected = naive(term, query, key, q_pos, k_pos)
