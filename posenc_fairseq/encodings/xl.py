@@ -111,10 +111,7 @@ class TransformerXL(PositionalEncoding):
         decoding step: once per step, not per layer); in inference kept across steps while u and v
         stay as they are."""
         def compute():
-            scale = self.dims.head_dim ** -0.5
-            u = self.content_bias[role].to(dtype) * scale
-            v = self.position_bias[role].to(dtype) * scale
-            return u[:, None, :], v[:, None, :]
+            return self._scaled(self.content_bias[role], dtype), self._scaled(self.position_bias[role], dtype)
 
         def kept():
             if not use_kept_values(self):
@@ -122,6 +119,10 @@ class TransformerXL(PositionalEncoding):
             depends_on = signature([self.content_bias[role], self.position_bias[role]], dtype)
             return self.cache.inference_value(self, ("u v", role), depends_on, compute)
         return self.memoize((role, self.name, "u v", dtype), kept)
+
+    def _scaled(self, bias, dtype):
+        """u or v (H, D) as (H, 1, D) in `dtype`, scaled by 1/sqrt(D) as the queries arrive."""
+        return (bias.to(dtype) * self.dims.head_dim ** -0.5)[:, None, :]
 
     def _step_rows(self, role, low, high):
         """A decoding step's terms of every layer of the stack, for the distances j - i = low..high
@@ -140,8 +141,7 @@ class TransformerXL(PositionalEncoding):
             return torch.cat([rel, shift], dim=3).transpose(1, 2).contiguous()  # (L, H, N, D + 1)
         depends_on = signature([*(projection.weight for projection in projections), u, v], self.prior_key())
         kept = range_values(self.cache.inference(self), (role, "step"), depends_on, low, high, compute, dim=2)
-        content = self.cache.inference_value(self, ("step u", role), depends_on,
-                                             lambda: (u.to(dtype) * scale)[:, None, :])  # as `scaled_biases`
+        content = self.cache.inference_value(self, ("step u", role), depends_on, lambda: self._scaled(u, dtype))
         return kept.narrow(3, 0, head_dim), kept.select(3, head_dim), content
 
     def reset_to_identity(self):
