@@ -24,6 +24,10 @@ Checks (each prints a markdown table and its elapsed seconds; `--only a,c` picks
      transformer_sinusoidal of the same size (reported, no limit).
   f. T5's buckets (`relative_position_bucket`) on CUDA against CPU for distances far past
      max_distance (CUDA only).
+  g. decoding (eval mode, as fairseq-generate): the decoder run one token at a time with an
+     incremental state against its full pass on the device, in fp32, fp16 and bf16 (the step path
+     serves other kernels than the pass); fp32 steps on the device against the CPU's (CPU run:
+     float64); fairseq's SequenceGenerator (beam 3) against the same reference: the same hypotheses.
 A failing row does not stop the others; a check that spends its time budget (`--budget`) reports
 the rows it did not run as failures. Exit status 1 if any row failed. Check b runs last: it
 compiles, the slowest and least predictable part.
@@ -59,12 +63,13 @@ CHECKS = {
     "d": "torch DDP + --checkpoint-activations vs the plain model",
     "e": "FLOATER: table on the device vs the CPU, step time vs sinusoidal",
     "f": "T5 buckets: CUDA vs CPU",
+    "g": "decoding step by step vs the full pass, fp32 / fp16 / bf16, and beam search vs the CPU",
 }
-RUN_ORDER = "facdeb"
+RUN_ORDER = "facdegb"
 #: seconds per check on CUDA (`--budget` overrides): together under 8 minutes, the device run's limit with set-up;
 #: CPU and --quick runs are small enough not to need one
-CUDA_BUDGETS = {"a": 45, "b": 240, "c": 60, "d": 45, "e": 60, "f": 15}
-CPU_BUDGETS = {"a": 300, "b": 300, "c": 300, "d": 300, "e": 300, "f": 60}
+CUDA_BUDGETS = {"a": 45, "b": 240, "c": 60, "d": 45, "e": 60, "f": 15, "g": 60}
+CPU_BUDGETS = {"a": 300, "b": 300, "c": 300, "d": 300, "e": 300, "f": 60, "g": 300}
 
 NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0"]
 
@@ -806,8 +811,90 @@ def check_buckets(models, budget):
     return table
 
 
+#: step by step against the full pass in one precision: only rounding (fp32 against fp32 is FP32_LIMIT)
+STEP_LIMITS = {torch.float32: FP32_LIMIT, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+def stepwise_and_full(model, src, src_lengths, prev):
+    """The decoder's log-probabilities over prev: one full pass, and one token at a time (an
+    incremental state, as SequenceGenerator runs it)."""
+    with torch.no_grad():
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
+        full, _ = model.decoder(prev, encoder_out=encoder_out)
+        state, steps = {}, []
+        for t in range(prev.size(1)):
+            logits, _ = model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+            steps.append(logits)
+    return (torch.log_softmax(full.float(), -1), torch.log_softmax(torch.cat(steps, dim=1).float(), -1))
+
+
+def beam_hypotheses(models, model, src, src_lengths):
+    """fairseq's SequenceGenerator, beam 3: each sentence's best hypothesis (tokens, score)."""
+    from fairseq.sequence_generator import SequenceGenerator
+
+    generator = SequenceGenerator([model], models.dictionary, beam_size=3, max_len_b=12, min_len=2)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": src_lengths}}
+    with torch.no_grad():
+        hypotheses = generator.generate([model], sample)
+    return [(hypothesis[0]["tokens"].tolist(), float(hypothesis[0]["score"])) for hypothesis in hypotheses]
+
+
+def check_decoding(models, budget):
+    """g. decoding step by step on the device: against its full pass (fp32, fp16, bf16), against the
+    CPU's steps (fp32; CPU run: float64), and fairseq's beam search against the CPU's."""
+    from posenc_fairseq.encodings import ENCODINGS
+
+    precisions = [torch.float32, torch.float16, torch.bfloat16] if models.cuda else [torch.float32, torch.bfloat16]
+    reference = "CPU fp32" if models.cuda else "CPU float64"
+    columns = ["encoding", *(f"steps vs pass {str(dtype)[6:]}" for dtype in precisions), f"steps vs {reference}",
+               f"beam: same as {reference}"]
+    table = Table("g", columns)
+    generator = torch.Generator().manual_seed(17)
+    low, high = models.dictionary.nspecial, len(models.dictionary)
+    src = torch.randint(low, high, (4, 11), generator=generator)
+    src[:, -1] = models.dictionary.eos()
+    src[1:, :3] = models.dictionary.pad()  # left padding, as fairseq's translation task
+    src_lengths = src.ne(models.dictionary.pad()).sum(1)
+    prev = torch.randint(low, high, (4, 13), generator=generator)
+    prev[:, 0] = models.dictionary.eos()
+    for name in sorted(ENCODINGS):
+        def row(name=name):
+            cpu = models.build(f"transformer_{name}", [*TINY, *NO_DROPOUT]).eval()
+            cells, failures = {}, []
+            for dtype in precisions:
+                model = models.build(f"transformer_{name}", [*TINY, *NO_DROPOUT], state=cpu.state_dict()).eval()
+                model.to(models.device, dtype)
+                full, stepwise = stepwise_and_full(model, *(t.to(models.device) for t in (src, src_lengths, prev)))
+                error = relative(stepwise, full)
+                cells[f"steps vs pass {str(dtype)[6:]}"] = fmt(error)
+                if not error <= STEP_LIMITS[dtype]:
+                    failures.append(f"{str(dtype)[6:]} steps: limit {STEP_LIMITS[dtype]:g}")
+                if dtype == torch.float32:
+                    on_device = stepwise
+                    beam = beam_hypotheses(models, model, src.to(models.device), src_lengths.to(models.device))
+            if not models.cuda:
+                cpu.double()  # the CPU's own reference, as in check a
+            _, cpu_steps = stepwise_and_full(cpu, src, src_lengths, prev)
+            error = relative(on_device, cpu_steps)
+            cells[f"steps vs {reference}"] = fmt(error)
+            if not error <= FP32_LIMIT:
+                failures.append(f"steps vs {reference}: limit {FP32_LIMIT:g}")
+            cpu_beam = beam_hypotheses(models, cpu, src, src_lengths)
+            same = sum(got[0] == expected[0] and abs(got[1] - expected[1]) <= 1e-3 * max(1.0, abs(expected[1]))
+                       for got, expected in zip(beam, cpu_beam))
+            cells[f"beam: same as {reference}"] = f"{same}/{len(cpu_beam)}"
+            if same != len(cpu_beam):
+                failures.append(f"beam search differs from the {reference} model's")
+            return cells, "FAIL" if failures else "PASS", "; ".join(failures)
+        guarded(table, budget, "encoding", name, row)
+    table.note = ("cells: max |steps - pass| / max |pass| over the log-probabilities (eval mode, 4 sentences, 13 target "
+                  f"tokens); limits {', '.join(f'{str(d)[6:]} {v:g}' for d, v in STEP_LIMITS.items())}; "
+                  "beam: best hypothesis' tokens equal and score within 1e-3")
+    return table
+
+
 RUNNERS = {"a": check_encodings, "b": check_flex, "c": check_precision, "d": check_ddp, "e": check_floater,
-           "f": check_buckets}
+           "f": check_buckets, "g": check_decoding}
 
 
 # --- main -----------------------------------------------------------------------------------------

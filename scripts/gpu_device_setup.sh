@@ -53,7 +53,7 @@ _posenc_setup() {
             tail -20 "$log" >&2
         fi
     fi
-    "$python" -c "import torch, fairseq, posenc_fairseq, posenc_fairseq.encodings.floater as f
+    "$python" -c "import torch, fairseq, posenc_fairseq, posenc_fairseq.encodings.floater.solver as f
 print('gpu_device_setup: torch', torch.__version__, '| fairseq', fairseq.__version__, 'from', fairseq.__file__,
       '| floater extension:', f.floater_solve is not None)" >&2
 }

@@ -12,7 +12,7 @@ from posenc_fairseq.encodings import ENCODINGS
 from util import REPO, load_script
 
 SCRIPT = REPO / "scripts" / "gpu_check.py"
-CHECK_KEYS = "abcdef"
+CHECK_KEYS = "abcdefg"
 
 def tables(output):
     """{check key: [(first cell, status, detail)]} from the markdown the script prints."""
@@ -52,6 +52,7 @@ def test_cpu_run_prints_every_table_and_passes_what_the_cpu_can_check(cpu_run):
     every = sorted(ENCODINGS)
     assert [row[0] for row in found["a"]] == every
     assert [row[0] for row in found["c"]] == every
+    assert [row[0] for row in found["g"]] == every
     assert [row[0] for row in found["d"]][:len(every)] == every
     # one of each kind of table (quick), then half-precision models (CUDA only) and fully padded rows
     assert {row[0] for row in found["b"]} == {"t5", "alibi", "xl", "lfhc", "shaw", "t5, bfloat16 model",
@@ -107,3 +108,32 @@ def test_an_error_or_a_spent_budget_is_a_fail_row_and_the_other_checks_run(capsy
     assert [row[1] for row in found["e"]] == ["FAIL", "FAIL"]
     assert all("time budget" in row[2] for row in found["e"])
     assert "FAILED: 3 rows" in output
+
+
+def test_a_decoding_step_that_differs_fails_its_row(capsys, monkeypatch):
+    """Check g compares the steps with the pass: steps moved by 1e-3 of a log-probability fail."""
+    gpu_check = load_script(SCRIPT)
+    stepwise_and_full = gpu_check.stepwise_and_full
+
+    def shifted(model, *args):
+        full, stepwise = stepwise_and_full(model, *args)
+        if model.positional_encoding.__class__.__name__.lower().startswith("t5"):
+            stepwise = stepwise + 1e-3 * stepwise.abs().max()
+        return full, stepwise
+
+    monkeypatch.setattr(gpu_check, "stepwise_and_full", shifted)
+    assert gpu_check.main(["--device", "cpu", "--quick", "--only", "g"]) == 1
+    rows = {label: (status, detail) for label, status, detail in tables(capsys.readouterr().out)["g"]}
+    assert rows["t5"][0] == "FAIL" and "float32 steps: limit" in rows["t5"][1]
+    assert rows["sinusoidal"][0] == rows["xl"][0] == "PASS"
+
+
+def test_the_device_setup_script_runs_the_command_where_fairseq_imports():
+    """scripts/gpu_device_setup.sh adds nothing where fairseq already imports, reports what it found
+    (its last line imports the package and FLOATER's solver) and runs the command."""
+    env = dict(os.environ, PYTHON=sys.executable)
+    done = subprocess.run(["bash", "scripts/gpu_device_setup.sh", sys.executable, "-c", "print('ran')"], cwd=REPO,
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ran"
+    assert "gpu_device_setup: torch " + torch.__version__ in done.stderr and "floater extension:" in done.stderr
