@@ -113,8 +113,12 @@ def test_half_precision_masks_do_not_produce_nan(dtype):
     mask = torch.zeros(2, 6, dtype=torch.bool)
     mask[1, :] = True  # a fully padded row: -inf masks would give NaN here
     for need_weights in (True, False):
-        out, _ = ours(x, x, x, key_padding_mask=mask, need_weights=need_weights)
-        assert torch.isfinite(out).all()
+        # large logits too: a blocked logit's fill must not overflow to -inf when added to one
+        for scale in (1.0, 40.0):
+            out, weights = ours(x * scale, x * scale, x * scale, key_padding_mask=mask, need_weights=need_weights)
+            assert torch.isfinite(out).all()
+            if need_weights:
+                assert torch.allclose(weights[1].float(), torch.full((6, 6), 1 / 6), atol=1e-3)  # no key: uniform
     _, reference32 = pair("self")
     reference32.bind_position(ConstantBias(None, ModelDims(EMBED, HEADS, 1, 1)), "encoder", 0)
     mask[1, :] = False

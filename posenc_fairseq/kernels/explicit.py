@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .subnormals import flush_subnormals_in_backward
+from .terms import masked_logits
 from ..encodings.distance import dense_values
 
 
@@ -21,15 +22,18 @@ def softmax(scores: Tensor) -> Tensor:
     """softmax over the keys, in float32 for half precision and in the scores' own dtype otherwise
     (float64's blocked fill, its finite minimum, would become -inf in float32: NaN for a row that
     sees no key)."""
-    return torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).type_as(scores)
+    if scores.dtype in (torch.float32, torch.float64):
+        return torch.softmax(scores, dim=-1)
+    return torch.softmax(scores.to(torch.float32), dim=-1).type_as(scores)
 
 
 def attend(call, q: Tensor, terms: Optional[Tensor], dropout: Callable[[Tensor], Tensor]) -> Tuple[Tensor, Tensor]:
     """softmax(q k^T + terms) v of the `AttentionCall` `call` (its queries as `q`: with the content
-    query where folded), plus its relative value term; the output (B, H, Tq, D) and the
-    probabilities (B, H, Tq, Tk). `dropout`: the attention's dropout module."""
+    query where folded), the keys its masks block left out, plus its relative value term; the
+    output (B, H, Tq, D) and the probabilities (B, H, Tq, Tk). `terms`: without the blocked
+    entries (`terms.with_finite_mask`); `dropout`: the attention's dropout module."""
     products = q @ call.k.transpose(-1, -2)
-    probs = softmax(products if terms is None else products + terms)
+    probs = softmax(masked_logits(call, products if terms is None else products + terms))
     dropped = dropout(probs) if call.dropout_p > 0 else probs
     out = dropped @ call.v
     if call.values is not None:

@@ -8,7 +8,7 @@ from . import biased_cpu, blocks, explicit, flex, sdpa, step
 from .masks import blocked_fill_value
 from .plan import AttentionCall, Kernel, Plan
 from .subnormals import flush_subnormals_in_backward
-from .terms import position_terms, with_masks
+from .terms import masked_logits, position_terms, with_finite_mask, with_masks
 
 
 def serve(call: AttentionCall, plan: Plan, dropout: Callable[[Tensor], Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
@@ -31,14 +31,14 @@ def _serve_piece(call: AttentionCall, plan: Plan, content_query: Optional[Tensor
         return flex.attend(call.q, call.k, call.v, flex_table(call.term, call.q, call.k), call.attn_mask,
                            call.key_padding_mask, blocked_fill_value(call.q.dtype)), None
     terms = position_terms(call, content_folded=content_query is not None)
-    if call.attn_mask is not None or call.key_padding_mask is not None:
-        terms = with_masks(call, terms)
     q = call.q if content_query is None else call.q + content_query
     kernel = plan.kernel_for(call, terms)
     if kernel is Kernel.LOGITS:
-        return explicit.logits(q, call.k, terms), None
-    if kernel is Kernel.EXPLICIT:
-        return explicit.attend(call, q, terms, dropout)
+        return masked_logits(call, explicit.logits(q, call.k, with_finite_mask(call, terms))), None
+    if kernel is Kernel.EXPLICIT:  # (fills the blocked logits itself)
+        return explicit.attend(call, q, with_finite_mask(call, terms), dropout)
+    if call.attn_mask is not None or call.key_padding_mask is not None:
+        terms = with_masks(call, terms)
     if kernel is Kernel.BIASED_CPU:
         out = biased_cpu.attend(q, call.k, call.v, terms, call.future_blocked)
     else:

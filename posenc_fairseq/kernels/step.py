@@ -5,8 +5,8 @@ from torch import Tensor
 
 from ..encodings.distance import step_terms
 from . import sdpa
-from .explicit import softmax
-from .terms import with_masks
+from .explicit import logits, softmax
+from .terms import masked_logits, with_finite_mask, with_masks
 
 
 def attend(call) -> Tensor:
@@ -18,14 +18,10 @@ def attend(call) -> Tensor:
         k = k + terms.keys.to(k.dtype)
     if terms.values is not None:
         v = v + terms.values.to(v.dtype)
-    additive = None
-    if call.attn_mask is not None or call.key_padding_mask is not None:
-        additive = with_masks(call, None)
-    if terms.logits is not None:
-        logits = terms.logits.to(q.dtype)
-        additive = logits if additive is None else additive + logits
-    if additive is not None and q.device.type == "cpu" and call.dropout_p == 0.0:
-        # one query with an additive term: SDPA's CPU kernel with a float mask costs more than the
-        # softmax written out (docs/benchmarks.md)
-        return softmax(q @ k.transpose(-1, -2) + additive) @ v
-    return sdpa.attend(q, k, v, additive, call.dropout_p)
+    additive = with_finite_mask(call, terms.logits.to(q.dtype) if terms.logits is not None else None)
+    masked = call.attn_mask is not None or call.key_padding_mask is not None
+    if (additive is not None or masked) and q.device.type == "cpu" and call.dropout_p == 0.0:
+        # one query with an additive term or a mask: SDPA's CPU kernel with a float mask costs more
+        # than the softmax written out (docs/benchmarks.md)
+        return softmax(masked_logits(call, logits(q, k, additive))) @ v
+    return sdpa.attend(q, k, v, with_masks(call, additive) if masked else additive, call.dropout_p)

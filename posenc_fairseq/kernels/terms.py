@@ -33,22 +33,43 @@ def position_terms(call, content_folded: bool) -> Optional[Tensor]:
 
 def with_masks(call, additive: Optional[Tensor]) -> Optional[Tensor]:
     """`additive` (or nothing) plus the attention mask's finite part, with the blocked entries (mask
-    and padding) at the dtype's finite minimum; (B or 1, H or 1, Tq, Tk). None: nothing to add."""
-    attn_mask, key_padding_mask, dtype = call.attn_mask, call.key_padding_mask, call.q.dtype
-    blocked = None
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            blocked = attn_mask
-        else:
-            blocked = torch.isneginf(attn_mask)
-            if not only_blocks(attn_mask):  # (fairseq's future mask: no full-size addition of zeros)
-                finite = attn_mask.masked_fill(blocked, 0).to(dtype)
-                additive = finite if additive is None else additive + finite
-    if key_padding_mask is not None:
-        padding = key_padding_mask.to(torch.bool).view(key_padding_mask.size(0), 1, 1, -1)
-        blocked = padding if blocked is None else (blocked | padding)
+    and padding) at the dtype's finite minimum; (B or 1, H or 1, Tq, Tk). None: nothing to add.
+    The kernels that write the logits out fill them in place instead (`masked_logits`)."""
+    additive = with_finite_mask(call, additive)
+    blocked = blocked_entries(call)
     if blocked is not None:
         if additive is None:
-            additive = torch.zeros((), dtype=dtype, device=call.q.device)
-        additive = additive.masked_fill(blocked, blocked_fill_value(dtype))
+            additive = torch.zeros((), dtype=call.q.dtype, device=call.q.device)
+        additive = additive.masked_fill(blocked, blocked_fill_value(call.q.dtype))
     return additive
+
+
+def masked_logits(call, logits: Tensor) -> Tensor:
+    """The logits `logits` (B, H, Tq, Tk), not needed elsewhere, with the blocked entries (mask and
+    padding) filled in place: what `with_masks` gives when added, without a tensor of the masks."""
+    blocked = blocked_entries(call)
+    return logits if blocked is None else logits.masked_fill_(blocked, blocked_fill_value(logits.dtype))
+
+
+def with_finite_mask(call, additive: Optional[Tensor]) -> Optional[Tensor]:
+    """`additive` plus the finite entries of a float attn_mask that holds more than 0 and -inf."""
+    attn_mask = call.attn_mask
+    if attn_mask is None or attn_mask.dtype == torch.bool or only_blocks(attn_mask):
+        return additive  # (fairseq's future mask: no full-size addition of zeros)
+    finite = attn_mask.masked_fill(torch.isneginf(attn_mask), 0).to(call.q.dtype)
+    return finite if additive is None else additive + finite
+
+
+def blocked_entries(call) -> Optional[Tensor]:
+    """Where the attn_mask (-inf or True) or the key padding blocks a key, broadcasting against
+    (B, H, Tq, Tk); None: nowhere."""
+    attn_mask, key_padding_mask = call.attn_mask, call.key_padding_mask
+    blocked = None
+    if attn_mask is not None:
+        blocked = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
+    if key_padding_mask is not None:
+        padding = key_padding_mask.view(key_padding_mask.size(0), 1, 1, -1)
+        if padding.dtype != torch.bool:
+            padding = padding.to(torch.bool)
+        blocked = padding if blocked is None else (blocked | padding)
+    return blocked
