@@ -13,7 +13,8 @@ For each architecture a fresh subprocess builds the model (same size for all), t
     model built in the same process (the generation ratios are taken within that process; so is the
     training ratio: after the solo timing, which gives the memory, --steps more updates of each
     model alternate, median per update). The order alternates too: the architecture first in even
-    rounds, the reference first in odd ones (`alternating_medians`), for --growth as well.
+    rounds, the reference first in odd ones (`alternating_medians`), for --growth as well; and so does
+    the order the two models are built in (odd rounds build the reference first).
 `--growth` prints instead, per arch, the training time per step at n = 128 and 2048 (batch 1) and
 its growth exponent log(t2048/t128)/log(16) next to the reference's.
 Timings on a shared machine vary from call to call, so every architecture is measured `--repeats`
@@ -62,6 +63,9 @@ def measure(arch, args):
             task = tasks.setup_task(model_args)
             return task.build_model(model_args).to(device), task
 
+    # the model built first in a process measured ~1% slower than the same model built second
+    # (docs/benchmarks.md): odd rounds build the reference first
+    reference = build(args.reference)[0] if args.reference_first and arch != args.reference else None
     model, task = build(arch)
     low = 4
     src = torch.randint(low, args.vocab, (args.batch, args.length), device=device)
@@ -113,7 +117,7 @@ def measure(arch, args):
     # to process on a shared machine) then cancels in the ratio
     models = {"": model}
     if arch != args.reference:
-        reference = build(args.reference)[0].train()
+        reference = (reference if reference is not None else build(args.reference)[0]).train()
         steps = {"": step, "reference_": trainer(reference)}
         for _ in range(args.warmup):
             steps["reference_"]()
@@ -273,6 +277,7 @@ def main():
                         help=argparse.SUPPRESS)
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--train-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--reference-first", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure(args.one, args)))
@@ -282,11 +287,13 @@ def main():
         return
     archs = list(dict.fromkeys([args.reference, *args.archs]))
     rounds = []
-    for _ in range(args.repeats):  # round robin: a slow period of the machine hits every arch alike
+    for round_index in range(args.repeats):  # round robin: a slow period of the machine hits every arch alike
         measured = {}
+        order = ["--reference-first"] if round_index % 2 else []  # which model the process builds first
         for arch in archs:  # one process per measurement: peak memory and warm caches stay separate
-            done = subprocess.run([sys.executable, __file__, "--one", arch, *sys.argv[1:]], capture_output=True,
-                                  text=True, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+            done = subprocess.run([sys.executable, __file__, "--one", arch, *order, *sys.argv[1:]],
+                                  capture_output=True, text=True,
+                                  env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
             if done.returncode != 0:
                 print(f"{arch}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
                 continue

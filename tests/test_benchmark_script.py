@@ -63,3 +63,26 @@ def test_alternating_medians_alternates_which_run_goes_first(monkeypatch):
     assert untimed == ["arch", "reference"]
     assert timed == ["arch", "reference", "reference", "arch", "arch", "reference", "reference", "arch"]
     assert medians == {"arch": 1.0, "reference": 3.0}
+
+
+def test_odd_rounds_build_the_reference_first(monkeypatch, capsys):
+    """The model a process builds first measured slower than the same model built second, so the
+    rounds alternate which of the two each measuring process builds first."""
+    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    commands = []
+
+    def fake_run(command, **kwargs):
+        commands.append(command)
+        arch = command[command.index("--one") + 1]
+        result = {"arch": arch, "train_tokens_per_s": 1.0, "generate_tokens_per_s": 1.0, "heap_peak_mb": 1.0}
+        return types.SimpleNamespace(returncode=0, stdout=benchmark.json.dumps(result), stderr="")
+
+    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", "--archs", "transformer_t5", "--reference", "transformer",
+                                      "--repeats", "4", "--beam", "0"])
+    benchmark.main()
+    arch_commands = [command for command in commands if command[command.index("--one") + 1] == "transformer_t5"]
+    assert ["--reference-first" in command for command in arch_commands] == [False, True, False, True]
+    assert "transformer_t5" in capsys.readouterr().out
