@@ -7,11 +7,13 @@ each kept in a scope that says how long it stays valid.
   table, the dtype) and the grad mode is added to it. A `recorded` run (non-reentrant activation
   checkpointing) replays its forward's hits and misses in the recomputation.
 - inference (`inference`, `inference_value`, `range_values`): values kept across decoding steps
-  and passes while gradients are off and the encoding is in eval mode (`use_kept_values`). Each
-  entry holds a `signature` of what it was computed from (the parameters' storage, in-place
-  version, dtype and device, and options) and is recomputed when that differs; the whole scope is
-  emptied once per pass when any parameter of the encoding no longer equals its copy (fairseq's
-  optimizers write through p.data, which moves no version counter).
+  and passes while gradients are off and the encoding is in eval mode (`use_kept_values`). The
+  scope is checked against the encoding's parameters by value (and dtype, device, shape) once per
+  pass that starts a decode or runs whole (`begin` with no earlier step), and emptied when any
+  differs: this sees every change, fairseq's optimizers' writes through p.data included (which
+  move no version counter). The steps of one decode use it unchecked, as fairseq's incremental
+  state uses the keys and values it cached at the earlier steps. Each entry holds what else it
+  was computed from (options, dtype) and is recomputed when that differs.
 - constants (`constant`): values of their key alone (no parameter), e.g. rotary's frequencies.
 
 Copies (fairseq's EMA deep-copies the model) and pickles start empty: entries may hold autograd
@@ -96,9 +98,9 @@ class EncodingCache:
 
     # --- inference scope ------------------------------------------------------------------------
     def inference(self, module: nn.Module) -> Dict:
-        """The inference scope (for `range_values` and `inference_value`), checked once per pass by
-        value against copies of `module`'s parameters and emptied when any differs: signatures
-        (storage, in-place version) cannot see writes through p.data."""
+        """The inference scope (for `range_values` and `inference_value`), checked once per pass
+        (not per decoding step) by value against copies of `module`'s parameters and emptied when
+        any differs."""
         if not self.inference_checked:
             self.inference_checked = True
             if not same_values(self.parameter_copies, module.parameters()):
@@ -107,7 +109,8 @@ class EncodingCache:
         return self.inference_values
 
     def inference_value(self, module: nn.Module, key: Hashable, depends_on: tuple, compute: Callable[[], Any]) -> Any:
-        """compute(), kept in the inference scope while `depends_on` (a `signature`) holds."""
+        """compute(), kept in the inference scope while `depends_on` (what it is computed from
+        besides the parameters: options, dtype) holds."""
         kept = self.inference(module)
         entry = kept.get(key)
         if entry is None or entry[0] != depends_on:
@@ -150,11 +153,6 @@ def use_kept_values(module: torch.nn.Module) -> bool:
     return not torch.is_grad_enabled() and not module.training
 
 
-def signature(parameters: Iterable[Tensor], *extra) -> tuple:
-    """What kept values depend on: each parameter's storage, in-place version, dtype and device."""
-    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in parameters) + extra
-
-
 #: distances a new kept range adds on each side of the first request (a pass's first decoding
 #: step): the steps after it slice instead of growing the range from one distance
 KEPT_MARGIN = 32
@@ -167,8 +165,8 @@ def value_copies(tensors: Iterable[Tensor]) -> List[Tensor]:
 
 def same_values(copies: Optional[List[Tensor]], tensors: Iterable[Tensor]) -> bool:
     """Whether `value_copies` still equal `tensors` exactly (count, dtype, device, shape, values): a
-    check by value, which fairseq's optimizers' writes through p.data cannot escape, unlike
-    `signature`'s in-place version."""
+    check by value, which fairseq's optimizers' writes through p.data cannot escape (an in-place
+    version counter would)."""
     tensors = list(tensors)
     return copies is not None and len(copies) == len(tensors) and all(
         copy.dtype == tensor.dtype and copy.device == tensor.device and copy.shape == tensor.shape
@@ -176,11 +174,15 @@ def same_values(copies: Optional[List[Tensor]], tensors: Iterable[Tensor]) -> bo
 
 
 def range_values(cache: Dict, key, depends_on: tuple, low: int, high: int,
-                 compute: Callable[[int, int], Tensor], dim: int) -> Tensor:
-    """compute(low, high) (values of the distances low..high along `dim`), kept in `cache[key]` while `depends_on` holds: a request inside the kept range is a
-    slice (a view) of it. A new range starts `KEPT_MARGIN` wider on each side; a request outside it
-    computes a range that also doubles the kept one on the missing side, so a decoding step that
-    needs one more distance than the last recomputes only O(log n) times in n steps."""
+                 compute: Callable[[int, int], Tensor], dim: int,
+                 derive: Optional[Callable[[Tensor], Any]] = None) -> Any:
+    """compute(low, high) (values of the distances low..high along `dim`), kept in `cache[key]`
+    while `depends_on` (what the values are computed from besides the parameters) holds: a request
+    inside the kept range is a slice (a view) of it. A new range starts `KEPT_MARGIN` wider on each
+    side; a request outside it computes a range that also doubles the kept one on the missing side,
+    so a decoding step that needs one more distance than the last recomputes only O(log n) times in
+    n steps. `derive`: what is made of the slice instead, kept with the kept range per (low, high)
+    (the next decode's steps find it made)."""
     entry: Optional[tuple] = cache.get(key)
     if entry is None or entry[0] != depends_on:
         kept_low, kept_high = low - KEPT_MARGIN, high + KEPT_MARGIN
@@ -191,6 +193,11 @@ def range_values(cache: Dict, key, depends_on: tuple, low: int, high: int,
     else:
         kept_low, kept_high = entry[1], entry[2]
     if entry is None or (entry[0], entry[1], entry[2]) != (depends_on, kept_low, kept_high):
-        entry = (depends_on, kept_low, kept_high, compute(kept_low, kept_high))
+        entry = (depends_on, kept_low, kept_high, compute(kept_low, kept_high), {})
         cache[key] = entry
-    return entry[3].narrow(dim, low - entry[1], high - low + 1)
+    if derive is None:
+        return entry[3].narrow(dim, low - entry[1], high - low + 1)
+    derived = entry[4].get((low, high))
+    if derived is None:
+        derived = entry[4][low, high] = derive(entry[3].narrow(dim, low - entry[1], high - low + 1))
+    return derived

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from .base import PositionalEncoding, register_encoding
 from .distance import DistanceTerm
 from .option_types import Checker, check_size, checked, one_of, option
-from .cache import range_values, signature, use_kept_values
+from .cache import range_values, use_kept_values
 from .positions import row_runs, tensor_of
 
 SELF_ROLES = ("encoder", "decoder")
@@ -155,7 +155,7 @@ class Shaw(PositionalEncoding):
         if queries == 1 and use_kept_values(self):
             def compute(first, last):
                 return table.index_select(0, self.rows_of_distances(layer, first, last, table.device))
-            rows = range_values(self.cache.inference(self), (role, layer, which), signature([table]), low, high,
+            rows = range_values(self.cache.inference(self), (role, layer, which), (), low, high,
                                 compute, dim=0)
             return DistanceTerm(low, high, vectors=rows.to(dtype)[None])
         runs, first, last = self.distance_runs(role, layer, low, high)

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from .base import PositionalEncoding, layers_with_bias, register_encoding
 from .distance import DistanceTerm, bias_between
 from .option_types import OptionValueError, check_size, even_int_in_range, int_in_range, one_of, option
-from .cache import range_values, signature, use_kept_values
+from .cache import range_values, use_kept_values
 
 #: parse-time bounds; beyond them a table would be absurdly large (build time checks the exact size)
 MAX_BUCKETS = 2 ** 20
@@ -146,7 +146,7 @@ class ScalarBias(PositionalEncoding):
         """`distance_bias`, kept across calls in inference (positions.py: a decoding step reads a
         slice of it)."""
         if use_kept_values(self):
-            return range_values(self.cache.inference(self), key, signature(self.parameters()),
+            return range_values(self.cache.inference(self), key, (),
                                 low, high, lambda a, b: self.distance_bias(key, a, b), dim=1)
         return self.distance_bias(key, low, high)
 

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from .base import PositionalEncoding, register_encoding
 from .distance import DistanceTerm
 from .option_types import float_in_range, option
-from .cache import range_values, signature, use_kept_values
+from .cache import range_values, use_kept_values
 
 #: lambda of eq. 15: positive (0 removes the position term, a negative one only flips its sign);
 #: bounded so that lambda * W_r R stays far from float16/float32 overflow
@@ -75,12 +75,11 @@ class TransformerXL(PositionalEncoding):
     def distance_term(self, role, layer, low, high, queries, dtype):
         """(q_i + v).W_r R_{i-j} + u.k_j: W_r R of each distance d = j - i = low..high per head, the
         query shift v and the content u. A decoding step in inference: its form (q + u).(k_j + r_j)
-        + (v - u).r_j with r and (v - u).r kept across steps (`_step_rows`)."""
+        + (v - u).r_j, kept across steps and decodes (`_step_terms`)."""
         if role not in SELF_ROLES:
             return None
         if queries == 1 and use_kept_values(self):
-            keys, logits, u = self.memoize((role, self.name, "step", low, high), lambda: self._step_rows(role, low, high))
-            return DistanceTerm(low, high, bias=logits[layer], vectors=keys[layer], shift=u, content=u)
+            return self._step_terms(role, low, high)[layer]
         u, v = self.scaled_biases(role, dtype)
         return DistanceTerm(low, high, vectors=self.projected(role, layer, low, high, dtype), shift=v, content=u)
 
@@ -107,42 +106,44 @@ class TransformerXL(PositionalEncoding):
         return (self.dims.embed_dim,)
 
     def scaled_biases(self, role, dtype):
-        """u and v as (H, 1, D), scaled by 1/sqrt(D) as the query arrives: once per forward (a
-        decoding step: once per step, not per layer); in inference kept across steps while u and v
-        stay as they are."""
+        """u and v as (H, 1, D), scaled by 1/sqrt(D) as the query arrives: once per forward; in
+        inference kept across passes."""
         def compute():
             return self._scaled(self.content_bias[role], dtype), self._scaled(self.position_bias[role], dtype)
 
         def kept():
             if not use_kept_values(self):
                 return compute()
-            depends_on = signature([self.content_bias[role], self.position_bias[role]], dtype)
-            return self.cache.inference_value(self, ("u v", role), depends_on, compute)
+            return self.cache.inference_value(self, ("u v", role), (dtype,), compute)
         return self.memoize((role, self.name, "u v", dtype), kept)
 
     def _scaled(self, bias, dtype):
         """u or v (H, D) as (H, 1, D) in `dtype`, scaled by 1/sqrt(D) as the queries arrive."""
         return (bias.to(dtype) * self.dims.head_dim ** -0.5)[:, None, :]
 
-    def _step_rows(self, role, low, high):
-        """A decoding step's terms of every layer of the stack, for the distances j - i = low..high
-        (the keys' order): r (L, H, N, D), (v - u).r (L, H, N) and u (H, 1, D), scaled as the
-        queries arrive; r and (v - u).r kept across steps (`range_values`) while W_r, u and v hold."""
+    def _step_terms(self, role, low, high):
+        """Each layer's term of a decoding step for the distances j - i = low..high (the keys'
+        order) in the step's form: r = W_r R (H, N, D) as `vectors`, (v - u).r (H, N) as `bias`
+        and u (H, 1, D) as `shift` and `content`, scaled as the queries arrive, in the parameters'
+        dtype. The rows of every layer are kept (`range_values`) and so are the terms made of each
+        slice: a step computes nothing."""
         heads, head_dim = self.dims.heads, self.dims.head_dim
-        # (the containers' own dicts: a step pays per Python call)
-        projections = [self.projections._modules[f"{role}{layer}"] for layer in range(self.dims.layers(role))]
-        u, v = self.content_bias._parameters[role], self.position_bias._parameters[role]  # (H, D)
-        dtype, scale = projections[0].weight.dtype, head_dim ** -0.5
 
-        def compute(first, last):
+        def rows(first, last):  # (L, H, N, D + 1): r and (v - u).r of every layer
+            projections = [self.projections[f"{role}{layer}"] for layer in range(self.dims.layers(role))]
+            u, v = self.content_bias[role], self.position_bias[role]
+            dtype = projections[0].weight.dtype
             prior = self.prior(torch.arange(-first, -last - 1, -1, device=u.device)).to(dtype)
             rel = torch.stack([projection(prior) for projection in projections]).view(len(projections), -1, heads, head_dim)
-            shift = (rel * ((v - u) * scale).to(dtype)).sum(-1, keepdim=True)  # (L, N, H, 1)
-            return torch.cat([rel, shift], dim=3).transpose(1, 2).contiguous()  # (L, H, N, D + 1)
-        depends_on = signature([*(projection.weight for projection in projections), u, v], self.prior_key())
-        kept = range_values(self.cache.inference(self), (role, "step"), depends_on, low, high, compute, dim=2)
-        content = self.cache.inference_value(self, ("step u", role), depends_on, lambda: self._scaled(u, dtype))
-        return kept.narrow(3, 0, head_dim), kept.select(3, head_dim), content
+            shift = (rel * ((v - u) * head_dim ** -0.5).to(dtype)).sum(-1, keepdim=True)  # (L, N, H, 1)
+            return torch.cat([rel, shift], dim=3).transpose(1, 2).contiguous()
+
+        def terms(step_rows):
+            u = self._scaled(self.content_bias[role], step_rows.dtype)
+            return [DistanceTerm(low, high, bias=layer_rows[..., head_dim], vectors=layer_rows[..., :head_dim],
+                                 shift=u, content=u) for layer_rows in step_rows.unbind(0)]
+        return range_values(self.cache.inference(self), (role, "step"), self.prior_key(), low, high, rows, dim=2,
+                            derive=terms)
 
     def reset_to_identity(self):
         with torch.no_grad():

@@ -31,7 +31,7 @@ def test_range_values_slices_grows_and_follows_the_parameters(monkeypatch):
     assert computed[-1] == (-4, 3)  # doubled on the missing side only
     assert range_values(cache, "k", ("a",), -4, 0, compute, dim=1).tolist() == [[-4, -3, -2, -1, 0]]
     assert len(computed) == 2
-    scale = 2.0  # a parameter changed: its signature differs
+    scale = 2.0  # what the values are computed from changed: its key differs
     assert range_values(cache, "k", ("b",), 0, 1, compute, dim=1).tolist() == [[0, 2]]
     assert computed[-1] == (0, 1)
 
@@ -51,6 +51,34 @@ def test_a_new_kept_range_starts_with_a_margin_on_each_side():
     for step in range(KEPT_MARGIN + 1):  # XL's distances 0..step of a decoding step
         assert range_values(cache, "k", ("a",), 0, step, compute, dim=0).tolist() == list(range(step + 1))
     assert computed == [(-KEPT_MARGIN, KEPT_MARGIN)]
+
+
+def test_what_is_derived_from_a_slice_is_kept_with_its_range(monkeypatch):
+    """`derive` runs once per (low, high) while the kept range holds (the next decode's steps find
+    their terms made) and again once the range is recomputed: nothing keeps an old range alive."""
+    from posenc_fairseq.encodings import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "KEPT_MARGIN", 0)
+    derived = []
+
+    def derive(values):
+        derived.append(values.tolist())
+        return list(values.tolist())
+
+    def compute(low, high):
+        return torch.arange(low, high + 1, dtype=torch.float64)
+
+    cache = {}
+    first = range_values(cache, "k", ("a",), -3, 0, compute, dim=0, derive=derive)
+    assert first == [-3, -2, -1, 0] and derived == [first]
+    assert range_values(cache, "k", ("a",), -3, 0, compute, dim=0, derive=derive) is first  # kept
+    assert range_values(cache, "k", ("a",), -2, 0, compute, dim=0, derive=derive) == [-2, -1, 0]
+    assert len(derived) == 2
+    assert range_values(cache, "k", ("a",), -5, 0, compute, dim=0, derive=derive) == [-5, -4, -3, -2, -1, 0]
+    assert range_values(cache, "k", ("a",), -3, 0, compute, dim=0, derive=derive) is not first  # range recomputed
+    assert len(derived) == 4
+    assert range_values(cache, "k", ("b",), -3, 0, compute, dim=0, derive=derive) == first  # key changed
+    assert len(derived) == 5
 
 
 def test_position_range_knows_its_bounds():
