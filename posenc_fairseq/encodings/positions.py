@@ -13,8 +13,8 @@ prior W_r R_d) across calls in inference, so that a decoding step reads a slice 
 computing it again for every distance of every step: a step costs O(1) amortised and no work per
 layer beyond the slice. The kept values live in the inference scope of the encoding's cache
 (cache.py: checked by value once per pass, since fairseq's optimizers write through p.data, which
-no version counter sees), are recomputed within it when a parameter they depend on changes (new
-tensor, in-place update, dtype or device), and are never used with gradients or in training.
+no version counter sees; emptied when a parameter changed by value, dtype or device) and are never
+used with gradients or in training.
 """
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple, Union
