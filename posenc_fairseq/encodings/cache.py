@@ -182,7 +182,7 @@ def range_values(cache: Dict, key, depends_on: tuple, low: int, high: int,
     side; a request outside it computes a range that also doubles the kept one on the missing side,
     so a decoding step that needs one more distance than the last recomputes only O(log n) times in
     n steps. `derive`: what is made of the slice instead, kept with the kept range per (low, high)
-    (the next decode's steps find it made)."""
+    (the next decode's steps find it made); one `key` takes one kind of `derive` (it is not keyed)."""
     entry: Optional[tuple] = cache.get(key)
     if entry is None or entry[0] != depends_on:
         kept_low, kept_high = low - KEPT_MARGIN, high + KEPT_MARGIN
