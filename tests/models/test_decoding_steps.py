@@ -1,6 +1,8 @@
 """Decoding steps: per-step position work once per step (shared by the layers), no host
 synchronisation beyond the stock model's, and values kept across steps in inference
 (`encodings/cache.py`) that follow every change of the parameters."""
+import copy
+
 import pytest
 import torch
 
@@ -131,6 +133,24 @@ def test_steps_follow_parameter_changes(translation_data, encoding):
     assert (full_2 - stepwise_2).abs().max() <= 1e-5
     if list(model.positional_encoding.parameters()):  # ALiBi and rotary have none
         assert (full_2 - full).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("encoding", ["at5", "xl", "gcdf"])
+def test_kept_values_follow_a_change_of_dtype(translation_data, encoding):
+    """Decode in float32, turn the model into float64 (model.double()), decode again: the values
+    kept by the float32 decode are not used (steps equal the full pass in float64 and a copy made
+    float64 before any decode). The encodings whose kept values are computed (T5's and Shaw's are
+    rows of a table, the same numbers in either dtype)."""
+    model, task = perturbed_translation_model(translation_data, encoding)
+    fresh = copy.deepcopy(model).double()
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=6, tgt_len=9)
+    with torch.no_grad():
+        decoder_logits_full_and_stepwise(model, src, src_lengths, prev)
+        full, stepwise = decoder_logits_full_and_stepwise(model.double(), src, src_lengths, prev)
+        reference, _ = decoder_logits_full_and_stepwise(fresh, src, src_lengths, prev)
+    assert stepwise.dtype == torch.float64
+    assert (full - stepwise).abs().max() <= 1e-10
+    assert (reference - stepwise).abs().max() <= 1e-10
 
 
 @pytest.mark.parametrize("encoding", STEP_ENCODINGS)
