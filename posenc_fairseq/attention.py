@@ -38,8 +38,9 @@ from torch import Tensor
 
 from fairseq.modules import MultiheadAttention
 
-from .encodings.base import HookUse, hook_use
+from .encodings.base import HookUse, PassContext, hook_use, stack_of
 from .encodings.distance import for_heads
+from .encodings.positions import AnyPositions, Positions, shared_range, tensor_of
 from .kernels.masks import blocks_future
 from .kernels.plan import AttentionCall, Kernel, plan
 from .kernels.serve import serve
@@ -84,6 +85,13 @@ TORCHSCRIPT_MESSAGE = (
 
 
 NO_HOOKS = HookUse(projects=False, logits=False, values=False)
+
+def first_of_each_beam(positions: AnyPositions, beam: int) -> AnyPositions:
+    """The rows of `positions` (B * beam, T) of the first beam of each sentence, (B, T): a
+    `shared_range` stays one (every row alike)."""
+    if isinstance(positions, Positions) and positions.tensor.dim() == 2:
+        return shared_range(positions.tensor.size(0) // beam, positions.start, positions.stop, positions.device)
+    return tensor_of(positions).view(-1, beam, positions.size(1))[:, 0, :]
 
 
 class PositionalAttention(MultiheadAttention):
@@ -167,10 +175,13 @@ class PositionalAttention(MultiheadAttention):
         need_weights = need_weights or need_head_weights
         tgt_len, bsz, _ = query.size()
         binding = self.position_binding
-        use = hook_use(binding.encoding) if binding is not None else NO_HOOKS
+        use, context = NO_HOOKS, None
+        if binding is not None:
+            use, context = hook_use(binding.encoding), binding.encoding.contexts.get(stack_of(binding.role))
         q, k, v, key_padding_mask, source_keys = self._projected(query, key, value, key_padding_mask,
-                                                                  incremental_state, static_kv, use.projects)
-        call = self._call(q, k, v, attn_mask, key_padding_mask, source_keys, need_weights, before_softmax, use)
+                                                                  incremental_state, static_kv, use.projects, context)
+        call = self._call(q, k, v, attn_mask, key_padding_mask, source_keys, need_weights, before_softmax, use,
+                          context)
         call_plan = plan(call)
         out, probs = serve(call, call_plan, self._modules["dropout_module"])
         if call_plan.kernel is Kernel.LOGITS:  # fairseq's before_softmax: the logits and the values
@@ -184,9 +195,11 @@ class PositionalAttention(MultiheadAttention):
         return out, weights
 
     def _projected(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor],
-                   key_padding_mask: Optional[Tensor], incremental_state, static_kv: bool, projects: bool):
+                   key_padding_mask: Optional[Tensor], incremental_state, static_kv: bool, projects: bool,
+                   context: Optional[PassContext]):
         """q (B, H, Tq, D), unscaled, and the keys and values (B, H, Tk, D) of the call: projected
-        with the encoding's projection hooks (`projects`: it has some), after the cached ones of
+        with the encoding's projection hooks (`projects`: it has some; the positions of the stack's
+        pass `context`), after the cached ones of
         incremental decoding, one copy per beam; the key padding mask that goes with them, and the
         number of source keys before the target keys (--cross-self-attention's decoder
         self-attention, else 0)."""
@@ -201,14 +214,14 @@ class PositionalAttention(MultiheadAttention):
         cross_self = binding is not None and binding.role == "decoder" and not self.self_attention \
             and not self.encoder_decoder_attention
         query_positions = key_positions = None  # (read by the projection hooks alone)
-        if projects:
-            query_positions, key_positions = self._token_positions(binding)
+        if projects and context is not None:
+            query_positions, key_positions = context.positions, context.key_positions(binding.role)
         source_keys = 0  # keys (cached or not) that are source tokens, before the target keys
         if cross_self:
-            source_positions = binding.encoding.token_positions.get("source")
+            source_positions = context.source if context is not None else None
             source_keys = source_positions.size(1) if source_positions is not None else 0
             if projects and key is not None and key.size(0) == source_keys + tgt_len and source_positions is not None:
-                key_positions = torch.cat([source_positions, key_positions], dim=1)
+                key_positions = torch.cat([tensor_of(source_positions), tensor_of(key_positions)], dim=1)
         q = self._project("q", query, query_positions, projects)
         k = v = None
         if self.self_attention:
@@ -220,7 +233,7 @@ class PositionalAttention(MultiheadAttention):
                 if key_padding_mask is not None:
                     key_padding_mask = key_padding_mask.view(-1, self.beam_size, key_padding_mask.size(1))[:, 0, :]
                 if key_positions is not None:
-                    key_positions = key_positions.view(-1, self.beam_size, key_positions.size(1))[:, 0, :]
+                    key_positions = first_of_each_beam(key_positions, self.beam_size)
             k = self._project("k", key, key_positions, projects)
             v = self._project("v", value, key_positions, projects)
 
@@ -254,7 +267,8 @@ class PositionalAttention(MultiheadAttention):
         return q, k, v, key_padding_mask, source_keys
 
     def _call(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
-              source_keys: int, need_weights: bool, before_softmax: bool, use: HookUse) -> AttentionCall:
+              source_keys: int, need_weights: bool, before_softmax: bool, use: HookUse,
+              context: Optional[PassContext]) -> AttentionCall:
         """The `AttentionCall` of the projected q, k, v: the encoding's terms over the distances of
         the queries and target keys (the queries are the last Tq of the target keys; with
         --cross-self-attention the relative terms cover the target keys only, nothing on the source
@@ -279,15 +293,22 @@ class PositionalAttention(MultiheadAttention):
                 term = for_heads(encoding.distance_term(role, layer, low, high, tgt_len, q.dtype), kept)
             if use.values:
                 values = for_heads(encoding.value_term(role, layer, low, high, tgt_len, q.dtype), kept)
-        # fairseq's future mask (checked): keys after a query are blocked, their terms may be skipped
-        future_blocked = ((term is not None or values is not None) and not source_keys and attn_mask is not None
-                          and blocks_future(attn_mask, tgt_len, src_len))  # (no call into the uncompiled check)
+        relative = term is not None or values is not None
+        # the mask the decoder stack made in this pass: fairseq's future mask (0 and -inf), known unread
+        stack_mask = attn_mask is not None and context is not None and attn_mask is context.future_mask
+        # fairseq's future mask: keys after a query are blocked, their terms may be skipped
+        future_blocked = (relative and not source_keys and attn_mask is not None
+                          and blocks_future(attn_mask, tgt_len, src_len, stack_mask))
         return AttentionCall(
             q=q * self.scaling, k=k, v=v, k_target=k[:, :, source_keys:] if source_keys else k,
             attn_mask=attn_mask, key_padding_mask=key_padding_mask, source_keys=source_keys,
-            need_weights=need_weights, before_softmax=before_softmax, encoding=encoding, term=term, values=values,
+            need_weights=need_weights, before_softmax=before_softmax, term=term, values=values,
             future_blocked=future_blocked, dropout_p=self._dropout_probability(),
-            logits=bsz * heads * tgt_len * src_len)
+            logits=bsz * heads * tgt_len * src_len, grad_enabled=torch.is_grad_enabled(), stack_mask=stack_mask,
+            # what the kernels of relative terms use of the encoding and the pass
+            recorded_run=relative and encoding.in_recorded_run(),
+            flex_mode=context.flex_mode if relative and context is not None else "off",
+            memoize=encoding.memoize if relative else None, recorded=encoding.recorded if relative else None)
 
     def _dropout_probability(self) -> float:
         """What the dropout module itself would apply now: in training, and at inference when
@@ -296,16 +317,7 @@ class PositionalAttention(MultiheadAttention):
         applies = module.training or getattr(module, "apply_during_inference", False)
         return float(module.p) if applies else 0.0
 
-    def _token_positions(self, binding) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-        """Absolute (B, T) positions of the tokens projected in this call, for the project hook."""
-        if binding is None:
-            return None, None
-        encoding, role = binding.encoding, binding.role
-        query_role = "decoder" if role == "cross" else role
-        key_role = "source" if role == "cross" else role
-        return encoding.token_positions.get(query_role), encoding.token_positions.get(key_role)
-
-    def _project(self, which: str, x: Tensor, positions: Optional[Tensor], projects: bool) -> Tensor:
+    def _project(self, which: str, x: Tensor, positions: Optional[AnyPositions], projects: bool) -> Tensor:
         """`{which}_proj(x)`, with the encoding's per-token bias and its project hook (`projects`: it
         has some)."""
         projection = self._modules[which + "_proj"]  # (once per projection of every decoding step)

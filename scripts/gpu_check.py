@@ -8,7 +8,7 @@ Checks (each prints a markdown table and its elapsed seconds; `--only a,c` picks
   a. every encoding: a tiny transformer_NAME trained one batch (forward + backward) on the device
      against the same weights on CPU in fp32 (with --device cpu: against float64): loss and every
      gradient, relative to the reference's largest entry.
-  b. FlexAttention (`posenc_fairseq.flex_attention.MODE = "train"`: with gradients on CUDA) against the reference path ("off")
+  b. FlexAttention (POSENC_FLEX_ATTENTION=train: with gradients on CUDA) against the reference path ("off")
      for the encodings whose per-distance table it reads (`distance.flex_table`): logits and every gradient over batches of
      mixed lengths and padding, Dynamo's compiles (a recompile limit reached or a failed compile
      shows as frames not compiled), and forward + backward time of both. CPU: forward only under
@@ -392,24 +392,34 @@ def check_encodings(models, budget):
     return table
 
 
+#: the package's FlexAttention switch (posenc_fairseq/kernels/flex.py), read when a stack starts a pass
+FLEX_SWITCH = "POSENC_FLEX_ATTENTION"
+
+
+def set_flex_switch(value):
+    """POSENC_FLEX_ATTENTION = value, or unset where value is None."""
+    if value is None:
+        os.environ.pop(FLEX_SWITCH, None)
+    else:
+        os.environ[FLEX_SWITCH] = value
+
+
 @contextmanager
 def flex_mode(mode):
     """The checks' "on" is the package's "train": FlexAttention also where gradients are needed
     (CUDA), which is what check b measures before it may become a default."""
-    from posenc_fairseq import flex_attention
-
-    previous = flex_attention.MODE
-    flex_attention.MODE = "train" if mode == "on" else mode
+    previous = os.environ.get(FLEX_SWITCH)
+    os.environ[FLEX_SWITCH] = "train" if mode == "on" else mode
     try:
         yield
     finally:
-        flex_attention.MODE = previous
+        set_flex_switch(previous)
 
 
 @contextmanager
 def counted_flex_calls():
     """Counts the calls that take the FlexAttention path (a silent fallback cannot pass for equality)."""
-    from posenc_fairseq import flex_attention
+    from posenc_fairseq.kernels import flex as flex_attention
 
     calls = [0]
     attend = flex_attention.attend
@@ -446,7 +456,7 @@ def check_flex(models, budget):
     """b. FlexAttention ("on") against the reference path ("off"), same model, same batches."""
     import torch._dynamo
 
-    from posenc_fairseq import flex_attention
+    from posenc_fairseq.kernels import flex as flex_attention
 
     cuda = models.cuda
     columns = ["encoding", "batches", "flex calls", "max logit rel", "max grad rel", "worst parameter",
@@ -933,7 +943,6 @@ def parse_args(argv):
 def header(args):
     import fairseq
 
-    from posenc_fairseq import flex_attention
     from posenc_fairseq.encodings.floater import solver as floater_solver
 
     lines = ["# gpu_check", "", "| | |", "|---|---|"]
@@ -956,7 +965,7 @@ def header(args):
     add("fairseq", f"{fairseq.__version__} ({Path(fairseq.__file__).parent})")
     add("posenc_fairseq", _commit())
     add("FLOATER compiled solve", "built" if floater_solver.floater_solve is not None else "not built (Python loops)")
-    add("POSENC_FLEX_ATTENTION default", f"{flex_attention.MODE!r} (the checks set it; only b uses 'on')")
+    add("POSENC_FLEX_ATTENTION default", f"{os.environ.get(FLEX_SWITCH, 'off')!r} (the checks set it; only b uses 'on')")
     add("checks", ", ".join(key for key in RUN_ORDER if key in args.only)
         + ("  (quick)" if args.quick else ""))
     return "\n".join(lines)
@@ -979,19 +988,15 @@ def main(argv=None):
     logging.getLogger("fairseq").setLevel(logging.WARNING)
     logging.getLogger("posenc_fairseq").setLevel(logging.WARNING)
     import posenc_fairseq  # noqa: F401
-    from posenc_fairseq import flex_attention
-
-    previous_mode = flex_attention.MODE
-    flex_attention.MODE = "off"  # the reference path everywhere but in check b
+    previous_mode = os.environ.get(FLEX_SWITCH)
+    os.environ[FLEX_SWITCH] = "off"  # the reference path everywhere but in check b
     try:
         return run_checks(args)
     finally:
-        flex_attention.MODE = previous_mode
+        set_flex_switch(previous_mode)
 
 
 def run_checks(args):
-    from posenc_fairseq import flex_attention
-
     print(header(args), flush=True)
     models = Models(args.device, args.quick)
     summary = []
@@ -1008,7 +1013,7 @@ def run_checks(args):
             table = Table(key, ["check"])
             table.add("FAIL", short_error(error), check=key)
         finally:
-            flex_attention.MODE = "off"
+            os.environ[FLEX_SWITCH] = "off"
         elapsed = budget.elapsed()
         print(table.markdown())
         if table.note:

@@ -8,6 +8,7 @@ from fairseq import utils
 from posenc_fairseq.attention import use_positional_attention
 from posenc_fairseq.encodings.base import ModelDims, PositionalEncoding
 from posenc_fairseq.encodings.distance import DistanceTerm
+from posenc_fairseq.encodings.positions import tensor_of
 
 EMBED, HEADS = 16, 4
 
@@ -151,6 +152,7 @@ class RecordingShift(ConstantBias):
         self.seen = {}
 
     def project(self, role, layer, which, x, positions):
+        positions = tensor_of(positions)
         self.seen.setdefault(which, []).append(positions.clone())
         if which == "v":
             return x
@@ -163,7 +165,7 @@ def cross_self_module(encoding, source_positions, target_positions):
     module = MultiheadAttention(EMBED, HEADS, self_attention=False)
     use_positional_attention(module)
     module.bind_position(encoding, "decoder", 0)
-    encoding.token_positions.update(decoder=target_positions, source=source_positions)
+    encoding.begin("decoder", target_positions, source_positions)
     return module.eval()
 
 
@@ -200,7 +202,7 @@ def test_cross_self_attention_positions_and_bias(need_weights):
     # fairseq's step-by-step call: cat(source, step 0) first, then each step alone
     state, steps = {}, []
     for t in range(target_len):
-        encoding.token_positions["decoder"] = target_positions[:, t: t + 1]
+        encoding.begin("decoder", target_positions[:, t: t + 1], earlier=t)  # (the first step's source kept)
         step_keys = torch.cat([memory, x[:1]]) if t == 0 else x[t: t + 1]
         steps.append(module(x[t: t + 1], step_keys, step_keys, incremental_state=state, need_weights=need_weights)[0])
     assert (torch.cat(steps) - expected).abs().max() <= 1e-5
@@ -236,7 +238,7 @@ def test_torchscript_is_refused_with_one_message():
 def test_blocks_future_recognises_fairseq_future_mask_only():
     """The future-mask check: fairseq's mask (a slice of its buffered -inf mask, or a bool mask)
     blocks every key after its query; anything else (a future key let through, other shapes, a
-    cached step's queries) does not count; the remembered answer follows in-place changes."""
+    cached step's queries) does not count; a mask is read each time (an in-place change is seen)."""
     from posenc_fairseq.attention import blocks_future
     buffered = torch.triu(utils.fill_with_neg_inf(torch.zeros(10, 10)), 1)
     assert blocks_future(buffered[:6, :6], 6, 6)
@@ -255,20 +257,41 @@ def test_blocks_future_recognises_fairseq_future_mask_only():
     assert blocks_future(buffered[:2, :2], 2, 2)
 
 
-def test_mask_facts_stay_off_the_mask_and_go_with_it():
-    """The remembered answers are not stored on fairseq's tensor, and are forgotten with it: a new
-    mask (which may reuse the old one's id) is checked afresh."""
-    import gc
-
+def test_the_decoder_stack_names_its_future_mask_in_the_pass_context(translation_data, monkeypatch):
+    """The decoder stack's pass context holds the very mask fairseq made for its self-attention
+    (`buffered_future_mask`, once per layer), and the attention calls given it know it blocks the
+    future without reading it; any other mask is read."""
     from posenc_fairseq.kernels import masks
-    buffered = torch.triu(utils.fill_with_neg_inf(torch.zeros(6, 6)), 1)
-    assert masks.blocks_future(buffered[:6, :6], 6, 6)
-    assert id(buffered) in masks._MASK_FACTS and not buffered.__dict__
-    owner = id(buffered)
-    del buffered
-    gc.collect()
-    assert owner not in masks._MASK_FACTS
-    assert not masks.blocks_future(torch.zeros(6, 6), 6, 6)
+
+    from util import TINY_TRANSFORMER, build_model, random_batch
+    model, task, _ = build_model(translation_data, "transformer_t5", TINY_TRANSFORMER)
+    model.eval()
+    src, lengths, prev = random_batch(task.source_dictionary, tgt_len=6)
+    made, seen, checks = [], [], []
+    buffered = type(model.decoder).buffered_future_mask
+    monkeypatch.setattr(type(model.decoder), "buffered_future_mask",
+                        lambda self, tensor: made.append(buffered(self, tensor)) or made[-1])
+    blocks_future = posenc_fairseq.attention.blocks_future
+    monkeypatch.setattr(posenc_fairseq.attention, "blocks_future",
+                        lambda mask, queries, keys, made_by_stack: checks.append(made_by_stack)
+                        or blocks_future(mask, queries, keys, made_by_stack))
+    serve = posenc_fairseq.attention.serve
+    monkeypatch.setattr(posenc_fairseq.attention, "serve",
+                        lambda call, plan, dropout: seen.append(call) or serve(call, plan, dropout))
+    with torch.no_grad():
+        model(src, lengths, prev)
+    context = model.positional_encoding.contexts["decoder"]
+    assert len(made) == 2 and context.future_mask is made[-1]  # fairseq makes it again for each layer
+    decoder_calls = [call for call in seen if call.attn_mask is not None]
+    assert len(decoder_calls) == 2 and all(call.stack_mask for call in decoder_calls)
+    assert [call.future_blocked for call in decoder_calls] == [True, False]  # T5's bias: in the first layer
+    assert checks == [True]  # answered without reading the mask
+    # a mask the stack did not make is read: the same values in another tensor, or one future key let through
+    assert masks.blocks_future(made[0].clone(), 6, 6) and masks.only_blocks(made[0].clone())
+    opened = made[0].clone()
+    opened[1, 3] = 0.0
+    assert not masks.blocks_future(opened, 6, 6)
+    assert not masks.only_blocks(opened + 1)
 
 
 @pytest.mark.parametrize("name,need_weights", [("alibi", False), ("xl", False), ("xl", True), ("sinusoidal", False)])

@@ -92,14 +92,11 @@ def test_only_the_asked_gradients(needs):
     compare(5, 7, (B, H, 5, 7), needs=needs)
 
 
-def test_applies_only_where_the_fused_kernel_computes_the_same():
+def test_serves_only_where_the_fused_kernel_computes_the_same():
     q = torch.randn(1, 2, 3, 4)
-    term = torch.randn(1, 2, 3, 3, requires_grad=True)
-    assert biased.applies(q, term, 0.0, LARGE)
-    assert not biased.applies(q, term, 0.0, biased.MIN_LOGITS - 1)  # (small calls: the explicit softmax)
-    assert not biased.applies(q, term, 0.1, LARGE)  # (the kernel has no attention dropout)
-    assert not biased.applies(q, term.detach(), 0.0, LARGE)  # (no gradient: SDPA's fused kernel itself)
-    assert not biased.applies(q, None, 0.0, LARGE)
-    assert not biased.applies(q.bfloat16(), term.bfloat16(), 0.0, LARGE)
-    with torch.no_grad():
-        assert not biased.applies(q, term, 0.0, LARGE)
+    assert biased.serves_call(q, 0.0, LARGE, grad_enabled=True)
+    assert not biased.serves_call(q, 0.0, biased.MIN_LOGITS - 1, True)  # (small calls: the explicit softmax)
+    assert not biased.serves_call(q, 0.1, LARGE, True)  # (the kernel has no attention dropout)
+    assert not biased.serves_call(q.bfloat16(), 0.0, LARGE, True)
+    assert not biased.serves_call(q.double(), 0.0, LARGE, True)
+    assert not biased.serves_call(q, 0.0, LARGE, grad_enabled=False)  # (no gradient: SDPA's fused kernel itself)

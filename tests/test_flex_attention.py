@@ -1,12 +1,12 @@
-"""The FlexAttention path (flex_attention.py) against the existing paths, on CPU: FlexAttention's
-eager mode (MODE "on"), forward only, so every comparison runs without gradients. Calls that take
+"""The FlexAttention path (kernels/flex.py) against the existing paths, on CPU: FlexAttention's
+eager mode (POSENC_FLEX_ATTENTION=on), forward only, so every comparison runs without gradients. Calls that take
 the fused path are counted, so that a silent fallback cannot pass for equality."""
 import pytest
 import torch
 
 import posenc_fairseq  # noqa: F401
 from posenc_fairseq.kernels import blocks as block_module
-from posenc_fairseq import flex_attention
+from posenc_fairseq.kernels import flex as flex_attention
 from posenc_fairseq.encodings import ModelDims
 from posenc_fairseq.encodings.base import hook_use
 from posenc_fairseq.encodings.distance import flex_table, logits_between
@@ -21,7 +21,7 @@ IDS = [" ".join([name, *argv]) for name, argv in DISTANCE]
 
 @pytest.fixture
 def fused(monkeypatch):
-    """`fused(mode, call, grad=False)`: call() with flex_attention.MODE = mode, under torch.no_grad
+    """`fused(mode, call, grad=False)`: call() with POSENC_FLEX_ATTENTION=mode, under torch.no_grad
     unless `grad`; returns (its result, the number of calls that took the FlexAttention path)."""
     calls = []
     attend = flex_attention.attend
@@ -33,7 +33,7 @@ def fused(monkeypatch):
     monkeypatch.setattr(flex_attention, "attend", counted)
 
     def run(mode, call, grad=False):
-        monkeypatch.setattr(flex_attention, "MODE", mode)
+        monkeypatch.setenv(flex_attention.SWITCH, mode)
         calls.clear()
         with torch.set_grad_enabled(grad):
             result = call()
@@ -231,7 +231,7 @@ def test_off_by_default():
     import sys
 
     env = {k: v for k, v in __import__("os").environ.items() if k != "POSENC_FLEX_ATTENTION"}
-    out = subprocess.run([sys.executable, "-c", "from posenc_fairseq import flex_attention as f; print(f.MODE)"],
+    out = subprocess.run([sys.executable, "-c", "from posenc_fairseq.kernels import flex; print(flex.mode())"],
                          env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "off"
 
@@ -243,9 +243,7 @@ def test_cuda_takes_flex_with_gradients_only_in_train_mode(monkeypatch, mode, gr
     from the reference paths in the H100 run (docs/gpu_check.md); "train" is for measuring them."""
     from types import SimpleNamespace
 
-    monkeypatch.setattr(flex_attention, "MODE", mode)
     cuda_queries = SimpleNamespace(is_cuda=True, size=lambda dim: 16)
-    with torch.set_grad_enabled(grad):
-        assert flex_attention.available(cuda_queries) == expected
+    assert flex_attention.available(cuda_queries, mode, grad) == expected
     small_heads = SimpleNamespace(is_cuda=True, size=lambda dim: 8)
-    assert not flex_attention.available(small_heads)
+    assert not flex_attention.available(small_heads, mode, grad)

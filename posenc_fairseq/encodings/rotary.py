@@ -13,8 +13,9 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from .base import PositionalEncoding, register_encoding
+from .base import PositionalEncoding, register_encoding, stack_of
 from .option_types import float_in_range, option
+from .positions import is_shared_range, tensor_of
 
 #: base of the rotation frequencies base^(-2m/D): positive (0 and negative bases give inf/NaN
 #: angles); bounded by float32, in which the frequencies are computed
@@ -81,16 +82,17 @@ class Rotary(PositionalEncoding):
         if role == "cross" or which == "v":
             return x
         head_dim = x.size(-1) // self.dims.heads
-        if positions is self.token_positions.get(role):
-            # the positions the stack announced for this pass (a decoding step: the current one):
-            # one rotation for the queries and keys of every layer
-            cos, sin, matrix = self.memoize((role, "rotary", positions.shape, head_dim, x.device),
+        context = self.contexts.get(stack_of(role))
+        if context is not None and positions is context.positions:
+            # the positions the stack gave for this pass (a decoding step: the current one): one
+            # rotation for the queries and keys of every layer
+            cos, sin, matrix = self.memoize((role, "rotary", tensor_of(positions).shape, head_dim, x.device),
                                             lambda: self._pass_rotation(role, positions, head_dim, x.device))
             if matrix is not None:  # one position for every token: one product per projection
                 length, batch, embed = x.shape
                 return (x.view(length, batch, -1, head_dim).float() @ matrix).view(length, batch, embed).to(x.dtype)
         else:  # e.g. --cross-self-attention's keys cat(source, target)
-            cos, sin = rotation(positions.to(x.device), head_dim, self.base)
+            cos, sin = rotation(tensor_of(positions).to(x.device), head_dim, self.base)
         return apply_rotation(x, cos, sin, self.dims.heads).to(x.dtype)
 
     def _pass_rotation(self, role: str, positions, head_dim: int, device):
@@ -98,7 +100,7 @@ class Rotary(PositionalEncoding):
         it is one position for every token (a decoding step without padding), also the rotation as a
         (D, D) matrix M, x @ M == apply_rotation(x): diag(cos) plus the signed sin moved to row
         (m + D/2) mod D of column m (even D)."""
-        rows = positions[:1] if self.token_ranges.get(role) is not None else positions
+        rows = positions.tensor[:1] if is_shared_range(positions) else tensor_of(positions)
         cos, sin = rotation(rows.to(device), head_dim, self.base, self._constants(head_dim, device))
         matrix = None
         if cos.size(0) == 1 and cos.size(1) == 1 and head_dim % 2 == 0:

@@ -9,8 +9,8 @@ Shaw/LFHC (B, H, Tq, at most 2k+1 rows), XL/GCDF (B, H, Tq, Tq+Tk-1): the query 
 distance, so XL/GCDF still keep O(n^2) per layer on this path (about the logits' size, twice it
 for Tq = Tk).
 
-Where it is used (`MODE`, from the environment variable POSENC_FLEX_ATTENTION, read at import;
-tests and scripts may set the attribute, here or through its old name `posenc_fairseq.flex_attention`):
+Where it is used: the environment variable POSENC_FLEX_ATTENTION, read by `mode()` when a stack
+starts a forward pass (its value travels in the pass context and the `AttentionCall`):
     "off" (default)   never
     "on"              where no gradient is needed (inference, validation): on CUDA compiled with
                       `torch.compile(flex_attention)` (once, lazily), elsewhere in eager mode
@@ -44,7 +44,8 @@ from torch.nn.attention.flex_attention import flex_attention
 from ..encodings.distance import DistanceLogits
 
 MODES = ("off", "on", "train")
-MODE = os.environ.get("POSENC_FLEX_ATTENTION", "off")
+#: the environment variable that selects where FlexAttention serves (`mode`)
+SWITCH = "POSENC_FLEX_ATTENTION"
 #: FlexAttention's CUDA kernel needs a head dimension of at least this
 MIN_CUDA_HEAD_DIM = 16
 
@@ -52,15 +53,22 @@ MIN_CUDA_HEAD_DIM = 16
 _compiled = None
 
 
-def available(q: Tensor) -> bool:
-    """Whether `MODE` lets the queries `q` (B, H, Tq, D) take the fused path on their device."""
-    if MODE not in MODES:
-        raise ValueError(f"POSENC_FLEX_ATTENTION={MODE!r}: expected one of {', '.join(MODES)}")
-    if MODE == "off":
+def mode() -> str:
+    """POSENC_FLEX_ATTENTION now ("off" where unset); an unknown value is refused."""
+    value = os.environ.get(SWITCH, "off")
+    if value not in MODES:
+        raise ValueError(f"{SWITCH}={value!r}: expected one of {', '.join(MODES)}")
+    return value
+
+
+def available(q: Tensor, flex_mode: str, grad_enabled: bool) -> bool:
+    """Whether `flex_mode` (one of MODES) lets the queries `q` (B, H, Tq, D) take the fused path on
+    their device, with gradients on or off (`grad_enabled`)."""
+    if flex_mode == "off":
         return False
     if q.is_cuda:
-        return q.size(-1) >= MIN_CUDA_HEAD_DIM and (MODE == "train" or not torch.is_grad_enabled())
-    return not torch.is_grad_enabled()  # (FlexAttention's eager CPU path has no backward)
+        return q.size(-1) >= MIN_CUDA_HEAD_DIM and (flex_mode == "train" or not grad_enabled)
+    return not grad_enabled  # (FlexAttention's eager CPU path has no backward)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, distance: Optional[DistanceLogits], attn_mask: Optional[Tensor],

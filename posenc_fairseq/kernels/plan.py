@@ -13,16 +13,16 @@
 Where the terms depend on the query (a (B, H, Tq, .) product per call: Shaw, LFHC, XL, GCDF) and
 the call is long, the plan runs the kernel one block of queries at a time (blocks.py).
 
-One fact is known only once the dense terms exist: whether they need a gradient. It moves an
-SDPA plan to BIASED_CPU, or to EXPLICIT for the blockwise encodings (`Plan.kernel_for`).
+`plan` is a pure function of the call: everything it reads is a field of the `AttentionCall`
+(the grad mode, whether a checkpointed function is running, the FlexAttention switch) or follows
+from its tensors (whether the terms need a gradient, `terms_need_gradient`). The kernels receive
+the call and never the encoding: what they need of it (`memoize`, `recorded`) are fields.
 """
 import enum
-from typing import NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
-import torch
 from torch import Tensor
 
-from ..encodings.base import PositionalEncoding
 from ..encodings.distance import DistanceTerm
 from . import biased_cpu, blocks, flex
 
@@ -34,8 +34,14 @@ class AttentionCall(NamedTuple):
     `source_keys` source tokens first, then the target keys `k_target`; the queries are the last
     Tq of the target keys. `term`, `values`: the encoding's logit and value terms of the call
     (`DistanceTerm`s over its key - query distances, the kept heads only), None where there are
-    none. `future_blocked`: the mask is fairseq's future mask (checked). `logits`: B * H * Tq * Tk
-    of the whole call (a block keeps its call's)."""
+    none. `future_blocked`: the mask is fairseq's future mask. `logits`: B * H * Tq * Tk of the
+    whole call (a block keeps its call's). `stack_mask`: `attn_mask` is (a slice of) the mask the
+    decoder stack made in this pass, fairseq's future mask (only 0 and -inf). `grad_enabled`: torch's grad mode at the call;
+    `recorded_run`: a checkpointed function (a layer, a block) is running, whose recomputation
+    covers this call; `flex_mode`: POSENC_FLEX_ATTENTION of the pass (flex.py). `memoize(key,
+    compute)`: the encoding's pass-scope memo (dense bias-only terms shared by the layers);
+    `recorded(function)`: `function` for non-reentrant checkpointing (cache.py); both None
+    without an encoding."""
     q: Tensor
     k: Tensor
     v: Tensor
@@ -45,12 +51,17 @@ class AttentionCall(NamedTuple):
     source_keys: int
     need_weights: bool
     before_softmax: bool
-    encoding: Optional[PositionalEncoding]
     term: Optional[DistanceTerm]
     values: Optional[DistanceTerm]
     future_blocked: bool
     dropout_p: float
     logits: int
+    grad_enabled: bool
+    stack_mask: bool = False
+    recorded_run: bool = False
+    flex_mode: str = "off"
+    memoize: Optional[Callable[[Any, Callable[[], Any]], Any]] = None
+    recorded: Optional[Callable[[Callable], Callable]] = None
 
     @property
     def relative(self) -> bool:
@@ -70,25 +81,11 @@ class Kernel(enum.Enum):
 class Plan(NamedTuple):
     """`kernel` serves the call (or each block of `query_block` queries; None: one piece),
     `recompute_blocks`: each block is recomputed in backward (checkpointed), `fold_content`: the
-    encoding's `content_query` may be added to the queries of the product with the keys,
-    `explicit_for_gradient`: terms that need a gradient and that BIASED_CPU does not serve take
-    EXPLICIT rather than SDPA."""
+    encoding's `content_query` may be added to the queries of the product with the keys."""
     kernel: Kernel
     query_block: Optional[int] = None
     recompute_blocks: bool = False
     fold_content: bool = False
-    explicit_for_gradient: bool = False
-
-    def kernel_for(self, call: AttentionCall, terms: Optional[Tensor]) -> Kernel:
-        """The kernel of `call` (the whole call or one block) whose dense terms are `terms`."""
-        if self.kernel is not Kernel.SDPA or terms is None:
-            return self.kernel
-        if biased_cpu.applies(call.q, terms, call.dropout_p, call.logits):
-            return Kernel.BIASED_CPU
-        if self.explicit_for_gradient and terms is not None and terms.requires_grad:
-            # SDPA's unfused fallback for a mask with gradient keeps more memory than the explicit softmax
-            return Kernel.EXPLICIT
-        return Kernel.SDPA
 
 
 #: the plans of whole calls (no query blocks): immutable values, made once rather than per call
@@ -114,10 +111,15 @@ def plan(call: AttentionCall) -> Plan:
                     and kernel is not Kernel.FLEX)
     # terms that depend on the query ((B, H, Tq, .) per call) are computed a block of queries at a time
     blockwise = call.values is not None or (call.term is not None and call.term.vectors is not None)
+    if kernel is Kernel.SDPA and terms_need_gradient(call, fold_content):
+        if biased_cpu.serves_call(call.q, call.dropout_p, call.logits, call.grad_enabled):
+            kernel = Kernel.BIASED_CPU
+        elif blockwise:  # SDPA's unfused fallback for a mask with gradient keeps more memory than EXPLICIT
+            kernel = Kernel.EXPLICIT
     if not blockwise:
         return _WHOLE_CALL[kernel, fold_content]
     # whether the blocks' terms (if they need a gradient) take the fused CPU kernel
-    fused_cpu = call.values is None and biased_cpu.serves_call(call.q, call.dropout_p, call.logits)
+    fused_cpu = call.values is None and biased_cpu.serves_call(call.q, call.dropout_p, call.logits, call.grad_enabled)
     batch, heads, queries, _ = call.q.shape
     block = blocks.query_block_size(batch * heads, call.k.size(2), fused=fused_cpu)
     query_block = None
@@ -128,9 +130,24 @@ def plan(call: AttentionCall) -> Plan:
         # and probabilities). Under the future mask those terms cover the keys up to the block's
         # last query, half of all pairs: such blocks are not recomputed (docs/benchmarks.md).
         # Inside a checkpointed layer the layer's checkpoint covers the blocks.
-        recompute = (torch.is_grad_enabled() and not call.encoding.in_recorded_run()
-                     and not (call.future_blocked and fused_cpu))
-    return Plan(kernel, query_block, recompute, fold_content, explicit_for_gradient=True)
+        recompute = call.grad_enabled and not call.recorded_run and not (call.future_blocked and fused_cpu)
+    return Plan(kernel, query_block, recompute, fold_content)
+
+
+def terms_need_gradient(call: AttentionCall, content_folded: bool) -> bool:
+    """Whether the dense logit term of `call` (`terms.position_terms`) will need a gradient: grad
+    mode on and one of the tensors it is computed from needs one (the bias; the queries, shift
+    and vectors of the query-dependent part; the keys and content vector of content.k_j unless
+    `content_folded`)."""
+    term = call.term
+    if not call.grad_enabled or term is None:
+        return False
+    needs = [term.bias]
+    if term.vectors is not None:
+        needs += [call.q, term.shift, term.vectors]
+    if term.content is not None and not content_folded:
+        needs += [call.k_target, term.content]
+    return any(tensor is not None and tensor.requires_grad for tensor in needs)
 
 
 def _flex_serves(call: AttentionCall) -> bool:
@@ -138,5 +155,6 @@ def _flex_serves(call: AttentionCall) -> bool:
     logits, FlexAttention is on for the device, and nothing needs the explicit path: no relative
     value term, attention dropout or --cross-self-attention keys, and a 2-D attn_mask (fairseq's)."""
     return (not (call.need_weights or call.before_softmax) and call.term is not None and call.values is None
-            and flex.available(call.q) and call.dropout_p == 0.0 and not call.source_keys
+            and flex.available(call.q, call.flex_mode, call.grad_enabled) and call.dropout_p == 0.0
+            and not call.source_keys
             and (call.attn_mask is None or call.attn_mask.dim() == 2))

@@ -32,7 +32,7 @@ def _serve_piece(call: AttentionCall, plan: Plan, content_query: Optional[Tensor
                            call.key_padding_mask, blocked_fill_value(call.q.dtype)), None
     terms = position_terms(call, content_folded=content_query is not None)
     q = call.q if content_query is None else call.q + content_query
-    kernel = plan.kernel_for(call, terms)
+    kernel = plan.kernel
     if kernel is Kernel.LOGITS:
         return masked_logits(call, explicit.logits(q, call.k, with_finite_mask(call, terms))), None
     if kernel is Kernel.EXPLICIT:  # (fills the blocked logits itself)

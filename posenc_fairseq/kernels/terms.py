@@ -27,7 +27,7 @@ def position_terms(call, content_folded: bool) -> Optional[Tensor]:
     if call.term is None:
         return None
     term = dense_logits(call.term, call.q, call.k_target, call.future_blocked, content_folded,
-                        memoize=call.encoding.memoize).to(call.q.dtype)
+                        memoize=call.memoize).to(call.q.dtype)
     return F.pad(term, (call.source_keys, 0)) if call.source_keys else term
 
 
@@ -54,7 +54,7 @@ def masked_logits(call, logits: Tensor) -> Tensor:
 def with_finite_mask(call, additive: Optional[Tensor]) -> Optional[Tensor]:
     """`additive` plus the finite entries of a float attn_mask that holds more than 0 and -inf."""
     attn_mask = call.attn_mask
-    if attn_mask is None or attn_mask.dtype == torch.bool or only_blocks(attn_mask):
+    if attn_mask is None or attn_mask.dtype == torch.bool or only_blocks(attn_mask, call.stack_mask):
         return additive  # (fairseq's future mask: no full-size addition of zeros)
     finite = attn_mask.masked_fill(torch.isneginf(attn_mask), 0).to(call.q.dtype)
     return finite if additive is None else additive + finite

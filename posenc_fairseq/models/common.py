@@ -95,11 +95,29 @@ def reads_token_positions(encoding) -> bool:
     """Whether `encoding` (each part of a `PerStackEncoding`) reads the target token positions of a
     call: through its projection hooks (rotary, FLOATER) or its own `begin`. The relative hooks get
     the positions from the attention instead."""
-    parts = encoding.parts() if isinstance(encoding, PerStackEncoding) else [encoding]
-    return any(hook_use(part)[0] or overrides(type(part), ("begin",)) for part in parts)
+    return any(hook_use(part)[0] or overrides(type(part), ("begin",)) for part in encoding_parts(encoding))
 
 
-class PositionalTransformerEncoder(TransformerEncoder):
+class EncodingOfStack:
+    """The model's encoding as a stack holds it: a plain object, not a submodule, because the model
+    owns (and saves) the encoding once. Each stack starts its forward passes through it."""
+    __slots__ = ("encoding",)
+
+    def __init__(self, encoding=None):
+        self.encoding = encoding
+
+
+class PositionalStack:
+    """What the encoder and decoder stacks share: the encoding they tell the positions (`encoding`,
+    set by `attach_encoding`; None: not attached)."""
+    held: EncodingOfStack
+
+    @property
+    def encoding(self):
+        return self.held.encoding
+
+
+class PositionalTransformerEncoder(PositionalStack, TransformerEncoder):
     """fairseq's encoder with PositionalAttention; tells the encoding the source positions."""
 
     def __init__(self, args, dictionary, embed_tokens, return_fc=False):
@@ -108,7 +126,7 @@ class PositionalTransformerEncoder(TransformerEncoder):
         use_positional_attention(self)
         # stock's name, so that --retain-dropout-modules TransformerEncoder matches as in stock
         self.dropout_module.module_name = TransformerEncoder.__name__
-        self.__dict__["encoding"] = None  # owned (and saved) by the model, not by this stack
+        self.held = EncodingOfStack()
 
     def build_encoder_layer(self, args):
         wanted, offload, plain = checkpointing(args)
@@ -116,7 +134,7 @@ class PositionalTransformerEncoder(TransformerEncoder):
         return checkpoint_layer(layer, offload) if wanted else layer
 
     def bind_encoding(self, encoding):
-        self.__dict__["encoding"] = encoding
+        self.held.encoding = encoding
         for index, layer in enumerate(self.layers):
             layer.self_attn.bind_position(encoding, "encoder", index)
 
@@ -127,7 +145,7 @@ class PositionalTransformerEncoder(TransformerEncoder):
         return super().forward(src_tokens, *args, **kwargs)
 
 
-class PositionalTransformerDecoder(TransformerDecoder):
+class PositionalTransformerDecoder(PositionalStack, TransformerDecoder):
     """fairseq's decoder with PositionalAttention; tells the encoding the target positions of
     this call (the current step during incremental decoding) and the source positions."""
 
@@ -137,7 +155,7 @@ class PositionalTransformerDecoder(TransformerDecoder):
                          output_projection=output_projection)
         use_positional_attention(self)
         self.dropout_module.module_name = TransformerDecoder.__name__  # as stock (--retain-dropout-modules)
-        self.__dict__["encoding"] = None
+        self.held = EncodingOfStack()
 
     def build_decoder_layer(self, args, no_encoder_attn=False):
         wanted, offload, plain = checkpointing(args)
@@ -145,11 +163,22 @@ class PositionalTransformerDecoder(TransformerDecoder):
         return checkpoint_layer(layer, offload) if wanted else layer
 
     def bind_encoding(self, encoding):
-        self.__dict__["encoding"] = encoding
+        self.held.encoding = encoding
         for index, layer in enumerate(self.layers):
             layer.self_attn.bind_position(encoding, "decoder", index)
             if layer.encoder_attn is not None:
                 layer.encoder_attn.bind_position(encoding, "cross", index)
+
+    def buffered_future_mask(self, tensor):
+        """fairseq's future mask of this pass's self-attention, named in the pass context (the
+        attention then knows it blocks exactly the future without reading it)."""
+        mask = super().buffered_future_mask(tensor)
+        if self.encoding is not None:
+            for part in encoding_parts(self.encoding):
+                context = part.contexts.get("decoder")
+                if context is not None:
+                    context.future_mask = mask
+        return mask
 
     def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None, **kwargs):
         check_length(self.embed_positions, prev_output_tokens.size(1), self.max_target_positions)
@@ -174,6 +203,11 @@ class PositionalTransformerDecoder(TransformerDecoder):
                     source = shared_range(batch, 0, length, prev_output_tokens.device)
             self.encoding.begin("decoder", positions, source, earlier)
         return super().extract_features(prev_output_tokens, encoder_out, incremental_state, **kwargs)
+
+
+def encoding_parts(encoding) -> list:
+    """The encodings that serve attention layers: the parts of a `PerStackEncoding`, else `encoding`."""
+    return encoding.parts() if isinstance(encoding, PerStackEncoding) else [encoding]
 
 
 class PerStackEncoding(nn.Module):
@@ -238,10 +272,10 @@ def attach_encoding(model, args, encoder_stack, decoder_stack=None):
         encoding = PerStackEncoding(encoder_part, decoder_part)
     model.positional_encoding = encoding
     encoder_stack.bind_encoding(encoder_part)
-    encoder_stack.__dict__["encoding"] = encoding  # begin() reaches every part
+    encoder_stack.held.encoding = encoding  # begin() reaches every part
     if decoder_stack is not None:
         decoder_stack.bind_encoding(decoder_part)
-        decoder_stack.__dict__["encoding"] = encoding
+        decoder_stack.held.encoding = encoding
     if hasattr(encoding, "bind_model"):  # (an encoding that keeps state of the attention layers)
         encoding.bind_model(model, bound_attentions(model))
     return encoding

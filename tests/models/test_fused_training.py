@@ -25,7 +25,7 @@ def test_models_train_with_the_same_gradients_as_the_explicit_path(translation_d
         monkeypatch.setattr(block_module, "QUERY_BLOCK_ELEMENTS", 1)
     fused_model, fused = gradients(translation_data, encoding, extra)
     assert calls
-    monkeypatch.setattr(biased, "applies", lambda *args: False)
+    monkeypatch.setattr(biased, "serves_call", lambda *args: False)
     _, plain = gradients(translation_data, encoding, extra, fused_model.state_dict())
     assert sorted(fused) == sorted(plain)
     for name, expected in plain.items():

@@ -245,7 +245,7 @@ def test_context_window_batches_score_each_window_from_position_0(masked_lm_data
         for sample in batches():
             tokens, target = sample["net_input"]["src_tokens"], sample["target"]
             batched = torch.log_softmax(model(tokens)[0].float(), dim=-1)
-            seen = encoding_module.token_positions["decoder"]
+            seen = tensor_of(encoding_module.contexts["decoder"].positions)
             for row in range(tokens.size(0)):
                 real = tokens[row].ne(pad)
                 length = int(real.sum())

@@ -15,9 +15,9 @@ from typing import List, Optional
 import torch
 from torch import Tensor, nn
 
-from ..base import ROLES, PositionalEncoding, register_encoding
+from ..base import ROLES, PositionalEncoding, register_encoding, stack_of
 from ..option_types import OptionValueError, float_in_range, int_in_range, one_of, option, positive_int
-from ..positions import Positions, is_shared_range, tensor_of
+from ..positions import AnyPositions, Positions, is_shared_range, tensor_of
 from . import solver
 from .dynamics import Dynamics
 from .solver import METHODS, SolverOptions
@@ -346,13 +346,12 @@ class Floater(PositionalEncoding):
         activation checkpointing (layer_checkpoint.py) is recomputed during backward and must repeat
         exactly its forward's operations: with the pass's table and biases made here, every layer only
         reads them, in its forward as in its recomputation."""
+        context = self.contexts[role]
         for slot_role, layer, which in self._slot_keys:
-            if ("encoder" if slot_role == "encoder" else "decoder") != role:
+            if stack_of(slot_role) != role:
                 continue
-            if slot_role == "cross":  # queries: target tokens; keys and values: source tokens
-                positions = self.token_positions.get("decoder" if which == "q" else "source")
-            else:
-                positions = self.token_positions.get(slot_role)
+            # cross-attention: queries are the target tokens, keys and values the source tokens
+            positions = context.positions if which == "q" else context.key_positions(slot_role)
             if positions is not None:
                 self.projection_bias(slot_role, layer, which, positions)
 
@@ -369,7 +368,7 @@ class Floater(PositionalEncoding):
             biases = rows.get(last)
             if biases is None:  # (each position's views made once: the next decode reads them again)
                 biases = rows[last] = group_table[last].unbind(0)
-            state.biases.update(zip(self._target_keys, zip(repeat(positions.tensor), biases)))
+            state.biases.update(zip(self._target_keys, zip(repeat(positions), biases)))
 
     def projection_bias(self, role, layer, which, positions):
         """b(t_i) = b(0) + table[i] for each token of the call, (T, B, E): the projection's bias."""
@@ -381,7 +380,7 @@ class Floater(PositionalEncoding):
             return None
         dtype = self._slots[slot][3].q_proj.weight.dtype
         # begin() saw every position of this forward (one host sync per stack, not one per layer)
-        rows = self.pass_state.needed or (int(positions.max()) + 1 if positions.numel() else 1)
+        rows = self.pass_state.needed or (int(tensor_of(positions).max()) + 1 if tensor_of(positions).numel() else 1)
         solved = self.tables.table(self, rows)
         if rows > solved.first_overflow:
             peak = float(solved.values[solved.first_overflow].abs().max())
@@ -402,23 +401,25 @@ class Floater(PositionalEncoding):
             state.step_ready = True
         return biases[group.index(slot)]
 
-    def _gathered(self, table: Tensor, group: tuple, positions: Tensor, dtype: torch.dtype) -> tuple:
+    def _gathered(self, table: Tensor, group: tuple, positions: AnyPositions, dtype: torch.dtype) -> tuple:
         """b(t) of the `group`'s slots at `positions`, one (T, B, d) per slot in `dtype`: gathered
-        once per forward pass and shared by the layers."""
-        key = (group, id(positions), dtype)
+        once per forward pass and shared by the layers. A `shared_range` is known by its value
+        (the same range of a beam's rows, made anew per call, is found again); a tensor of arbitrary
+        positions is the one the entry was made for."""
+        shared = is_shared_range(positions)
+        key = (group, dtype, (positions.start, positions.stop, positions.tensor.size(0)) if shared else None)
         state = self.pass_state
         hit = state.gathered.get(key)
-        if hit is None or hit[0] is not table or hit[1] is not positions:
-            shared = self.announced_range(positions)
-            if shared is not None:  # every row the same positions: rows of the table, no gather
-                first, last = shared.start, shared.stop - 1
+        if hit is None or hit[0] is not table or not (shared or hit[1] is positions):
+            if shared:  # every row the same positions: rows of the table, no gather
+                first, last = positions.start, positions.stop - 1
                 rows = self._group_table(table, group, dtype)[first: last + 1]
                 if first == last and not torch.is_grad_enabled():  # a decoding step: the projection's own (d,) bias
                     biases = rows[0].unbind(0)
                 else:  # (T, 1, d) per slot, broadcast over the batch
                     biases = rows.unsqueeze(1).unbind(2)
             else:
-                biases = self._gather(self._group_table(table, group, dtype), positions)
+                biases = self._gather(self._group_table(table, group, dtype), tensor_of(positions))
             hit = state.gathered[key] = (table, positions, biases)
             for slot, bias in zip(group, biases):
                 state.biases[self._slot_keys[slot]] = (positions, bias)

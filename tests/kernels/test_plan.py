@@ -1,0 +1,84 @@
+"""`plan(call)` as a value: a pure function of the `AttentionCall`, whose fields (grad mode,
+recorded run, FlexAttention switch) and tensors decide the kernel, with no encoding and no global
+state read. Each case builds the call by hand and states the kernel the rules of plan.py give."""
+import pytest
+import torch
+
+from posenc_fairseq.encodings.distance import DistanceTerm
+from posenc_fairseq.kernels import biased_cpu
+from posenc_fairseq.kernels.plan import AttentionCall, Kernel, plan
+
+HEADS, DIM = 2, 4
+
+
+def call(queries=5, keys=5, dtype=torch.float32, bias=False, vectors=False, content=False, values=False,
+         parameters_grad=True, queries_grad=False, grad_enabled=True, recorded_run=False, flex_mode="off",
+         need_weights=False, before_softmax=False, future_blocked=False, logits=None, batch=1):
+    """A self-attention call of `queries` queries (the last of `keys` keys) with the chosen terms."""
+    q = torch.randn(batch, HEADS, queries, DIM, dtype=dtype, requires_grad=queries_grad)
+    k = torch.randn(batch, HEADS, keys, DIM, dtype=dtype)
+    low, high = 1 - keys, queries - 1
+    columns = high - low + 1
+
+    def parameter(*shape):
+        return torch.randn(*shape, dtype=dtype, requires_grad=parameters_grad)
+    term = None
+    if bias or vectors or content:
+        term = DistanceTerm(low, high, bias=parameter(HEADS, columns) if bias else None,
+                            vectors=parameter(HEADS, columns, DIM) if vectors else None,
+                            content=parameter(HEADS, 1, DIM) if content else None)
+    value_term = DistanceTerm(low, high, vectors=parameter(HEADS, columns, DIM)) if values else None
+    return AttentionCall(q=q, k=k, v=k, k_target=k, attn_mask=None, key_padding_mask=None, source_keys=0,
+                         need_weights=need_weights, before_softmax=before_softmax, term=term, values=value_term,
+                         future_blocked=future_blocked, dropout_p=0.0,
+                         logits=logits if logits is not None else batch * HEADS * queries * keys,
+                         grad_enabled=grad_enabled, recorded_run=recorded_run, flex_mode=flex_mode)
+
+
+LARGE = biased_cpu.MIN_LOGITS  # a call the fused CPU kernel serves
+
+
+@pytest.mark.parametrize("case,expected", [
+    (dict(), Kernel.SDPA),  # no terms
+    (dict(bias=True), Kernel.SDPA),  # a small call: the fused CPU kernel does not pay
+    (dict(bias=True, logits=LARGE), Kernel.BIASED_CPU),
+    (dict(bias=True, logits=LARGE, grad_enabled=False), Kernel.SDPA),  # no gradient: plain SDPA
+    (dict(bias=True, logits=LARGE, parameters_grad=False), Kernel.SDPA),  # frozen terms
+    (dict(bias=True, logits=LARGE, dtype=torch.float64), Kernel.SDPA),  # float32 only
+    (dict(vectors=True), Kernel.EXPLICIT),  # blockwise terms with a gradient: not SDPA's unfused fallback
+    (dict(vectors=True, grad_enabled=False), Kernel.SDPA),
+    (dict(vectors=True, parameters_grad=False), Kernel.SDPA),
+    (dict(vectors=True, parameters_grad=False, queries_grad=True), Kernel.EXPLICIT),  # q . r needs q's gradient
+    (dict(vectors=True, logits=LARGE), Kernel.BIASED_CPU),
+    (dict(content=True, parameters_grad=False), Kernel.SDPA),  # content folded into the queries
+    (dict(values=True), Kernel.EXPLICIT),
+    (dict(bias=True, need_weights=True), Kernel.EXPLICIT),
+    (dict(bias=True, before_softmax=True), Kernel.LOGITS),
+    (dict(bias=True, queries=1, keys=7), Kernel.STEP),
+    (dict(bias=True, flex_mode="on", grad_enabled=False), Kernel.FLEX),  # (CPU: no gradient)
+    (dict(bias=True, flex_mode="on"), Kernel.SDPA),  # "on": calls without gradient only
+    (dict(bias=True, flex_mode="train", grad_enabled=False), Kernel.FLEX),
+    (dict(bias=True, flex_mode="off", grad_enabled=False), Kernel.SDPA),
+])
+def test_the_kernel_follows_from_the_call_alone(case, expected):
+    """The same call gives the same plan whatever torch's grad mode is when `plan` runs."""
+    value = call(**case)
+    for mode in (True, False):
+        with torch.set_grad_enabled(mode):
+            assert plan(value).kernel is expected
+
+
+def test_query_blocks_and_their_recomputation_follow_from_the_call():
+    long = dict(vectors=True, queries=600, keys=600, batch=4)
+    blocked = plan(call(**long))
+    assert blocked.query_block is not None and blocked.query_block < 600
+    assert blocked.recompute_blocks  # training: blocks recomputed in backward
+    assert not plan(call(**long, recorded_run=True)).recompute_blocks  # a layer's checkpoint covers them
+    assert not plan(call(**long, grad_enabled=False)).recompute_blocks
+    assert plan(call(**long, need_weights=True)).query_block is None  # weights asked for: one piece
+    assert plan(call(**long, grad_enabled=False)) == plan(call(**long, grad_enabled=False))  # a value
+
+
+def test_content_is_folded_into_the_queries_except_on_flex():
+    assert plan(call(content=True)).fold_content
+    assert not plan(call(content=True, flex_mode="on", grad_enabled=False)).fold_content
