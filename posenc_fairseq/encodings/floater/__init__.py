@@ -16,7 +16,8 @@ decoder; all initial vectors are integrated together, state shape (num_vectors, 
 The parts, in the order a forward pass uses them:
     encoding.py   `Floater`: options, slots, the hooks (`begin`, `projection_bias`), checkpoints
     table.py      which table b(t_i) - b(0) a pass reads and when a kept one is still valid
-    solver.py     solving the ODE: the fixed-grid loops (Python and compiled) and torchdiffeq
+    solver.py     solving the ODE: the fixed-grid solves (their loops compiled or in Python) and torchdiffeq
+    loops.py      the fixed-grid loops in Python and each solve's precomputed pieces
     dynamics.py   h itself (`Dynamics`) and its bounded forms
 Importing the package registers the encoding (`--positional-encoding floater`).
 """

@@ -6,9 +6,10 @@ a tight loop over the subdivided grid with h's time input folded into per-step b
 discrete adjoint (backpropagation through the same steps) instead of thousands of autograd nodes.
 On CPU the hidden-space loops are compiled (csrc/floater_solve.cpp, the `_floater_solve` extension
 that setup.py builds) and split the rows over the threads (`compiled_parts`); without the extension
-the same loops run in Python. A CUDA model's fixed-grid solve runs on the CPU (`solve_device`).
-torchdiffeq does `dopri5`, the continuous adjoint (`--floater-adjoint`) and the bounded flows. The
-ODE is always solved in float32 or better with a float64 time grid, whatever the model's dtype.
+the same loops run in Python (loops.py, with each solve's precomputed pieces). A CUDA model's
+fixed-grid solve runs on the CPU (`solve_device`). torchdiffeq does `dopri5`, the continuous
+adjoint (`--floater-adjoint`) and the bounded flows. The ODE is always solved in float32 or better
+with a float64 time grid, whatever the model's dtype.
 """
 import contextlib
 import functools
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .dynamics import Dynamics
+from .loops import _HiddenRun, _Run, _hidden_backward_loops, _hidden_forward_loops
 
 FIXED_GRID = ("rk4", "midpoint", "euler")
 METHODS = (*FIXED_GRID, "dopri5")
@@ -246,7 +248,7 @@ class HiddenSpaceSolve(torch.autograd.Function):
     on b(t_i) alone (as there), so a table extended from its last row equals a fresh solve.
     Backward is the exact discrete adjoint of these operations, also one product per stage.
 
-    The loops run compiled on CPU (csrc/floater_solve.cpp, the same operations as
+    The loops run compiled on CPU (csrc/floater_solve.cpp, the same operations as loops.py's
     `_hidden_forward_loops` / `_hidden_backward_loops`, which serve installs without the extension;
     a CUDA model's solve runs here too, `solve_device`), with the rows split into parts integrated
     side by side on their own threads (`compiled_parts`): the rows are independent ODEs sharing h,
@@ -309,82 +311,6 @@ class HiddenSpaceSolve(torch.autograd.Function):
         return (None, None, None, None, None, gy, grad_w1, grad_bias1.sum((0, 1)), grad_w2, grad_bias2.sum((0, 1)))
 
 
-def _hidden_forward_loops(run: "_HiddenRun", y0: Tensor, keep: bool):
-    """`HiddenSpaceSolve`'s forward loops in Python: states (intervals + 1, N, d) and, if `keep`, the
-    relu output of every stage (steps, stages, N * hidden). (`csrc/floater_solve.cpp` compiles the same.)"""
-    count, hidden, stages, substeps = y0.size(0), run.m.size(0), run.stages, run.substeps
-    states = y0.new_empty(run.intervals + 1, *y0.shape)
-    states[0] = y0
-    relus = y0.new_empty(run.steps, stages, count * hidden) if keep else None
-    for interval in range(run.intervals):
-        acc = run.interval(interval, states[interval], relus[interval * substeps:(interval + 1) * substeps] if keep else None)
-        torch.addmm(states[interval] + run.b2_sums[interval], acc.view(count, hidden), run.w2h_t, alpha=run.dt,
-                    out=states[interval + 1])
-    return states, relus
-
-
-def _hidden_backward_loops(run: "_HiddenRun", states: Tensor, grad_states: Tensor, kept: Optional[Tensor]):
-    """`HiddenSpaceSolve`'s backward loops in Python (the exact discrete adjoint), returning
-    d loss / d b(t_first) (N, d), d loss / d bias1 (steps, stages, hidden), each interval's sum of b_j r_j
-    (intervals, N, hidden), d loss / d b(t_i+1) (intervals, N, d), d loss / d z at each interval's start
-    (intervals, N, hidden), d loss / d M (hidden, hidden) and d loss / d cz (steps, stages, hidden)."""
-    count, dim, hidden = states.size(1), states.size(2), run.m.size(0)
-    tableau, stages, substeps, dt, intervals = run.tableau, run.stages, run.substeps, run.dt, run.intervals
-    # relu outputs and d loss / d kz of every stage (when the forward kept the relus; else of one
-    # interval at a time), d loss / d pre of one interval's stages
-    steps = run.steps if kept is not None else substeps
-    R = kept if kept is not None else states.new_empty(substeps, stages, count * hidden)
-    GK = states.new_empty(steps, stages, count, hidden)
-    GP = states.new_empty(substeps, stages, count, hidden)
-    relu_mats = R.view(-1, count, hidden).unbind(0)
-    gk_rows, gk_mats = GK.view(-1, 1, count * hidden).unbind(0), GK.view(-1, count, hidden).unbind(0)
-    gp_mats, gp_steps = GP.view(-1, count, hidden).unbind(0), GP.view(substeps, stages, -1).unbind(0)
-    grad_bias1 = states.new_empty(run.steps, stages, hidden)
-    later = [states.new_tensor([[tableau.a[l][i] for l in range(i + 1, stages)]]) for i in range(stages)]
-    ones, beta = states.new_ones(1, stages), [dt * b for b in tableau.b]
-    sums = states.new_empty(intervals, count, hidden)  # per interval: sum of b_j r_j over its stages
-    after = states.new_empty(intervals, count, dim)  # d loss / d b(t_i+1)
-    starts = states.new_empty(intervals, count, hidden)  # d loss / d z at each interval's start
-    grad_m = states.new_zeros(hidden, hidden)
-    grad_cz = states.new_empty(run.steps, stages, hidden)
-    gy = grad_states[-1].clone()  # d loss / d b(t) of the current grid point
-    a = states.new_empty(1, count * hidden)  # d loss / d z
-    for interval in reversed(range(intervals)):
-        interval_steps = slice(interval * substeps, (interval + 1) * substeps)
-        if kept is None:
-            run.interval(interval, states[interval], R)
-        relus = R[interval_steps] if kept is not None else R
-        torch.mm(run.b_repeated, relus.view(substeps * stages, -1), out=sums[interval].view(1, -1))
-        after[interval] = gy
-        # d loss / d relu through b(t_i+1): the same for every stage of the interval (times b_j)
-        through_b = (dt * gy) @ run.w2h  # (count, hidden)
-        a.zero_()  # z at the interval's end is not used (the next interval starts from b)
-        for j in reversed(range(substeps)):
-            step = interval * substeps + j
-            pre_grads = gp_steps[j]  # (stages, count * hidden)
-            for i in reversed(range(stages)):
-                at = (step if kept is not None else j) * stages + i  # in R and GK
-                if i + 1 < stages:
-                    torch.addmm(a, later[i], pre_grads[i + 1:], beta=beta[i], alpha=dt, out=gk_rows[at])
-                else:
-                    torch.mul(a, beta[i], out=gk_rows[at])
-                g_relu = torch.addmm(through_b, gk_mats[at], run.m, beta=tableau.b[i])
-                torch.ops.aten.threshold_backward.grad_input(g_relu, relu_mats[at], 0,
-                                                            grad_input=gp_mats[j * stages + i])
-            a.addmm_(ones, pre_grads)
-        torch.sum(GP, dim=2, out=grad_bias1[interval_steps])
-        starts[interval] = a.view(count, hidden)
-        # b(t_i) reaches the loss directly, through b(t_i+1) and through z = W1_b b(t_i)
-        gy = grad_states[interval] + gy + starts[interval] @ run.w1b
-        if kept is None:
-            grad_m.addmm_(GK.view(-1, hidden).T, R.view(-1, hidden))
-            torch.sum(GK, dim=2, out=grad_cz[interval_steps])
-    if kept is not None:  # the weight gradients of every stage in one product
-        grad_m = GK.view(-1, hidden).T @ R.view(-1, hidden)
-        torch.sum(GK, dim=2, out=grad_cz)
-    return gy, grad_bias1, sums, after, starts, grad_m, grad_cz
-
-
 def compiled_parts(y0: Tensor, hidden: int) -> Optional[List[slice]]:
     """How the compiled loops split a CPU solve's rows over threads (one part per torch thread, at
     most one per PARALLEL_MIN_ROWS rows, and only when a stage's product reaches PARALLEL_MIN_WORK
@@ -425,106 +351,3 @@ def fixed_grid_solve(tableau, first, last, delta, substeps, y0, *weights) -> Ten
     cheaper (one (N, hidden) x (hidden, hidden) product per stage instead of two with (hidden, d))."""
     kind = HiddenSpaceSolve if weights[0].size(0) <= 2 * y0.size(-1) else FixedGridSolve
     return kind.apply(tableau, first, last, delta, substeps, y0, *weights)
-
-
-class _Run:
-    """One solve's precomputed pieces: the time of every stage of every step, the folded biases,
-    the weights split into state and time parts, the tableau as tensors."""
-
-    def __init__(self, tableau, first, last, delta, substeps, y0, w1, c1, w2, c2):
-        dim = y0.size(-1)
-        self.tableau, self.dt, self.count = tableau, delta / substeps, y0.size(0)
-        self.steps = (last - first) * substeps
-        step = torch.arange(first * substeps, last * substeps, dtype=torch.float64)
-        start = torch.div(step, substeps, rounding_mode="floor") * delta + torch.remainder(step, substeps) * self.dt
-        nodes = torch.tensor(tableau.c, dtype=torch.float64)
-        self.tau = (start[:, None] + nodes[None, :] * self.dt).to(device=y0.device, dtype=y0.dtype)  # (steps, stages)
-        # the state and time parts of the weights, contiguous (BLAS on strided slices copies them per call)
-        self.w1b, self.w2h = w1[:, :dim].contiguous(), w2[:, :-1].contiguous()
-        self.w1b_t, self.w2h_t = self.w1b.T.contiguous(), self.w2h.T.contiguous()
-        self.bias1 = c1 + self.tau[..., None] * w1[:, dim]  # (steps, stages, hidden)
-        self.bias2 = c2 + self.tau[..., None] * w2[:, -1]  # (steps, stages, dim)
-        as_tensor = lambda row: torch.tensor([row], dtype=y0.dtype, device=y0.device)
-        self.a = [as_tensor(row) for row in tableau.a]
-        self.b = as_tensor(tableau.b)
-        self.k = y0.new_empty(len(tableau.b), y0.numel())
-
-    def step(self, index: int, y: Tensor, inputs: Optional[Tensor] = None, relus: Optional[Tensor] = None) -> Tensor:
-        """One Runge-Kutta step from the flat state y (1, N*d); optionally records every stage's
-        input (stages, N, d) and relu output (stages, N, hidden) for the backward pass."""
-        k, count = self.k, self.count
-        for i in range(len(self.a)):
-            if i == 0:
-                stage_input = y.view(count, -1)
-                if inputs is not None:
-                    inputs[i].copy_(stage_input)
-            else:
-                stage_input = torch.addmm(y, self.a[i], k[:i], alpha=self.dt,
-                                          out=inputs[i].view(1, -1) if inputs is not None else None).view(count, -1)
-            hidden = torch.addmm(self.bias1[index, i], stage_input, self.w1b_t,
-                                 out=relus[i] if relus is not None else None).relu_()
-            torch.addmm(self.bias2[index, i], hidden, self.w2h_t, out=k[i].view(count, -1))
-        return torch.addmm(y, self.b, k, alpha=self.dt)
-
-
-class _HiddenRun:
-    """`HiddenSpaceSolve`'s precomputed pieces (see `_Run`): also M = W1_b W2_b, the stages'
-    W1_b bias2, each interval's sum of dt b_i bias2, and the views the loop indexes."""
-
-    def __init__(self, tableau, first, last, delta, substeps, y0, w1, c1, w2, c2):
-        base = _Run(tableau, first, last, delta, substeps, y0, w1, c1, w2, c2)
-        self.tableau, self.intervals = tableau, last - first
-        self.dt, self.steps, self.tau, self.substeps = base.dt, base.steps, base.tau, substeps
-        self.a, self.b = base.a, base.b
-        self.b_repeated = self.b.repeat(1, substeps)  # b_j of every stage of an interval's steps
-        self.w1b, self.w2h, self.w2h_t, self.w1b_t = base.w1b, base.w2h, base.w2h_t, base.w1b_t
-        self.bias2 = base.bias2
-        self.m = self.w1b @ self.w2h  # (hidden, hidden)
-        self.m_t = self.m.T.contiguous()
-        per_step = self.dt * torch.einsum("i,sid->sd", self.b.view(-1), self.bias2)
-        self.b2_sums = per_step.view(last - first, substeps, -1).sum(1)  # (intervals, dim)
-        count, hidden, stages = y0.size(0), w1.size(0), len(tableau.b)
-        self.count, self.stages = count, stages
-        self.bias1 = base.bias1.view(self.steps, stages, 1, hidden)
-        self.cz = self.bias2 @ self.w1b.T  # W1_b bias2 per stage (steps, stages, hidden)
-        self.kz = y0.new_empty(stages, count * hidden)
-        self.kz_mats, self.kz_before = self.kz.view(stages, count, hidden).unbind(0), [self.kz[:i] for i in range(stages)]
-        self.pre = y0.new_empty(stages, count, hidden)  # z + bias1 of each stage of a step
-        self.pre_rows = self.pre.view(stages, 1, -1).unbind(0)
-        self.acc = y0.new_empty(1, count * hidden)
-        self.scratch = y0.new_empty(substeps, stages, count * hidden)
-
-    @functools.cached_property
-    def cz_rows(self) -> tuple:
-        """`cz` as one row per stage of every step, for the Python loops (built only where they run)."""
-        return self.cz.view(-1, self.cz.size(-1)).unbind(0)
-
-    def pieces(self) -> List[Tensor]:
-        """What the compiled loops read, in csrc/floater_solve.cpp's order."""
-        return [self.w1b, self.w1b_t, self.w2h, self.w2h_t, self.m, self.m_t, self.bias1.squeeze(2), self.cz,
-                self.b2_sums, self.b_repeated]
-
-    def interval(self, interval: int, state: Tensor, relus: Optional[Tensor] = None) -> Tensor:
-        """The `substeps` steps of one interval from b(t_i) = `state` (N, d): the sum of b_j times
-        the relu outputs over its stages (1, N*hidden). Records the relu outputs
-        (substeps, stages, N*hidden) in `relus` if given."""
-        record = relus if relus is not None else self.scratch
-        relu_rows = record.view(-1, 1, record.size(-1)).unbind(0)
-        relu_mats = record.view(-1, self.count, self.m.size(0)).unbind(0)
-        kz, stages, dt = self.kz, self.stages, self.dt
-        z = (state @ self.w1b_t).view(1, -1)
-        acc = self.acc.zero_()
-        for j in range(self.substeps):
-            step = interval * self.substeps + j
-            torch.add(z.view(1, self.count, -1), self.bias1[step], out=self.pre)  # every stage's z + bias1
-            for i in range(stages):
-                at = j * stages + i
-                if i == 0:
-                    torch.clamp_min(self.pre_rows[0], 0, out=relu_rows[at])
-                else:
-                    torch.addmm(self.pre_rows[i], self.a[i], self.kz_before[i], alpha=dt, out=relu_rows[at])
-                    relu_rows[at].clamp_min_(0)
-                torch.addmm(self.cz_rows[step * stages + i], relu_mats[at], self.m_t, out=self.kz_mats[i])
-            z = torch.addmm(z, self.b, kz, alpha=dt)
-            acc.addmm_(self.b, record[j])
-        return acc
