@@ -48,4 +48,5 @@ class ALiBi(PositionalEncoding):
 
         def compute():
             return self.penalty(torch.arange(low, high + 1, device=self.slopes.device))
-        return DistanceTerm(low, high, bias=self.memoize((role, "alibi", low, high), compute), key=(role, "alibi"))
+        bias = self.memoize(self.term_key(role, "per distance", low, high), compute)
+        return DistanceTerm(low, high, bias=bias, key=self.term_key(role, "per distance"))

@@ -19,7 +19,7 @@ from typing import Callable, Dict, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from .cache import EncodingCache
+from .cache import EncodingCache, TermKey
 from .distance import DistanceTerm
 from .positions import AnyPositions, Positions, tensor_of
 
@@ -67,9 +67,15 @@ class PositionalEncoding(nn.Module):
                 return announced
         return None
 
-    def memoize(self, key: tuple, compute: Callable[[], Tensor]) -> Tensor:
+    def term_key(self, role: str, what: str, *computed_from) -> TermKey:
+        """The key of this encoding's term `what` of stack `role` for `memoize` and the inference
+        scope; `computed_from`: the rest that tells its values apart (layer or table, distances,
+        dtype; parameters aside)."""
+        return TermKey(role, self.name, what, computed_from)
+
+    def memoize(self, key: TermKey, compute: Callable[[], Tensor]) -> Tensor:
         """`EncodingCache.memoize`: a position-only term computed once per forward and shared across
-        layers; `key[0]` is the role whose next `begin` drops it."""
+        layers; `key.role`'s next `begin` drops it."""
         return self.cache.memoize(key, compute)
 
     def recorded(self, function: Callable) -> Callable:

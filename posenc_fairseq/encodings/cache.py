@@ -2,28 +2,38 @@
 each kept in a scope that says how long it stays valid.
 
 - pass (`memoize`): a position term computed once per forward pass of a stack and shared by its
-  layers. Entries belong to a role ('encoder', 'decoder', 'cross'), whose stack's next `begin`
-  drops them; the key says what the term was computed from (the positions' bounds, the layer's
-  table, the dtype) and the grad mode is added to it. A `recorded` run (non-reentrant activation
-  checkpointing) replays its forward's hits and misses in the recomputation.
+  layers. Its `TermKey` names the role ('encoder', 'decoder', 'cross') whose stack's next `begin`
+  drops it and says what the term is and was computed from (the positions' bounds, the layer's
+  table, the dtype); terms are shared only within one grad mode. A `recorded` run (non-reentrant
+  activation checkpointing) replays its forward's hits and misses in the recomputation.
 - inference (`inference`, `inference_value`, `range_values`): values kept across decoding steps
   and passes while gradients are off and the encoding is in eval mode (`use_kept_values`). The
   scope is checked against the encoding's parameters by value (and dtype, device, shape) once per
   pass that starts a decode or runs whole (`begin` with no earlier step), and emptied when any
   differs: this sees every change, fairseq's optimizers' writes through p.data included (which
   move no version counter). The steps of one decode use it unchecked, as fairseq's incremental
-  state uses the keys and values it cached at the earlier steps. Each entry holds what else it
-  was computed from (options, dtype) and is recomputed when that differs.
+  state uses the keys and values it cached at the earlier steps. Entries are named by a `TermKey`
+  as well; each holds what else it was computed from (options, dtype) and is recomputed when that
+  differs.
 - constants (`constant`): values of their key alone (no parameter), e.g. rotary's frequencies.
 
 Copies (fairseq's EMA deep-copies the model) and pickles start empty: entries may hold autograd
 graphs that cannot be copied.
 """
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional
+from typing import Any, Callable, Dict, Hashable, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+
+
+class TermKey(NamedTuple):
+    """What a cached value is: two requests share the value exactly when their keys are equal.
+    Built by `PositionalEncoding.term_key(role, what, *computed_from)`."""
+    role: str  # the stack whose pass asks for it (pass scope: whose next `begin` drops it)
+    encoding: str  # the encoding's name
+    what: str  # which term, e.g. 'prior', 'projected', 'per distance'
+    computed_from: tuple  # the rest that tells values apart: table or layer, distances, dtype, ...
 
 
 class EncodingCache:
@@ -31,8 +41,8 @@ class EncodingCache:
     nn.Module's __setattr__ would cost."""
 
     def __init__(self):
-        self.pass_values: Dict[str, Dict[tuple, Any]] = {}  # role -> key -> value
-        self.inference_values: Dict[Hashable, Any] = {}
+        self.pass_values: Dict[str, Dict[Tuple[TermKey, bool], Any]] = {}  # role -> (key, grad mode) -> value
+        self.inference_values: Dict[TermKey, Any] = {}
         self.constants: Dict[Hashable, Any] = {}
         self.inference_checked = False  # this pass has checked `inference_values` against the parameters
         self.parameter_copies: Optional[List[Tensor]] = None
@@ -49,18 +59,19 @@ class EncodingCache:
             self.inference_checked = False
 
     # --- pass scope -----------------------------------------------------------------------------
-    def memoize(self, key: tuple, compute: Callable[[], Any]) -> Any:
-        """compute() once per forward pass for `key`, whose first element is the role whose next
-        `begin` drops it; shared only within one grad mode."""
-        key = (*key, torch.is_grad_enabled())
-        values = self.pass_values.get(key[0])
+    def memoize(self, key: TermKey, compute: Callable[[], Any]) -> Any:
+        """compute() once per forward pass for `key`, dropped by the next `begin` of `key.role`;
+        shared only within one grad mode (a value computed without gradients has no graph to
+        differentiate)."""
+        values = self.pass_values.get(key.role)
         if values is None:
-            values = self.pass_values[key[0]] = {}
+            values = self.pass_values[key.role] = {}
+        entry = (key, torch.is_grad_enabled())
         if self.run is not None:
-            return self.run.memoize(values, key, compute)
-        if key not in values:
-            values[key] = compute()
-        return values[key]
+            return self.run.memoize(values, entry, compute)
+        if entry not in values:
+            values[entry] = compute()
+        return values[entry]
 
     @contextmanager
     def apart(self):
@@ -108,7 +119,7 @@ class EncodingCache:
                 self.parameter_copies = value_copies(module.parameters())
         return self.inference_values
 
-    def inference_value(self, module: nn.Module, key: Hashable, depends_on: tuple, compute: Callable[[], Any]) -> Any:
+    def inference_value(self, module: nn.Module, key: TermKey, depends_on: tuple, compute: Callable[[], Any]) -> Any:
         """compute(), kept in the inference scope while `depends_on` (what it is computed from
         besides the parameters: options, dtype) holds."""
         kept = self.inference(module)
@@ -131,19 +142,19 @@ class _RunRecord:
     def __init__(self, record: list, replay: bool):
         self.record, self.replay, self.next = record, replay, 0
 
-    def memoize(self, memo: dict, key: tuple, compute: Callable[[], Any]) -> Any:
+    def memoize(self, memo: dict, entry: tuple, compute: Callable[[], Any]) -> Any:
         if not self.replay:
-            hit = key in memo
+            hit = entry in memo
             self.record.append(hit)
             if not hit:
-                memo[key] = compute()
-            return memo[key]
+                memo[entry] = compute()
+            return memo[entry]
         hit = self.record[self.next]
         self.next += 1
         if not hit:
             return compute()
-        if key in memo:
-            return memo[key]
+        if entry in memo:
+            return memo[entry]
         with torch.no_grad():  # the pass scope was cleared meanwhile: the same value, no operation recorded
             return compute()
 

@@ -11,11 +11,12 @@ on the values `value_term`) for the distances low..high of a call; this module m
     flex_table      the per-distance table FlexAttention reads inside its kernel
     logits_between, values_between, bias_between: the same for arbitrary (not consecutive) positions
 """
-from typing import Hashable, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from .cache import TermKey
 from .positions import (AnyPositions, bounds, is_range, per_distance, relative_shift, shifted_product,
                         sum_by_distance_runs, take_runs, tensor_of, toeplitz)
 
@@ -46,7 +47,7 @@ class DistanceTerm(NamedTuple):
     rows: Optional[Runs] = None
     shift: Optional[Tensor] = None
     content: Optional[Tensor] = None
-    key: Optional[Hashable] = None
+    key: Optional[TermKey] = None
 
 
 class StepTerms(NamedTuple):
@@ -162,8 +163,11 @@ def dense_logits(term: DistanceTerm, query: Tensor, key: Tensor, future_blocked:
         def spread():
             bias = term.bias if term.rows is None else take_runs(term.bias, term.rows)
             return toeplitz(bias, queries)
-        cached = memoize is not None and term.key is not None and term.vectors is None and term.content is None
-        out = memoize((term.key[0], "dense", term.key, term.low, term.high, queries), spread) if cached else spread()
+        if memoize is not None and term.key is not None and term.vectors is None and term.content is None:
+            out = memoize(TermKey(term.key.role, term.key.encoding, "dense", (term.key, term.low, term.high, queries)),
+                          spread)
+        else:
+            out = spread()
     if term.vectors is not None:
         part = term._replace(bias=None)
         if future_blocked and term.high - term.low + 1 > keys + 1:

@@ -134,7 +134,7 @@ class Shaw(PositionalEncoding):
             first, last = self.row_bounds(low, high, layer)
             rows = self.rows_of_distances(layer, low, high, "cpu") - first
             return tuple(row_runs(rows.tolist())), first, last
-        return self.memoize((role, self.name, "distance runs", self._layer_key(layer), low, high), compute)
+        return self.memoize(self.term_key(role, "distance runs", self._layer_key(layer), low, high), compute)
 
     # --- hooks ----------------------------------------------------------------------------------
     def distance_term(self, role, layer, low, high, queries, dtype):
@@ -155,8 +155,8 @@ class Shaw(PositionalEncoding):
         if queries == 1 and use_kept_values(self):
             def compute(first, last):
                 return table.index_select(0, self.rows_of_distances(layer, first, last, table.device))
-            rows = range_values(self.cache.inference(self), (role, layer, which), (), low, high,
-                                compute, dim=0)
+            kept_key = self.term_key(role, "rows per distance", layer, which)
+            rows = range_values(self.cache.inference(self), kept_key, (), low, high, compute, dim=0)
             return DistanceTerm(low, high, vectors=rows.to(dtype)[None])
         runs, first, last = self.distance_runs(role, layer, low, high)
         return DistanceTerm(low, high, vectors=table[first: last + 1].to(dtype)[None], rows=runs)

@@ -146,7 +146,8 @@ class ScalarBias(PositionalEncoding):
         """`distance_bias`, kept across calls in inference (positions.py: a decoding step reads a
         slice of it)."""
         if use_kept_values(self):
-            return range_values(self.cache.inference(self), key, (),
+            kept_key = self.term_key(self.key_role(key), "per distance", key)
+            return range_values(self.cache.inference(self), kept_key, (),
                                 low, high, lambda a, b: self.distance_bias(key, a, b), dim=1)
         return self.distance_bias(key, low, high)
 
@@ -156,9 +157,9 @@ class ScalarBias(PositionalEncoding):
         if not self.has_bias(role, layer):
             return None
         name = self.table_key(role, layer)
-        values = self.memoize((role, self.name, name, "per distance", low, high),
+        values = self.memoize(self.term_key(role, "per distance", name, low, high),
                               lambda: self.distance_values(name, low, high))
-        return DistanceTerm(low, high, bias=values, key=(role, self.name, name))
+        return DistanceTerm(low, high, bias=values, key=self.term_key(role, "per distance", name))
 
 
 class _TableBias(ScalarBias):

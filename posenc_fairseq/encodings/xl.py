@@ -87,7 +87,7 @@ class TransformerXL(PositionalEncoding):
         """R_{i-j} (N, d_model) of the key - query distances j - i = low..high, once per forward."""
         def compute():
             return self.prior(torch.arange(-low, -high - 1, -1, device=self._device()))
-        return self.memoize((role, self.name, "prior", low, high), compute)
+        return self.memoize(self.term_key(role, "prior", low, high), compute)
 
     def _device(self):
         return next(iter(self.projections.values())).weight.device
@@ -99,7 +99,7 @@ class TransformerXL(PositionalEncoding):
             projection = self.projections[f"{role}{layer}"]
             rel = projection(self._prior(role, low, high).to(projection.weight.dtype)).to(dtype)
             return rel.view(-1, self.dims.heads, self.dims.head_dim).transpose(0, 1).contiguous()
-        return self.memoize((role, self.name, "projected", layer, low, high, dtype), compute)
+        return self.memoize(self.term_key(role, "projected", layer, low, high, dtype), compute)
 
     def prior_key(self):
         """What the prior R depends on besides the distance (kept values are recomputed on change)."""
@@ -114,8 +114,8 @@ class TransformerXL(PositionalEncoding):
         def kept():
             if not use_kept_values(self):
                 return compute()
-            return self.cache.inference_value(self, ("u v", role), (dtype,), compute)
-        return self.memoize((role, self.name, "u v", dtype), kept)
+            return self.cache.inference_value(self, self.term_key(role, "u v"), (dtype,), compute)
+        return self.memoize(self.term_key(role, "u v", dtype), kept)
 
     def _scaled(self, bias, dtype):
         """u or v (H, D) as (H, 1, D) in `dtype`, scaled by 1/sqrt(D) as the queries arrive."""
@@ -142,8 +142,8 @@ class TransformerXL(PositionalEncoding):
             u = self._scaled(self.content_bias[role], step_rows.dtype)
             return [DistanceTerm(low, high, bias=layer_rows[..., head_dim], vectors=layer_rows[..., :head_dim],
                                  shift=u, content=u) for layer_rows in step_rows.unbind(0)]
-        return range_values(self.cache.inference(self), (role, "step"), self.prior_key(), low, high, rows, dim=2,
-                            derive=terms)
+        return range_values(self.cache.inference(self), self.term_key(role, "step terms"), self.prior_key(),
+                            low, high, rows, dim=2, derive=terms)
 
     def reset_to_identity(self):
         with torch.no_grad():

@@ -7,7 +7,7 @@ import torch
 
 from posenc_fairseq.encodings import ModelDims, build_encoding
 from posenc_fairseq.encodings.cache import use_kept_values
-from posenc_fairseq.encodings.positions import Positions, bounds, position_range, shared_range, tensor_of
+from posenc_fairseq.encodings.positions import bounds, position_range, shared_range, tensor_of
 from util import encoding_options
 
 
@@ -25,15 +25,50 @@ def counting(computed, value):
 def test_pass_scope_is_dropped_by_its_roles_begin_and_kept_per_grad_mode():
     encoding, computed = t5(), []
     for role in ("encoder", "decoder"):
-        encoding.memoize((role, "term"), counting(computed, role))
-        encoding.memoize((role, "term"), counting(computed, role))  # a hit
+        encoding.memoize(encoding.term_key(role, "term"), counting(computed, role))
+        encoding.memoize(encoding.term_key(role, "term"), counting(computed, role))  # a hit
     with torch.no_grad():
-        encoding.memoize(("encoder", "term"), counting(computed, "encoder without grad"))
+        encoding.memoize(encoding.term_key("encoder", "term"), counting(computed, "encoder without grad"))
     assert computed == ["encoder", "decoder", "encoder without grad"]
     encoding.begin("decoder")  # drops the decoder's only
-    encoding.memoize(("encoder", "term"), counting(computed, "again"))
-    encoding.memoize(("decoder", "term"), counting(computed, "decoder again"))
+    encoding.memoize(encoding.term_key("encoder", "term"), counting(computed, "again"))
+    encoding.memoize(encoding.term_key("decoder", "term"), counting(computed, "decoder again"))
     assert computed[3:] == ["decoder again"]
+    encoding.memoize(encoding.term_key("encoder", "term", 0, 3), counting(computed, "other distances"))
+    assert computed[4:] == ["other distances"]
+
+
+def test_a_recorded_run_replays_its_forwards_hits_and_misses():
+    """The second run of a `recorded` function (the recomputation of a checkpoint) computes exactly
+    the terms the first computed and takes from the pass scope the ones the first found there; where
+    the pass scope was emptied in between, it computes those again without gradients (the same
+    values, no operation recorded)."""
+    for emptied in (False, True):
+        encoding, computed = t5(), []
+        weight = torch.ones((), requires_grad=True)
+
+        def term(name):
+            def compute():
+                computed.append((name, torch.is_grad_enabled()))
+                return weight * len(computed)
+            return encoding.memoize(encoding.term_key("encoder", name), compute)
+
+        term("before")  # memoized before the run: the first run finds it
+        run = encoding.recorded(lambda: [term(name) for name in ("before", "new", "new", "other")])
+        first = run()
+        assert computed == [("before", True), ("new", True), ("other", True)]  # the second "new" was found
+        computed.clear()
+        if emptied:
+            encoding.begin("encoder")
+        replay = run()
+        if not emptied:
+            assert computed == [("new", True), ("other", True)]
+            assert replay[0] is first[0] and replay[2] is first[1]  # taken from the pass scope
+        else:
+            assert computed == [("before", False), ("new", True), ("new", False), ("other", True)]
+            assert replay[0].grad_fn is None and replay[2].grad_fn is None
+        assert replay[1].grad_fn is not None and replay[3].grad_fn is not None  # computed as the first run did
+        assert not encoding.in_recorded_run()
 
 
 def test_inference_scope_is_emptied_by_a_write_through_data_and_kept_otherwise():
@@ -54,7 +89,7 @@ def test_inference_scope_is_emptied_by_a_write_through_data_and_kept_otherwise()
 def test_copies_of_an_encoding_start_with_an_empty_cache_of_their_own():
     encoding = t5()
     encoding.begin("encoder", shared_range(2, 0, 3))
-    encoding.memoize(("encoder", "term"), lambda: torch.ones(2, requires_grad=True) * 2)  # holds a graph
+    encoding.memoize(encoding.term_key("encoder", "term"), lambda: torch.ones(2, requires_grad=True) * 2)  # holds a graph
     encoding.cache.constant("c", lambda: 1)
     for copied in (copy.deepcopy(encoding), pickle.loads(pickle.dumps(encoding))):
         assert copied.cache is not encoding.cache
@@ -74,7 +109,8 @@ def test_announced_range_is_found_by_its_tensor_only():
     encoding = t5()
     announced = shared_range(3, 0, 4)
     encoding.begin("encoder", announced, torch.zeros(3, 5, dtype=torch.long))
-    assert isinstance(announced, Positions)
+    assert encoding.token_ranges == {"encoder": announced, "source": None}  # a tensor announces no range
+    assert encoding.token_positions["encoder"] is announced.tensor
     assert encoding.announced_range(encoding.token_positions["encoder"]) is announced
     assert encoding.announced_range(encoding.token_positions["encoder"].clone()) is None  # a copy is any tensor
     assert encoding.announced_range(encoding.token_positions["source"]) is None
