@@ -2,6 +2,8 @@
 without --checkpoint-activations / --offload-activations: the same gradients as the plain model, for
 every encoding, including the terms shared by several layers (XL/GCDF's u and v, FLOATER's dynamics and
 b(0), a T5/AT5 table shared by all layers), which DDP lets reach their parameter once per backward.
+Two steps each: DDP reports a parameter whose gradient it did not reduce (none reached it, or the
+backward ended before its bucket did) only at the next forward.
 
 fairseq's own wrapper (distributed_fairseq_model) passes `device_ids=[device]`, which DDP refuses for a
 CPU module; the wrapping here is the same call without it (one gloo process)."""
@@ -13,7 +15,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from posenc_fairseq.encodings import ENCODINGS
-from test_checkpoint_activations import assert_same_gradients, gradients
+from test_checkpoint_activations import NO_DROPOUT, assert_same_gradients
+from test_every_encoding import perturb_away_from_identity
+from util import TINY_TRANSFORMER, build_model, random_batch
 
 SHARED = ["--scalar-bias-layers", "all", "--scalar-bias-share-layers"]
 CASES = ([(name, []) for name in sorted(ENCODINGS)]
@@ -44,14 +48,53 @@ def fairseq_c10d(model):
                                    bucket_cap_mb=25, find_unused_parameters=False, gradient_as_bucket_view=False)
 
 
-@pytest.mark.parametrize("flag", FLAGS, ids=["plain", "checkpoint", "offload"])
+def gradients_of_steps(data, encoding, extra, state=None, wrap=None, steps=2):
+    """The model's parameter gradients of each of `steps` forward/backward passes of one loss (the same
+    batch, gradients cleared between, no update); `state`: load these parameters (else perturb the
+    encoding's away from identity); `wrap`: run the model through `wrap(model)` (DDP)."""
+    torch.manual_seed(0)
+    model, task, _ = build_model(data, f"transformer_{encoding}", [*TINY_TRANSFORMER, *NO_DROPOUT, *extra])
+    if state is None:
+        perturb_away_from_identity(model)
+    else:
+        model.load_state_dict(state, strict=False)
+    model.train()
+    model.set_num_updates(0)
+    forward = wrap(model) if wrap is not None else model
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
+    per_step = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        logits, _ = forward(src, src_lengths, prev)
+        logits.float().log_softmax(-1)[..., 5].sum().backward()
+        per_step.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    return model, per_step
+
+
 @pytest.mark.parametrize("encoding,extra", CASES, ids=[f"{n}{'-' + '-'.join(e).replace('--', '') if e else ''}"
                                                        for n, e in CASES])
-def test_ddp_gives_the_plain_gradients(translation_data, process_group, encoding, extra, flag):
-    plain_model, plain = gradients(translation_data, encoding, extra)
+def test_ddp_gives_the_plain_gradients(translation_data, process_group, encoding, extra):
+    """Each of FLAGS (plain, --checkpoint-activations, --offload-activations) under DDP against the
+    plain model's gradients of the same two steps (computed once per case)."""
+    plain_model, plain = gradients_of_steps(translation_data, encoding, extra)
     state = {k: v for k, v in plain_model.state_dict().items() if "window_" not in k}
-    _, wrapped = gradients(translation_data, encoding, [*extra, *flag], state, wrap=fairseq_c10d)
-    assert_same_gradients(wrapped, plain, (encoding, extra, flag))
+    for flag in FLAGS:
+        _, wrapped = gradients_of_steps(translation_data, encoding, [*extra, *flag], state, wrap=fairseq_c10d)
+        assert len(wrapped) == len(plain) == 2
+        for step, (got, expected) in enumerate(zip(wrapped, plain), start=1):
+            assert_same_gradients(got, expected, (encoding, extra, flag, f"step {step}"))
+
+
+def test_an_unreduced_gradient_shows_at_the_second_step(translation_data, process_group):
+    """Why two steps: a parameter no gradient reaches passes one DDP step silently; the next forward
+    raises."""
+    def with_an_unused_parameter(model):
+        model.register_parameter("unused", torch.nn.Parameter(torch.zeros(1)))
+        return fairseq_c10d(model)
+
+    gradients_of_steps(translation_data, "t5", [], wrap=with_an_unused_parameter, steps=1)
+    with pytest.raises(RuntimeError, match="finished reduction in the prior iteration"):
+        gradients_of_steps(translation_data, "t5", [], wrap=with_an_unused_parameter, steps=2)
 
 
 def test_the_reentrant_wrapper_is_not_used(translation_data):
