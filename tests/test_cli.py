@@ -25,7 +25,7 @@ def test_generate_loads_the_checkpoint_and_scores(translation_data, trained_alib
                trained_alibi / "checkpoint_last.pt", "--beam", "3", "--cpu", "--scoring", "sacrebleu",
                "--max-sentences", "8"])
     assert re.search(r"BLEU = [0-9.]+", out)
-    # all 20 test sentences: stock fairseq-fixed drops the last batch of 4 (see batching_fix.py)
+    # all 20 test sentences: stock fairseq-fixed drops the last batch of 4 (see posenc_fairseq/compat/batch_by_size.py)
     assert "Translated 20 sentences" in out
 
 

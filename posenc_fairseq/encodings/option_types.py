@@ -232,25 +232,3 @@ def check_encoding_options(name: str, args, dims) -> None:
     with torch.device("meta"):
         build_encoding(name, args, dims)
 
-
-def report_option_errors_in_one_line():
-    """Make an uncaught OptionValueError end a command (fairseq-train, fairseq-generate, ...) the way
-    argparse ends it: `PROG: error: MESSAGE` on stderr, no traceback (exit status 1, Python's for an
-    uncaught exception). Only this exception type is affected; every other one goes to the hook
-    that was there before."""
-    import os
-    import sys
-
-    previous = sys.excepthook
-    if getattr(previous, "reports_option_errors", False):
-        return
-
-    def hook(kind, error, traceback):
-        if issubclass(kind, OptionValueError):
-            program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
-            print(f"{program}: error: {error}", file=sys.stderr)
-            return
-        previous(kind, error, traceback)
-
-    hook.reports_option_errors = True
-    sys.excepthook = hook

@@ -1,0 +1,32 @@
+"""End a command with one `error:` line when an encoding refuses an option value while the model is built.
+
+fairseq's commands check options with argparse, which ends a bad value in `PROG: error: ...`. The
+values an encoding can judge only when the model is built (combinations, computed sizes, a
+checkpoint's stored options) raise OptionValueError from inside fairseq's model building, which
+fairseq lets end in a traceback. This `sys.excepthook` prints such an error the way argparse would
+(`PROG: error: MESSAGE` on stderr, no traceback; exit status 1, Python's for an uncaught
+exception) and passes every other exception to the hook that was there before. Only this plugin
+raises OptionValueError, so stock models see no change.
+"""
+import os
+import sys
+
+
+def apply():
+    if getattr(sys.excepthook, "reports_option_errors", False):
+        return None
+    from ..encodings.option_types import OptionValueError
+
+    previous = sys.excepthook
+
+    def report_option_errors_in_one_line(kind, error, traceback):
+        if issubclass(kind, OptionValueError):
+            program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+            print(f"{program}: error: {error}", file=sys.stderr)
+            return
+        previous(kind, error, traceback)
+
+    report_option_errors_in_one_line.reports_option_errors = True
+    sys.excepthook = report_option_errors_in_one_line
+    return ("fairseq's commands end an OptionValueError raised while the model is built in a traceback; "
+            "it now ends in one `error:` line")
