@@ -342,42 +342,10 @@ def convert_checkpoint(state: dict, kind: str, encoding: str = "floater", overri
     `overrides`: our model options by destination name, e.g. {"floater_method": "rk4"}
     (see `parse_overrides`). Raises ConversionError for a source that is not a stock fairseq
     checkpoint of `kind`, an unknown encoding or option, or outputs differing by > tolerance."""
-    check_source(state, kind)
-    check_encoding(encoding)
-    defaults = option_defaults()
-    overrides = dict(overrides or {})
-    unknown = sorted(set(overrides) - set(defaults))
-    if unknown:
-        raise ConversionError(f"unknown encoding options: {', '.join(unknown)}")
-    if overrides.get("positional_encoding", encoding) != encoding:
-        raise ConversionError("give the encoding once (--encoding), not also as positional_encoding")
-
+    options = _model_options(state, kind, encoding, overrides)
     new_arch = converted_arch(kind, _arch(state), encoding)
-    options = {**defaults, "positional_encoding": encoding, "input_positions": "stock", **overrides}
-
-    converted = dict(state)
-    for key in ("args", "cfg"):
-        if state.get(key) is not None:
-            converted[key] = copy.deepcopy(state[key])
-    for holder in _model_configs(converted):
-        _set(holder, "arch", new_arch)
-        if holder is not converted.get("args"):  # the old top-level Namespace has no _name
-            _set(holder, "_name", new_arch)
-        for key, value in options.items():
-            _set(holder, key, value)
-
-    # the encoding's parameters: build our model, load the source weights, initialise as identity
-    model, _, result = load_from_state({**converted, "model": state["model"]}, kind, strict=False)
-    unexpected = list(result.unexpected_keys)
-    missing = [key for key in result.missing_keys if not key.startswith("positional_encoding.")]
-    if unexpected or missing:
-        raise ConversionError(f"the source weights do not fit {new_arch}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    model.positional_encoding.reset_to_identity()
-    weights = dict(state["model"])
-    for key, value in model.state_dict().items():
-        if key.startswith("positional_encoding."):
-            weights[key] = value.detach().clone()
-    converted["model"] = weights
+    converted = _with_model_options(state, new_arch, options)
+    model = _add_identity_encoding(converted, state, kind, new_arch)
 
     # optimizer: its state covers the source parameters only; EMA likewise
     converted["last_optimizer_state"] = None
@@ -393,7 +361,58 @@ def convert_checkpoint(state: dict, kind: str, encoding: str = "floater", overri
     # --floater-init small: the paper's warm start, close to but not exactly the source)
     if hasattr(model.positional_encoding, "apply_init_option"):
         model.positional_encoding.apply_init_option()
-        for key, value in model.state_dict().items():
-            if key.startswith("positional_encoding."):
-                weights[key] = value.detach().clone()
+        _copy_encoding_weights(model, converted["model"])
     return converted
+
+
+def _model_options(state: dict, kind: str, encoding: str, overrides: Optional[dict]) -> dict:
+    """Our model options of the converted checkpoint (the defaults, `encoding`, the stock input
+    positions, `overrides`), after checking the source, the encoding and the overrides."""
+    check_source(state, kind)
+    check_encoding(encoding)
+    defaults = option_defaults()
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(defaults))
+    if unknown:
+        raise ConversionError(f"unknown encoding options: {', '.join(unknown)}")
+    if overrides.get("positional_encoding", encoding) != encoding:
+        raise ConversionError("give the encoding once (--encoding), not also as positional_encoding")
+    return {**defaults, "positional_encoding": encoding, "input_positions": "stock", **overrides}
+
+
+def _with_model_options(state: dict, new_arch: str, options: dict) -> dict:
+    """A shallow copy of `state` whose model configs (`args`, `cfg`: deep copies) name `new_arch`
+    and hold `options`."""
+    converted = dict(state)
+    for key in ("args", "cfg"):
+        if state.get(key) is not None:
+            converted[key] = copy.deepcopy(state[key])
+    for holder in _model_configs(converted):
+        _set(holder, "arch", new_arch)
+        if holder is not converted.get("args"):  # the old top-level Namespace has no _name
+            _set(holder, "_name", new_arch)
+        for key, value in options.items():
+            _set(holder, key, value)
+    return converted
+
+
+def _add_identity_encoding(converted: dict, state: dict, kind: str, new_arch: str):
+    """Builds our model from `converted`'s options with the source weights, initialises the
+    encoding's parameters as identity and sets `converted["model"]` to the source weights plus
+    them; returns the model."""
+    model, _, result = load_from_state({**converted, "model": state["model"]}, kind, strict=False)
+    unexpected = list(result.unexpected_keys)
+    missing = [key for key in result.missing_keys if not key.startswith("positional_encoding.")]
+    if unexpected or missing:
+        raise ConversionError(f"the source weights do not fit {new_arch}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.positional_encoding.reset_to_identity()
+    converted["model"] = dict(state["model"])
+    _copy_encoding_weights(model, converted["model"])
+    return model
+
+
+def _copy_encoding_weights(model, weights: dict) -> None:
+    """Copies of the model's encoding parameters (`positional_encoding.*`) into `weights`."""
+    for key, value in model.state_dict().items():
+        if key.startswith("positional_encoding."):
+            weights[key] = value.detach().clone()

@@ -72,6 +72,33 @@ def _with_column(x: Tensor, column) -> Tensor:
     return torch.cat([x, extra.expand(*x.shape[:-1], 1)], dim=-1)
 
 
+def _probabilities(out: Tensor, logits_query: Tensor, keys_t: Tensor, term: Tensor, sees_no_key: bool) -> Tensor:
+    """A block's P = exp(q k^T + A - L) into `out` (B, H, rows, keys), exactly the forward's
+    probabilities (L folded into the product: `logits_query` = [q, -L], `keys_t` = [k, 1]^T); where
+    a row sees no key (L not folded in) the softmax over every key."""
+    torch.matmul(logits_query, keys_t, out=out)
+    out += term
+    if sees_no_key:
+        out.copy_(torch.softmax(out, dim=-1))
+    else:
+        out.exp_()
+    return out
+
+
+def _add_term_gradient(grad_additive: Tensor, grad_logits: Tensor, rows: slice, keys: int, per_row: bool,
+                       written: bool, summed: list) -> None:
+    """Adds a block's logit gradients dS (B, H, rows, keys) to the term's gradient, summed over the
+    dimensions the term broadcasts (`summed`; also over the queries for a term shared by them), zero
+    at the keys the block leaves out. `written`: dS already lies in the term's gradient."""
+    if per_row:
+        target = grad_additive[..., rows, :]
+        if not written:
+            torch.sum(grad_logits, dim=summed, keepdim=True, out=target[..., :keys])
+        target[..., keys:].zero_()
+    else:
+        grad_additive[..., :keys] += grad_logits.sum([*summed, 2], keepdim=True)
+
+
 class BiasedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, additive: Tensor, future_blocked: bool) -> Tensor:
@@ -101,7 +128,7 @@ class BiasedAttention(torch.autograd.Function):
         additive = additive.view(*(1,) * (4 - additive.dim()), *term_shape)  # (B or 1, H or 1, Tq or 1, Tk)
         need_q, need_k, need_v, need_additive, _ = ctx.needs_input_grad
         batch, heads, queries, _ = q.shape
-        keys_total = k.size(2)
+        keys_total, flat = k.size(2), batch * heads
         grad_out = grad_out.contiguous()
         row_term = (grad_out * out).sum(-1, keepdim=True)  # rowsum(do * out), (B, H, Tq, 1)
         # Rows that see no key take the softmax over every key, as the explicit path does.
@@ -113,15 +140,13 @@ class BiasedAttention(torch.autograd.Function):
         keys_t = (k if sees_no_key else _with_column(k, 1.0)).transpose(-1, -2)
         grad_query = _with_column(grad_out, -row_term)  # do.v - rowsum(do * out)
         values_t = _with_column(v, 1.0).transpose(-1, -2)
-        flat = batch * heads
         grad_q = torch.empty_like(q) if need_q else None
         grad_k = torch.zeros_like(k) if need_k else None
         grad_v = torch.zeros_like(v) if need_v else None
         per_row = additive.size(-2) != 1  # (a term shared by every query sums over them)
         summed = [d for d in range(2) if additive.size(d) == 1 and q.size(d) != 1]  # dims A broadcasts
-        # every element is written below where the term has a row per query
         grad_additive = None
-        if need_additive:
+        if need_additive:  # (every element is written below where the term has a row per query)
             grad_additive = (torch.empty if per_row else torch.zeros)(additive.shape, dtype=additive.dtype)
         step = _block_rows(q, keys_total)
         # one block's probabilities and logit gradients, reused by every block (a fresh tensor of
@@ -132,13 +157,8 @@ class BiasedAttention(torch.autograd.Function):
             rows = slice(start, min(start + step, queries))
             count = rows.stop - rows.start
             keys = min(keys_total, keys_total - queries + rows.stop) if skip_future else keys_total
-            probs = probs_buffer[:, :, :count, :keys]
-            torch.matmul(logits_query[:, :, rows], keys_t[..., :keys], out=probs)
-            probs += additive[..., rows, :keys] if per_row else additive[..., :keys]
-            if sees_no_key:
-                probs.copy_(torch.softmax(probs, dim=-1))
-            else:
-                probs.exp_()
+            probs = _probabilities(probs_buffer[:, :, :count, :keys], logits_query[:, :, rows], keys_t[..., :keys],
+                                   additive[..., rows, :keys] if per_row else additive[..., :keys], sees_no_key)
             q_rows, grad_rows = q[:, :, rows], grad_out[:, :, rows]
             if need_v:
                 grad_v.view(flat, keys_total, -1)[:, :keys].baddbmm_(
@@ -155,13 +175,7 @@ class BiasedAttention(torch.autograd.Function):
                 grad_k.view(flat, keys_total, -1)[:, :keys].baddbmm_(
                     grad_logits.reshape(flat, count, keys).transpose(1, 2), q_rows.reshape(flat, count, -1))
             if need_additive:
-                if per_row:
-                    target = grad_additive[..., rows, :]
-                    if not direct:
-                        torch.sum(grad_logits, dim=summed, keepdim=True, out=target[..., :keys])
-                    target[..., keys:].zero_()
-                else:
-                    grad_additive[..., :keys] += grad_logits.sum([*summed, 2], keepdim=True)
+                _add_term_gradient(grad_additive, grad_logits, rows, keys, per_row, direct, summed)
         if grad_additive is not None:
             grad_additive = grad_additive.view(term_shape)
         return grad_q, grad_k, grad_v, grad_additive, None
