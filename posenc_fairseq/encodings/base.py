@@ -20,10 +20,44 @@ import torch
 from torch import Tensor, nn
 
 from .cache import EncodingCache, TermKey
+from ..kernels import flex
 from .distance import DistanceTerm
-from .positions import AnyPositions, Positions, tensor_of
+from .positions import AnyPositions
 
 ROLES = ("encoder", "decoder", "cross")
+
+
+class PassContext:
+    """What a stack tells the attention layers it runs in one forward pass, made by `begin`:
+
+    stack        'encoder' or 'decoder' (whose layers serve the roles 'decoder' and 'cross')
+    positions    the (B, T) positions of the stack's tokens in this call (a `shared_range` where
+                 every row is alike); None where nothing reads them
+    source       decoder: the positions of the source tokens (the cross-attention keys)
+    earlier      target tokens before this call's (incremental decoding: the cached steps)
+    flex_mode    POSENC_FLEX_ATTENTION when the pass started (kernels/flex.py)
+    future_mask  the self-attention mask the decoder stack made last in this pass (fairseq's
+                 future mask, `buffered_future_mask`, made before each layer), None until it
+                 does: a call given that very mask knows it blocks exactly the future without
+                 reading it (any other mask, e.g. in a layer's recomputation, is read)
+
+    Plain attributes: made once per decoding step, where nn.Module or a dataclass would cost."""
+    __slots__ = ("stack", "positions", "source", "earlier", "flex_mode", "future_mask")
+
+    def __init__(self, stack: str, positions: Optional[AnyPositions], source: Optional[AnyPositions], earlier: int,
+                 flex_mode: str):
+        self.stack, self.positions, self.source, self.earlier = stack, positions, source, earlier
+        self.flex_mode, self.future_mask = flex_mode, None
+
+    def key_positions(self, role: str) -> Optional[AnyPositions]:
+        """The positions of the keys of an attention in `role` ('cross': the source tokens; the
+        queries are always the stack's own `positions`)."""
+        return self.source if role == "cross" else self.positions
+
+
+def stack_of(role: str) -> str:
+    """The stack whose layers serve the attention role: 'encoder' or 'decoder' (self and cross)."""
+    return "encoder" if role == "encoder" else "decoder"
 
 
 class PositionalEncoding(nn.Module):
@@ -37,12 +71,9 @@ class PositionalEncoding(nn.Module):
     def __init__(self, args: argparse.Namespace, dims: "ModelDims"):
         super().__init__()
         self.dims = dims
-        # Absolute (B, T) positions of the tokens of the current call, set by the stacks:
-        # 'encoder' (source tokens), 'decoder' (target tokens of this step), 'source' (keys of
-        # cross-attention). 0-based, counted over non-padding tokens. `token_ranges`: the same
-        # announced as `Positions` (every row alike: `shared_range`), None where they are not.
-        self.token_positions: Dict[str, Tensor] = {}
-        self.token_ranges: Dict[str, Optional[Positions]] = {}
+        # the pass context of each stack ('encoder', 'decoder'): made by its `begin`, read by the
+        # attention layers the stack runs in that pass
+        self.contexts: Dict[str, PassContext] = {}
         self.cache = EncodingCache()
 
     @staticmethod
@@ -51,21 +82,17 @@ class PositionalEncoding(nn.Module):
 
     # --- called by the stacks -------------------------------------------------------------
     def begin(self, role: str, positions: Optional[AnyPositions] = None,
-              source_positions: Optional[AnyPositions] = None, earlier: int = 0):
-        """A stack ('encoder' or 'decoder') starts a forward pass: forget per-pass results.
+              source_positions: Optional[AnyPositions] = None, earlier: int = 0) -> "PassContext":
+        """A stack ('encoder' or 'decoder') starts a forward pass: its `PassContext` (`positions`:
+        its tokens' positions; `source_positions`: the decoder's source tokens, kept from the last
+        pass that gave them; None: nothing reads them), and per-pass results are forgotten.
         `earlier`: target tokens before this call's (incremental decoding: the cached steps)."""
+        previous = self.contexts.get(role)
+        if source_positions is None and previous is not None:
+            source_positions = previous.source
+        context = self.contexts[role] = PassContext(role, positions, source_positions, earlier, flex.mode())
         self.cache.begin(role, earlier)
-        for name, given in ((role, positions), ("source", source_positions)):
-            if given is not None:
-                self.token_positions[name] = tensor_of(given)
-                self.token_ranges[name] = given if isinstance(given, Positions) else None
-
-    def announced_range(self, positions: Optional[Tensor]) -> Optional[Positions]:
-        """The `Positions` a stack announced whose tensor `positions` is (every row alike), or None."""
-        for announced in self.token_ranges.values():
-            if announced is not None and announced.tensor is positions:
-                return announced
-        return None
+        return context
 
     def term_key(self, role: str, what: str, *computed_from) -> TermKey:
         """The key of this encoding's term `what` of stack `role` for `memoize` and the inference
@@ -86,18 +113,21 @@ class PositionalEncoding(nn.Module):
         return self.cache.in_recorded_run()
 
     def __getstate__(self):
-        """Copies (fairseq's EMA deep-copies the model) start without this pass's positions (the
+        """Copies (fairseq's EMA deep-copies the model) start without this pass's contexts (the
         cache copies itself empty)."""
         state = super().__getstate__()
-        state.update(token_positions={}, token_ranges={})
+        state.update(contexts={})
         return state
 
     # --- the hooks, called by PositionalAttention -----------------------------------------
-    def project(self, role: str, layer: int, which: str, x: Tensor, positions: Optional[Tensor]) -> Tensor:
-        """Projected q/k/v (T, B, E) of tokens at absolute `positions` (B, T) -> same shape."""
+    def project(self, role: str, layer: int, which: str, x: Tensor, positions: Optional[AnyPositions]) -> Tensor:
+        """Projected q/k/v (T, B, E) of tokens at absolute `positions` (B, T) -> same shape.
+        `positions`: the stack's `PassContext` positions as given (a `shared_range` where every row
+        is alike), or a tensor of arbitrary positions."""
         return x
 
-    def projection_bias(self, role: str, layer: int, which: str, positions: Optional[Tensor]) -> Optional[Tensor]:
+    def projection_bias(self, role: str, layer: int, which: str,
+                        positions: Optional[AnyPositions]) -> Optional[Tensor]:
         """The bias of each token's q/k/v projection (T, B, E), (T, 1, E) shared by the batch or
         (E,) for every token alike, used in place of the projection's own bias (FLOATER: b(t_i));
         None keeps the projection as it is. Positions are (B, T)."""

@@ -86,7 +86,7 @@ class Rotary(PositionalEncoding):
         if context is not None and positions is context.positions:
             # the positions the stack gave for this pass (a decoding step: the current one): one
             # rotation for the queries and keys of every layer
-            cos, sin, matrix = self.memoize((role, "rotary", tensor_of(positions).shape, head_dim, x.device),
+            cos, sin, matrix = self.memoize(self.term_key(role, "rotation", tensor_of(positions).shape, head_dim, x.device),
                                             lambda: self._pass_rotation(role, positions, head_dim, x.device))
             if matrix is not None:  # one position for every token: one product per projection
                 length, batch, embed = x.shape

@@ -14,7 +14,7 @@ backward by hand one block of queries at a time, so each block's probabilities s
     dv = P^T do,   dP = do v^T,   dS = P * (dP - rowsum(do * out))
     dq = dS k,     dk = dS^T q,   dA = dS   (summed over the dimensions A broadcasts)
 
-Chosen by plan.py (`Plan.kernel_for`) on CPU in float32 without attention dropout (the kernel has none), for
+Chosen by plan.py on CPU in float32 without attention dropout (the kernel has none), for
 calls of at least MIN_LOGITS logits; otherwise the explicit softmax serves (tests:
 `tests/test_biased_attention.py`, against autograd of the explicit formula). Under fairseq's future
 mask (`future_blocked`) the forward sets the kernel's causal flag and each backward block leaves out
@@ -36,18 +36,12 @@ MIN_BLOCK_ROWS = 16
 MIN_LOGITS = 2 ** 23
 
 
-def serves_call(q: Tensor, dropout_p: float, logits: int) -> bool:
-    """Whether `attend` serves a call of queries `q` whose terms need a gradient: with gradients on,
-    CPU, float32, no attention dropout, and `logits` (the whole call's B * H * Tq * Tk) at least
-    MIN_LOGITS. (What `applies` asks before looking at the term.)"""
-    return (torch.is_grad_enabled() and dropout_p == 0.0 and q.device.type == "cpu" and q.dtype == torch.float32
+def serves_call(q: Tensor, dropout_p: float, logits: int, grad_enabled: bool) -> bool:
+    """Whether `attend` serves a call of queries `q` whose terms need a gradient: with gradients on
+    (`grad_enabled`), CPU, float32, no attention dropout, and `logits` (the whole call's
+    B * H * Tq * Tk) at least MIN_LOGITS."""
+    return (grad_enabled and dropout_p == 0.0 and q.device.type == "cpu" and q.dtype == torch.float32
             and logits >= MIN_LOGITS)
-
-
-def applies(q: Tensor, additive, dropout_p: float, logits: int) -> bool:
-    """Whether `attend` serves this call: `serves_call`, and a float32 term with gradient."""
-    return (additive is not None and additive.requires_grad and additive.dtype == torch.float32
-            and serves_call(q, dropout_p, logits))
 
 
 def _block_rows(q: Tensor, keys: int) -> int:

@@ -58,7 +58,7 @@ def attend(call, block: int, recompute: bool, serve: Callable) -> Tensor:
             return serve(block_call._replace(q=q_rows, k=call.k[:, :, :keys], v=call.v[:, :, :keys]))
 
         if recompute:
-            parts.append(checkpoint(call.encoding.recorded(block_output), q[:, :, rows], use_reentrant=False))
+            parts.append(checkpoint(call.recorded(block_output), q[:, :, rows], use_reentrant=False))
         else:
             parts.append(block_output(q[:, :, rows]))
     return torch.cat(parts, dim=2)

@@ -7,7 +7,8 @@ import torch
 
 from posenc_fairseq.encodings import ModelDims, build_encoding
 from posenc_fairseq.encodings.cache import use_kept_values
-from posenc_fairseq.encodings.positions import bounds, position_range, shared_range, tensor_of
+from posenc_fairseq.encodings.positions import bounds, shared_range, tensor_of
+from position_terms import position_range
 from util import encoding_options
 
 
@@ -93,7 +94,7 @@ def test_copies_of_an_encoding_start_with_an_empty_cache_of_their_own():
     encoding.cache.constant("c", lambda: 1)
     for copied in (copy.deepcopy(encoding), pickle.loads(pickle.dumps(encoding))):
         assert copied.cache is not encoding.cache
-        assert copied.cache.pass_values == {} and copied.cache.constants == {} and copied.token_ranges == {}
+        assert copied.cache.pass_values == {} and copied.cache.constants == {} and copied.contexts == {}
     assert encoding.cache.pass_values and encoding.cache.constants  # the original keeps its own
 
 
@@ -105,12 +106,19 @@ def test_positions_carry_their_bounds_and_a_tensor_is_read():
     assert position_range(2, 6) == positions  # a value: equal by its bounds
 
 
-def test_announced_range_is_found_by_its_tensor_only():
+def test_begin_makes_the_pass_context_of_its_stack():
+    """The context holds the positions as given (a range stays a `Positions`), the decoder's source
+    positions (kept by a later decoding step that gives none), `earlier` and the FlexAttention
+    switch of the pass; each stack has its own, and the next `begin` of a stack replaces it."""
     encoding = t5()
     announced = shared_range(3, 0, 4)
-    encoding.begin("encoder", announced, torch.zeros(3, 5, dtype=torch.long))
-    assert encoding.token_ranges == {"encoder": announced, "source": None}  # a tensor announces no range
-    assert encoding.token_positions["encoder"] is announced.tensor
-    assert encoding.announced_range(encoding.token_positions["encoder"]) is announced
-    assert encoding.announced_range(encoding.token_positions["encoder"].clone()) is None  # a copy is any tensor
-    assert encoding.announced_range(encoding.token_positions["source"]) is None
+    source = torch.zeros(3, 5, dtype=torch.long)
+    encoder = encoding.begin("encoder", announced)
+    assert encoding.contexts == {"encoder": encoder}
+    assert (encoder.stack, encoder.positions, encoder.source, encoder.earlier) == ("encoder", announced, None, 0)
+    assert encoder.flex_mode == "off" and encoder.future_mask is None
+    first = encoding.begin("decoder", shared_range(3, 0, 1), source)
+    step = encoding.begin("decoder", shared_range(3, 1, 2), earlier=1)
+    assert step is not first and encoding.contexts == {"encoder": encoder, "decoder": step}
+    assert step.source is source and step.positions == position_range(1, 2) and step.earlier == 1
+    assert step.key_positions("cross") is source and step.key_positions("decoder") is step.positions

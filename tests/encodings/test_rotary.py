@@ -40,7 +40,7 @@ def test_a_decoding_step_rotates_with_one_matrix_equal_to_the_complex_form():
     positions = shared_range(batch, position, position + 1)
     enc.begin("decoder", positions, earlier=position)
     x = torch.randn(1, batch, heads * head_dim)
-    got = enc.project("decoder", 0, "q", x, positions.tensor)
+    got = enc.project("decoder", 0, "q", x, positions)  # (the pass context's positions, as the attention passes them)
     memo = enc.cache.pass_values["decoder"]
     assert memo and next(iter(memo.values()))[2] is not None  # the matrix form was taken
     half = head_dim // 2

@@ -239,7 +239,7 @@ def test_an_unpadded_batch_reads_table_rows_shared_by_the_batch(translation_data
         loss_and_gradients()  # the window's first pass (solved with gradient); both below reuse its table
     shared, shared_grads = loss_and_gradients()
     assert gathered == []
-    monkeypatch.setattr(encoding_module.Floater, "announced_range", lambda self, positions: None)
+    monkeypatch.setattr(encoding_module, "is_shared_range", lambda positions: False)
     gathered_logits, gathered_grads = loss_and_gradients()
     assert len(gathered) == 3  # one gather per group: encoder q/k/v, target tokens, source keys/values
     assert torch.allclose(shared, gathered_logits, atol=1e-6)
