@@ -21,7 +21,7 @@ from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
 from posenc_fairseq.encodings.option_types import (MAX_PARAMETER_BYTES, OptionValueError, check_encoding_options,
                                                    check_size, even_int_in_range, float_in_range, int_in_range, option,
                                                    option_pair, positive_float, probability)
-from posenc_fairseq.encodings.distance import logits_between
+from position_terms import logits_between
 from util import USER_DIR, encoding_options
 
 DIMS = ModelDims(embed_dim=16, heads=4, encoder_layers=2, decoder_layers=2)

@@ -9,7 +9,8 @@ from posenc_fairseq.kernels import blocks as block_module
 from posenc_fairseq.kernels import flex as flex_attention
 from posenc_fairseq.encodings import ModelDims
 from posenc_fairseq.encodings.base import hook_use
-from posenc_fairseq.encodings.distance import flex_table, logits_between
+from posenc_fairseq.encodings.distance import flex_table
+from position_terms import logits_between
 from util import TINY_TRANSFORMER, bound_attention, build_model, perturbed_encoding, random_batch
 
 EMBED, HEADS = 16, 4

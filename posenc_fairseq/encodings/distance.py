@@ -9,7 +9,7 @@ on the values `value_term`) for the distances low..high of a call; this module m
     window          the term of a block of queries: a slice of the call's (query blocks, future mask)
     step_terms      one query's terms as additions to q, k, v and the logits (a decoding step)
     flex_table      the per-distance table FlexAttention reads inside its kernel
-    logits_between, values_between, bias_between: the same for arbitrary (not consecutive) positions
+    bias_between    a bias-only term between arbitrary (not consecutive) positions (the plots)
 """
 from typing import NamedTuple, Optional, Tuple
 
@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from .cache import TermKey
-from .positions import (AnyPositions, bounds, is_range, per_distance, relative_shift, shifted_product,
-                        sum_by_distance_runs, take_runs, tensor_of, toeplitz)
+from .positions import (AnyPositions, bounds, per_distance, relative_shift, shifted_product, sum_by_distance_runs,
+                        take_runs, tensor_of, toeplitz)
 
 #: pieces (first row, count, step) of `positions.row_runs`: the row of each column
 Runs = Tuple[Tuple[int, int, int], ...]
@@ -235,8 +235,10 @@ def flex_table(term: DistanceTerm, query: Tensor, key: Tensor) -> DistanceLogits
     return DistanceLogits(table, column_rows(term, query.device), key_bias)
 
 
-# --- arbitrary positions -------------------------------------------------------------------------------
-def _term(encoding, role, layer, queries, dtype, query_positions, key_positions, hook="distance_term"):
+# --- arbitrary positions (the plots; the tests' reference terms: tests/position_terms.py) ---------------
+def term_between(encoding, role, layer, queries, dtype, query_positions, key_positions, hook="distance_term"):
+    """The encoding's `hook` term (`distance_term` or `value_term`) for the distances between 1-D
+    positions."""
     low, high = distance_range(query_positions, key_positions)
     return getattr(encoding, hook)(role, layer, low, high, queries, dtype)
 
@@ -253,56 +255,11 @@ def rows_of(term: DistanceTerm, distances: Tensor) -> Tensor:
     return column if rows is None else rows[column]
 
 
-def logits_between(encoding, role: str, layer: int, query: Optional[Tensor], key: Optional[Tensor],
-                   query_positions: AnyPositions, key_positions: AnyPositions,
-                   dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
-    """The encoding's logit term between 1-D positions, any (consecutive or not): (B or 1, H, Tq,
-    Tk), a bias-only term (H, Tq, Tk); None where the layer has none. `query` (B, H, Tq, D) scaled by
-    1/sqrt(D) and `key` (B, H, Tk, D); a term that reads neither may be asked with None for both."""
-    queries = len(tensor_of(query_positions))
-    dtype = dtype or (query.dtype if query is not None else torch.get_default_dtype())
-    term = _term(encoding, role, layer, queries, dtype, query_positions, key_positions)
-    if term is None:
-        return None
-    if query is not None and is_range(query_positions) and is_range(key_positions):
-        return dense_logits(term, query, key, memoize=encoding.memoize)
-    index = rows_of(term, pair_distances(query_positions, key_positions))
-    out = None
-    if term.bias is not None:
-        out = term.bias[:, index]
-    if term.vectors is not None:
-        scores = _scores(term, query)
-        batch, heads, tq, _ = scores.shape
-        part = scores.gather(-1, index.expand(batch, heads, tq, index.size(-1)))
-        out = part if out is None else out + part
-    if term.content is not None:
-        content = (key @ term.content.transpose(-1, -2)).transpose(-1, -2)
-        out = content if out is None else out + content
-    return out
-
-
 def bias_between(encoding, role: str, layer: int, query_positions: AnyPositions, key_positions: AnyPositions,
                  dtype: torch.dtype) -> Optional[Tensor]:
     """(H, Tq, Tk): the encoding's logit term between 1-D positions where it is a bias alone (T5,
     AT5, ALiBi); None where the layer has no term or one that depends on the tokens."""
-    term = _term(encoding, role, layer, len(tensor_of(query_positions)), dtype, query_positions, key_positions)
+    term = term_between(encoding, role, layer, len(tensor_of(query_positions)), dtype, query_positions, key_positions)
     if term is None or term.vectors is not None or term.content is not None:
         return None
     return term.bias[:, rows_of(term, pair_distances(query_positions, key_positions))]
-
-
-def values_between(encoding, role: str, layer: int, probs: Tensor, query_positions: AnyPositions,
-                   key_positions: AnyPositions) -> Optional[Tensor]:
-    """The encoding's value term between 1-D positions, any: (B, H, Tq, D) from the probabilities
-    (B, H, Tq, Tk); None where the layer has none."""
-    term = _term(encoding, role, layer, probs.size(2), probs.dtype, query_positions, key_positions, "value_term")
-    if term is None:
-        return None
-    if is_range(query_positions) and is_range(key_positions):
-        return dense_values(term, probs)
-    index = rows_of(term, pair_distances(query_positions, key_positions))
-    batch, heads, tq, tk = probs.shape
-    per_row = probs.new_zeros(batch, heads, tq, term.vectors.size(1))
-    per_row = per_row.scatter_add(-1, index.expand(batch, heads, tq, tk), probs)
-    vectors = term.vectors[0] if term.vectors.size(0) == 1 else term.vectors
-    return per_row @ vectors.to(probs.dtype)

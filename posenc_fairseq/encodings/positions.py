@@ -1,20 +1,19 @@
-"""Positions whose bounds are known on the host, and values of a distance kept across calls.
+"""Positions whose bounds are known on the host, and the arithmetic of values per key - query distance.
 
-`PositionalAttention` builds the query and key positions of every call from Python integers as
-`Positions` (`position_range`), and the stacks announce unpadded tokens as `Positions` whose
-tensor is (B, T) with every row alike (`shared_range`). An encoding reads their bounds with
+The stacks announce their unpadded tokens, and a decoding step its one position, as `Positions`
+whose tensor is (B, T) with every row alike (`shared_range`). An encoding reads their bounds with
 `bounds`, which then costs no device synchronisation (on CUDA `int(tensor)` waits for the device,
 once per layer and decoding step). The facts travel in the value, not on a tensor: a plain tensor
 is arbitrary positions, whose bounds `bounds` reads from the tensor (a device synchronisation) and
 for which the encodings take their general paths.
 
-`range_values` keeps a function of the relative distance (T5's bias per distance, XL's projected
-prior W_r R_d) across calls in inference, so that a decoding step reads a slice of it instead of
-computing it again for every distance of every step: a step costs O(1) amortised and no work per
-layer beyond the slice. The kept values live in the inference scope of the encoding's cache
-(cache.py: checked by value once per pass, since fairseq's optimizers write through p.data, which
-no version counter sees; emptied when a parameter changed by value, dtype or device) and are never
-used with gradients or in training.
+The per-distance arithmetic serves the attention's calls, whose queries i = 0..Tq-1 and keys
+j = 0..Tk-1 have consecutive positions: a per-distance tensor holds the key - query distances
+low..high in ascending order (low = first key - last query, high = last key - first query), and
+pair (i, j), at distance d = low + c, reads its column c = j - i + Tq - 1 (design.md's c = d - low).
+`relative_shift` reads such a tensor as (Tq, Tk) pairs, `shifted_product` and `toeplitz` spread
+values per distance over the pairs, `sum_by_distance_runs` sums the pairs per distance, and
+`row_runs` / `take_runs` handle table rows shared by runs of distances (Shaw, LFHC).
 """
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple, Union
@@ -25,8 +24,8 @@ from torch import Tensor
 
 @dataclass(frozen=True, slots=True)
 class Positions:
-    """The consecutive positions start..stop-1, known on the host, and their `tensor`: 1-D
-    (`position_range`) or (B, stop - start) with every row alike (`shared_range`)."""
+    """The consecutive positions start..stop-1, known on the host, and their `tensor`: (B, stop -
+    start) with every row alike (`shared_range`), or 1-D (the tests' `position_range`)."""
     start: int
     stop: int
     tensor: Tensor = field(compare=False, repr=False)
@@ -42,11 +41,6 @@ class Positions:
 
 #: what the hooks take as positions: `Positions`, or a tensor of arbitrary positions
 AnyPositions = Union[Positions, Tensor]
-
-
-def position_range(start: int, stop: int, device=None) -> Positions:
-    """Positions start..stop-1 of torch.arange(start, stop)."""
-    return Positions(start, stop, torch.arange(start, stop, device=device))
 
 
 def shared_range(batch: int, start: int, stop: int, device=None) -> Positions:
@@ -72,11 +66,6 @@ def bounds(positions: AnyPositions) -> Tuple[int, int]:
     if isinstance(positions, Positions):
         return positions.start, positions.stop - 1
     return int(positions.min()), int(positions.max())
-
-
-def is_range(positions: AnyPositions) -> bool:
-    """Whether `positions` is a `position_range` (1-D, consecutive, ascending)."""
-    return isinstance(positions, Positions) and positions.tensor.dim() == 1
 
 
 def relative_shift(per_distance: Tensor, keys: int) -> Tensor:

@@ -7,8 +7,8 @@ import torch
 from posenc_fairseq.encodings import build_encoding
 from posenc_fairseq.encodings.alibi import ALiBi, alibi_slopes
 from posenc_fairseq.encodings.base import ModelDims
-from posenc_fairseq.encodings.distance import logits_between
 from posenc_fairseq.encodings.t5 import prior_distribution
+from position_terms import logits_between
 
 
 def test_slopes_are_the_papers_geometric_sequences():

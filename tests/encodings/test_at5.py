@@ -9,7 +9,7 @@ import torch
 
 from posenc_fairseq.encodings import ModelDims, build_encoding
 from posenc_fairseq.encodings.at5 import GAMMA_STEP_SCALE, MLP_STEP_SCALE, HeadMLPs, prior_distribution, raw_gamma
-from posenc_fairseq.encodings.distance import logits_between
+from position_terms import logits_between
 from util import encoding_options, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, random_batch, run
 
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from posenc_fairseq.encodings.distance import (DistanceTerm, dense_logits, dense_values, flex_table, rows_window,
-                                               step_terms, values_between, window)
-from posenc_fairseq.encodings.positions import position_range, row_runs, take_runs
+                                               step_terms, window)
+from posenc_fairseq.encodings.positions import row_runs, take_runs
+from position_terms import position_range, values_between
 
 B, H, D = 2, 3, 4
 KINDS = ["bias", "rows", "vectors", "everything"]

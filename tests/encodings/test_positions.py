@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from posenc_fairseq.encodings.cache import range_values
-from posenc_fairseq.encodings.positions import position_range, row_runs, take_runs
+from posenc_fairseq.encodings.positions import row_runs, take_runs
+from position_terms import position_range
 
 
 @pytest.mark.parametrize("rows, pieces", [

@@ -7,8 +7,8 @@ import torch
 import posenc_fairseq  # noqa: F401
 from posenc_fairseq.kernels import blocks as block_module, explicit as explicit_module, step as step_module, terms as terms_module
 from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding, distance
-from posenc_fairseq.encodings.distance import DistanceTerm, dense_logits, distance_range, logits_between, rows_of
-from posenc_fairseq.encodings.positions import position_range
+from posenc_fairseq.encodings.distance import DistanceTerm, dense_logits, distance_range, rows_of
+from position_terms import logits_between, position_range
 from util import attention_steps, count_calls, assert_attention_runs_on, bound_attention, encoding_options, perturbed_encoding, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, run
 
 EMBED, HEADS, LAYERS = 16, 4, 3

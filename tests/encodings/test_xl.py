@@ -8,9 +8,9 @@ import posenc_fairseq  # noqa: F401
 import posenc_fairseq.attention
 from posenc_fairseq.kernels import blocks as block_module, step as step_module, terms as terms_module
 from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding, distance
-from posenc_fairseq.encodings.distance import dense_logits, distance_range, logits_between
-from posenc_fairseq.encodings.positions import position_range
+from posenc_fairseq.encodings.distance import dense_logits, distance_range
 from posenc_fairseq.encodings.xl import gcdf_prior, sinusoidal_prior
+from position_terms import logits_between, position_range
 from util import attention_steps, count_calls, assert_attention_runs_on, bound_attention, encoding_options, perturbed_encoding, QUICK_TRAIN, TINY_TRANSFORMER, USER_DIR, run
 
 EMBED, HEADS, LAYERS = 16, 4, 3

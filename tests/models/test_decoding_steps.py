@@ -8,7 +8,8 @@ import torch
 
 import posenc_fairseq  # noqa: F401
 from posenc_fairseq.encodings.cache import range_values
-from posenc_fairseq.encodings.positions import bounds, position_range
+from posenc_fairseq.encodings.positions import bounds
+from position_terms import position_range
 from test_every_encoding import decoder_logits_full_and_stepwise, perturbed_translation_model
 from util import random_batch
 
