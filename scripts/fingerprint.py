@@ -18,7 +18,7 @@ Per encoding NAME:
     train_attndrop   --dropout 0.1 --attention-dropout 0.2, fixed seed before the forward
     ckpt             --checkpoint-activations, no dropout; ckpt_attndrop: with attention dropout
     eval             eval forward (+ the same need_weights/before_softmax calls)
-    flex_eval        eval forward with kernels.flex.MODE = "on" (FlexAttention, eager on CPU)
+    flex_eval        eval forward with FlexAttention on (kernels.flex; eager on CPU)
     steps            step-by-step incremental decoding (decoder logits and attention per step)
     beam             fairseq's SequenceGenerator, beam 2, 3 sentences: tokens, scores, attention
     pruned           fairseq's _adaptive_prune_heads (keep 2 of 4 heads in every attention),
@@ -90,7 +90,27 @@ LONG = 1024
 BIG = 2 ** 18
 DIGEST, PROJECTIONS = "#sha256", "#projections"
 #: the flex cases: FlexAttention (eager on CPU, inference) where it serves a call
-FLEX_ON = {"posenc_fairseq.kernels.flex": {"MODE": "on"}}
+FLEX_SWITCH = "POSENC_FLEX_ATTENTION"
+
+
+@contextlib.contextmanager
+def flex_on():
+    """FlexAttention on: the module attribute where the tree has one (read at import), else the
+    environment variable (read when a stack starts a pass)."""
+    flex = importlib.import_module("posenc_fairseq.kernels.flex")
+    if hasattr(flex, "MODE"):
+        with patched({"posenc_fairseq.kernels.flex": {"MODE": "on"}}):
+            yield
+        return
+    previous = os.environ.get(FLEX_SWITCH)
+    os.environ[FLEX_SWITCH] = "on"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(FLEX_SWITCH, None)
+        else:
+            os.environ[FLEX_SWITCH] = previous
 DTYPES = {"f64": None, "f32": None}  # filled with torch dtypes after import
 
 
@@ -405,7 +425,7 @@ def transformer_cases(rec, data, arch, extra, dtype_name, long, small):
                 translation_eval(rec, f"{base}/small_blocks_eval", model, long_batch, probe=False)
         rec.case(f"{base}/small_blocks", small_blocks)
     def flex():
-        with patched(FLEX_ON):
+        with flex_on():
             translation_eval(rec, f"{base}/flex_eval", model, batch, probe=False)
     rec.case(f"{base}/flex", flex)
     if long:
@@ -494,7 +514,7 @@ def lm_cases(rec, data, arch, extra, dtype_name, long, small):
 
     def flex():
         model.eval()
-        with patched(FLEX_ON), torch.no_grad():
+        with flex_on(), torch.no_grad():
             rec.put(f"{base}/flex_eval/logits", model(tokens)[0])
     rec.case(f"{base}/flex", flex)
     if small:

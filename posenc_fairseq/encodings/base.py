@@ -14,7 +14,7 @@ Values an encoding computes from positions and parameters go to its `cache` (cac
 fairseq: encodings are plain torch and testable in milliseconds.
 """
 import argparse
-from typing import Callable, Dict, NamedTuple, Optional
+from typing import Callable, Dict, Iterable, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -88,11 +88,16 @@ class PositionalEncoding(nn.Module):
         pass that gave them; None: nothing reads them), and per-pass results are forgotten.
         `earlier`: target tokens before this call's (incremental decoding: the cached steps)."""
         previous = self.contexts.get(role)
+        self.cache.begin(role, earlier, reads_encoder=role == "decoder" and source_positions is not None)
         if source_positions is None and previous is not None:
             source_positions = previous.source
         context = self.contexts[role] = PassContext(role, positions, source_positions, earlier, flex.mode())
-        self.cache.begin(role, earlier)
         return context
+
+    def kept_value_inputs(self) -> Iterable[Tensor]:
+        """The tensors the values kept in the cache's inference scope are computed from (checked by
+        value once per pass): the encoding's parameters."""
+        return self.parameters()
 
     def term_key(self, role: str, what: str, *computed_from) -> TermKey:
         """The key of this encoding's term `what` of stack `role` for `memoize` and the inference

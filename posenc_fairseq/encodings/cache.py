@@ -8,13 +8,21 @@ each kept in a scope that says how long it stays valid.
   activation checkpointing) replays its forward's hits and misses in the recomputation.
 - inference (`inference`, `inference_value`, `range_values`): values kept across decoding steps
   and passes while gradients are off and the encoding is in eval mode (`use_kept_values`). The
-  scope is checked against the encoding's parameters by value (and dtype, device, shape) once per
+  scope is checked against the tensors the encoding's kept values are computed from
+  (`kept_value_inputs`: its parameters; FLOATER's also the attention biases b(0)) by value (and dtype, device, shape) once per
   pass that starts a decode or runs whole (`begin` with no earlier step), and emptied when any
   differs: this sees every change, fairseq's optimizers' writes through p.data included (which
   move no version counter). The steps of one decode use it unchecked, as fairseq's incremental
   state uses the keys and values it cached at the earlier steps. Entries are named by a `TermKey`
   as well; each holds what else it was computed from (options, dtype) and is recomputed when that
   differs.
+- model pass (`model_pass`): values of one forward pass of the model, which may span both stacks:
+  it starts with the encoder's `begin`, and a decoder call continues it where it reads that
+  encoder's output (its stack gave the source positions right after the encoder's `begin`);
+  any other decoder call (a decoder-only model, each later decoding step) starts its own. FLOATER
+  keeps its pass's tables and gathered biases there.
+- decode (`decode_values`): values of one decode, from the pass that starts it (`begin` with no
+  earlier step) through its later steps.
 - constants (`constant`): values of their key alone (no parameter), e.g. rotary's frequencies.
 
 Copies (fairseq's EMA deep-copies the model) and pickles start empty: entries may hold autograd
@@ -42,6 +50,9 @@ class EncodingCache:
 
     def __init__(self):
         self.pass_values: Dict[str, Dict[Tuple[TermKey, bool], Any]] = {}  # role -> (key, grad mode) -> value
+        self.model_pass: Dict[TermKey, Any] = {}
+        self.decode_values: Dict[TermKey, Any] = {}
+        self.last_stack: Optional[str] = None  # the stack of the last `begin`
         self.inference_values: Dict[TermKey, Any] = {}
         self.constants: Dict[Hashable, Any] = {}
         self.inference_checked = False  # this pass has checked `inference_values` against the parameters
@@ -51,12 +62,23 @@ class EncodingCache:
     def __reduce__(self):  # copies and pickles start empty
         return EncodingCache, ()
 
-    def begin(self, role: str, earlier: int = 0):
-        """A stack starts a forward pass as `role` (`earlier` > 0: a later decoding step of it)."""
+    def begin(self, role: str, earlier: int = 0, reads_encoder: bool = False):
+        """A stack starts a forward pass as `role` (`earlier` > 0: a later decoding step of it;
+        `reads_encoder`: a decoder call that reads an encoder output, whose positions it gave)."""
         if self.pass_values:
             self.pass_values.pop(role, None)
         if earlier == 0:
             self.inference_checked = False
+            if self.decode_values:
+                self.decode_values = {}
+        if not (reads_encoder and self.last_stack == "encoder"):
+            self.model_pass = {}
+        self.last_stack = role
+
+    def clear(self):
+        """Forget every value but the constants (what they were computed from changed shape)."""
+        self.pass_values, self.model_pass, self.decode_values, self.inference_values = {}, {}, {}, {}
+        self.parameter_copies, self.inference_checked = None, False
 
     # --- pass scope -----------------------------------------------------------------------------
     def memoize(self, key: TermKey, compute: Callable[[], Any]) -> Any:
@@ -110,13 +132,13 @@ class EncodingCache:
     # --- inference scope ------------------------------------------------------------------------
     def inference(self, module: nn.Module) -> Dict:
         """The inference scope (for `range_values` and `inference_value`), checked once per pass
-        (not per decoding step) by value against copies of `module`'s parameters and emptied when
-        any differs."""
+        (not per decoding step) by value against copies of `module.kept_value_inputs()` and emptied
+        when any differs."""
         if not self.inference_checked:
             self.inference_checked = True
-            if not same_values(self.parameter_copies, module.parameters()):
+            if not same_values(self.parameter_copies, module.kept_value_inputs()):
                 self.inference_values.clear()
-                self.parameter_copies = value_copies(module.parameters())
+                self.parameter_copies = value_copies(module.kept_value_inputs())
         return self.inference_values
 
     def inference_value(self, module: nn.Module, key: TermKey, depends_on: tuple, compute: Callable[[], Any]) -> Any:

@@ -25,9 +25,9 @@ from .dynamics import Dynamics, dynamics_function, without_time_column
 from .encoding import Floater, GatherSlots
 from .solver import (FIXED_GRID, METHODS, TABLEAUS, FixedGridSolve, HiddenSpaceSolve, SolverOptions, Tableau,
                      compiled_parts, fixed_grid_solve, grid_times, solve_device, subdivided_grid)
-from .table import EVAL_CHUNK, Solved, TableKey, Tables, Window
+from .table import EVAL_CHUNK, PassTables, Solved, Tables, Window
 
 __all__ = ["Dynamics", "dynamics_function", "without_time_column", "Floater", "GatherSlots", "FIXED_GRID", "METHODS",
            "TABLEAUS", "FixedGridSolve", "HiddenSpaceSolve", "SolverOptions", "Tableau", "compiled_parts",
-           "fixed_grid_solve", "grid_times", "solve_device", "subdivided_grid", "EVAL_CHUNK", "Solved", "TableKey",
+           "fixed_grid_solve", "grid_times", "solve_device", "subdivided_grid", "EVAL_CHUNK", "PassTables", "Solved",
            "Tables", "Window"]

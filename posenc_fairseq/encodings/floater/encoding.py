@@ -21,7 +21,7 @@ from ..positions import AnyPositions, Positions, is_shared_range, tensor_of
 from . import solver
 from .dynamics import Dynamics
 from .solver import METHODS, SolverOptions
-from .table import Tables, Window, snapshot
+from .table import PassTables, Tables, Window, snapshot
 
 INITS = ("zero", "small")
 DELTA = float_in_range(0.0, 1000.0, low_open=True)
@@ -35,31 +35,17 @@ MAX_SUBSTEPS = 1000  # steps per position above this are a typo (e.g. --floater-
 
 
 class PassState:
-    """FLOATER's state of one forward pass, which spans both stacks (it starts with the encoder, or
-    with a decoder call that follows a decoder call, and its table covers the positions of either):
-    the cache's per-role pass scope does not fit it. Plain attributes: written once per decoding
-    step, where nn.Module's __setattr__ would cost."""
+    """FLOATER's state of one forward pass of the model (an entry of the cache's model-pass scope,
+    which spans both stacks: its table covers the positions of either). Plain attributes: made
+    once per decoding step, where nn.Module's __setattr__ would cost."""
+    __slots__ = ("tables", "group_tables", "gathered", "biases", "needed")
 
     def __init__(self):
-        self.last_begin: Optional[str] = None  # the role of the last `begin`
-        # (target group table, rows it serves, each row's biases): read by an inference pass's later
-        # decoding steps once its first call has checked the table and set step_ready
-        self.step_rows: Optional[tuple] = None
-        self.step_ready = False
-        self.start()
-
-    def start(self):
-        """A new pass: nothing gathered yet."""
+        self.tables = PassTables()  # the tables solved in this pass
         self.group_tables = {}  # (group, dtype) -> (table values, b(t) of the group's slots)
-        self.gathered = {}  # (group, id(positions), dtype) -> (table values, positions, biases there)
+        self.gathered = {}  # (group, dtype, shared range or None) -> (table values, positions, biases there)
         self.biases = {}  # (role, layer, which) -> (positions, that slot's biases there)
         self.needed = 0  # positions 0..needed-1 occur in this pass
-
-    def without_tensors(self) -> "PassState":
-        """A copy for a deep copy of the encoding (tensors may hold autograd graphs that cannot be copied)."""
-        copy = PassState()
-        copy.last_begin, copy.needed = self.last_begin, self.needed
-        return copy
 
 
 class GatherSlots(torch.autograd.Function):
@@ -154,8 +140,14 @@ class Floater(PositionalEncoding):
         self._groups = {}  # (role, which) -> the slots whose biases are gathered together (same positions)
         self._target_keys = []  # the slot keys of the target tokens' group, in its order
         self._num_updates = 0
-        self.pass_state = PassState()
-        self._forget_tables()  # (creates `tables`, the solved tables of this encoding: table.py)
+        # the keys of FLOATER's entries in its cache: the pass's state (model-pass scope); the
+        # evaluation table, each group's b(t) on it and the rows a decoding step reads (inference
+        # scope); whether this decode's first call made those rows (decode scope)
+        self.pass_key = self.term_key("model", "pass state")
+        self.evaluation_key = self.term_key("model", "evaluation table")
+        self.step_rows_key = self.term_key("decoder", "step rows")
+        self.step_ready_key = self.term_key("decoder", "step rows ready")
+        self._forget_tables()  # (creates `tables`, the K-window of this encoding: table.py)
         self.register_load_state_dict_post_hook(Floater._after_load)
 
     @staticmethod
@@ -259,17 +251,23 @@ class Floater(PositionalEncoding):
 
     def _forget_tables(self):
         self.tables = Tables()
-        self._eval_group_tables = {}  # (group, dtype) -> (eval table values, b(t) of the group's slots)
-        self.pass_state.step_rows, self.pass_state.step_ready = None, False
-        self._reset_pass()
+        self.cache.clear()
 
-    def _reset_pass(self):
-        self.tables.new_pass()
-        self.pass_state.start()
+    def pass_state(self) -> PassState:
+        """This forward pass's state (the cache's model-pass scope)."""
+        state = self.cache.model_pass.get(self.pass_key)
+        if state is None:
+            state = self.cache.model_pass[self.pass_key] = PassState()
+        return state
 
-    def __getstate__(self):  # copies (fairseq's EMA deep-copies the model) drop per-pass graphs
+    def kept_value_inputs(self):
+        """What the kept evaluation table (and all kept values) are computed from: h's parameters
+        and every slot's b(0)."""
+        return self.solve_inputs()
+
+    def __getstate__(self):  # copies (fairseq's EMA deep-copies the model) start without a window
         state = super().__getstate__()
-        state.update(tables=Tables(), _eval_group_tables={}, pass_state=self.pass_state.without_tensors())
+        state.update(tables=Tables())
         return state
 
     # --- solving ------------------------------------------------------------------------------
@@ -306,40 +304,34 @@ class Floater(PositionalEncoding):
     def table(self, rows: int) -> Tensor:
         """b(t_i) - b(0) for at least positions 0..rows-1, as a forward pass now would use it
         (outside a forward pass the kept evaluation table is checked against the parameters)."""
-        self.tables.evaluation_checked = False
-        return self.tables.table(self, rows).values
+        self.cache.inference_checked = False
+        return self.tables.table(self, rows, self.pass_state().tables).values
 
     # --- called by the trainer, the stacks and the attention ---------------------------------------
     def set_num_updates(self, num_updates: int):
         self._num_updates = num_updates
 
     def begin(self, role, positions=None, source_positions=None, earlier=0):
-        super().begin(role, positions, source_positions, earlier)
-        # a new forward pass starts with the encoder, or with a decoder call that follows a decoder call
-        state = self.pass_state
-        if role == "encoder" or state.last_begin != "encoder":
-            self._reset_pass()
+        context = super().begin(role, positions, source_positions, earlier)
+        state = self.cache.model_pass.get(self.pass_key)
+        if state is None:  # a new forward pass of the model (the cache's model-pass scope)
+            state = self.pass_state()
             if self.training and self.recompute_every > 1:
-                self.tables.start_window_pass(self, self._num_updates // self.recompute_every)
-        state.last_begin = role
+                self.tables.start_window_pass(self, self._num_updates // self.recompute_every, state.tables)
         if earlier > 0:
             # a later decoding step: its pass's first step checked the table and saw the source
             # positions (cross-attention keys are cached); its own are below earlier + length,
             # known without reading them (a host sync per step costs more than FLOATER's step)
-            self.tables.evaluation_checked = True
             state.needed = max(state.needed, earlier + tensor_of(positions).size(-1))
-            self._fill_step_biases(positions)
-            return
-        state.step_ready = False  # a new pass: its first call checks the table again
-        if not self.training and positions is not None and tensor_of(positions).numel() and (
-                positions.start if isinstance(positions, Positions) else int(positions.min())) > 0:
-            self.tables.evaluation_checked = True  # a later step of a caller that does not say `earlier`
+            self._fill_step_biases(positions, state)
+            return context
         for given in (positions, source_positions):
             if given is not None and tensor_of(given).numel() > 0:  # (`Positions`: no host sync)
                 last = given.stop - 1 if isinstance(given, Positions) else int(given.max())
                 state.needed = max(state.needed, last + 1)
         if torch.is_grad_enabled() and self._slots:
             self._prepare_biases(role)
+        return context
 
     def _prepare_biases(self, role: str):
         """The biases of every slot of the stack, computed before its layers run. A layer under
@@ -355,14 +347,15 @@ class Floater(PositionalEncoding):
             if positions is not None:
                 self.projection_bias(slot_role, layer, which, positions)
 
-    def _fill_step_biases(self, positions):
+    def _fill_step_biases(self, positions, state: PassState):
         """A later decoding step in inference: the target tokens' biases (decoder q/k/v, cross q) are
-        one row of the group table the pass's first step used (`step_rows`), handed to every
-        projection of the step at once (Python work per projection is most of FLOATER's step)."""
-        state = self.pass_state
-        if not state.step_ready or self.training or torch.is_grad_enabled() or not is_shared_range(positions):
+        one row of the group table the decode's first step used (the inference scope's step rows),
+        handed to every projection of the step at once (Python work per projection is most of
+        FLOATER's step)."""
+        if (self.step_ready_key not in self.cache.decode_values or self.training or torch.is_grad_enabled()
+                or not is_shared_range(positions)):
             return
-        group_table, usable, rows = state.step_rows
+        group_table, usable, rows = self.cache.inference_values[self.step_rows_key]
         first, last = positions.start, positions.stop - 1
         if first == last < usable:  # beyond: the full path extends the table or names the overflow
             biases = rows.get(last)
@@ -372,7 +365,8 @@ class Floater(PositionalEncoding):
 
     def projection_bias(self, role, layer, which, positions):
         """b(t_i) = b(0) + table[i] for each token of the call, (T, B, E): the projection's bias."""
-        hit = self.pass_state.biases.get((role, layer, which))  # gathered with its group earlier in the pass
+        state = self.pass_state()
+        hit = state.biases.get((role, layer, which))  # gathered with its group earlier in the pass
         if hit is not None and hit[0] is positions:
             return hit[1]
         slot = self._slot_index.get((role, layer, which))
@@ -380,8 +374,8 @@ class Floater(PositionalEncoding):
             return None
         dtype = self._slots[slot][3].q_proj.weight.dtype
         # begin() saw every position of this forward (one host sync per stack, not one per layer)
-        rows = self.pass_state.needed or (int(tensor_of(positions).max()) + 1 if tensor_of(positions).numel() else 1)
-        solved = self.tables.table(self, rows)
+        rows = state.needed or (int(tensor_of(positions).max()) + 1 if tensor_of(positions).numel() else 1)
+        solved = self.tables.table(self, rows, state.tables)
         if rows > solved.first_overflow:
             peak = float(solved.values[solved.first_overflow].abs().max())
             raise ValueError(
@@ -390,49 +384,53 @@ class Floater(PositionalEncoding):
                 "dynamics grow without bound beyond the lengths seen in training. Train on longer inputs, use a "
                 "smaller --floater-delta, or shorten the input (docs/floater.md)")
         group = self._groups[(role, which)]
-        biases = self._gathered(solved.values, group, positions, dtype)
-        if self.tables.is_evaluation(solved.values) and group == self._groups.get(("decoder", "q")) \
+        biases = self._gathered(solved.values, group, positions, dtype, state)
+        if self.tables.is_evaluation(self, solved.values) and group == self._groups.get(("decoder", "q")) \
                 and not torch.is_grad_enabled():
             # target tokens of an inference pass: its later decoding steps read their row at once
-            group_table = self._group_table(solved.values, group, dtype)
-            state = self.pass_state
-            if state.step_rows is None or state.step_rows[0] is not group_table:
-                state.step_rows = (group_table, solved.first_overflow, {})
-            state.step_ready = True
+            group_table = self._group_table(solved.values, group, dtype, state)
+            kept = self.cache.inference_values  # (checked in this pass: the evaluation table is its entry)
+            step_rows = kept.get(self.step_rows_key)
+            if step_rows is None or step_rows[0] is not group_table:
+                kept[self.step_rows_key] = (group_table, solved.first_overflow, {})
+            self.cache.decode_values[self.step_ready_key] = True
         return biases[group.index(slot)]
 
-    def _gathered(self, table: Tensor, group: tuple, positions: AnyPositions, dtype: torch.dtype) -> tuple:
+    def _gathered(self, table: Tensor, group: tuple, positions: AnyPositions, dtype: torch.dtype,
+                  state: PassState) -> tuple:
         """b(t) of the `group`'s slots at `positions`, one (T, B, d) per slot in `dtype`: gathered
         once per forward pass and shared by the layers. A `shared_range` is known by its value
         (the same range of a beam's rows, made anew per call, is found again); a tensor of arbitrary
         positions is the one the entry was made for."""
         shared = is_shared_range(positions)
         key = (group, dtype, (positions.start, positions.stop, positions.tensor.size(0)) if shared else None)
-        state = self.pass_state
         hit = state.gathered.get(key)
         if hit is None or hit[0] is not table or not (shared or hit[1] is positions):
             if shared:  # every row the same positions: rows of the table, no gather
                 first, last = positions.start, positions.stop - 1
-                rows = self._group_table(table, group, dtype)[first: last + 1]
+                rows = self._group_table(table, group, dtype, state)[first: last + 1]
                 if first == last and not torch.is_grad_enabled():  # a decoding step: the projection's own (d,) bias
                     biases = rows[0].unbind(0)
                 else:  # (T, 1, d) per slot, broadcast over the batch
                     biases = rows.unsqueeze(1).unbind(2)
             else:
-                biases = self._gather(self._group_table(table, group, dtype), tensor_of(positions))
+                biases = self._gather(self._group_table(table, group, dtype, state), tensor_of(positions))
             hit = state.gathered[key] = (table, positions, biases)
             for slot, bias in zip(group, biases):
                 state.biases[self._slot_keys[slot]] = (positions, bias)
         return hit[2]
 
-    def _group_table(self, table: Tensor, group: tuple, dtype: torch.dtype) -> Tensor:
+    def _group_table(self, table: Tensor, group: tuple, dtype: torch.dtype, state: PassState) -> Tensor:
         """b(t) = b(0) + table of the group's slots at every position of the table, (rows, slots, d)
         in `dtype`, with the live b(0) (also in a K-window, whose table is the window snapshot's):
         once per pass; in evaluation kept as long as the evaluation table (which is tied to b(0))."""
-        cache = self._eval_group_tables if self.tables.is_evaluation(table) else self.pass_state.group_tables
-        hit = cache.get((group, dtype))
+        if self.tables.is_evaluation(self, table):  # the inference scope, beside the evaluation table
+            kept, key = self.cache.inference_values, self.term_key("model", "group table", group, dtype)
+        else:
+            kept, key = state.group_tables, (group, dtype)
+        hit = kept.get(key)
         if hit is None or hit[0] is not table:
-            hit = cache[(group, dtype)] = (table, self._with_initial_values(table, group, dtype))
+            hit = kept[key] = (table, self._with_initial_values(table, group, dtype))
         return hit[1]
 
     def _with_initial_values(self, table: Tensor, group: tuple, dtype: torch.dtype) -> Tensor:

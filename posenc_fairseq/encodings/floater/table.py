@@ -2,27 +2,26 @@
 
 A table is b(t_i) - b(0) for positions 0..rows-1 of every slot, (rows, slots, d) in the solve dtype.
 A table for more rows is the kept one integrated onward from its last row (`Floater.extend`: equal
-to a fresh solve). `Tables` keeps three kinds, each valid for one stated thing:
-  - this pass's, keyed by grad mode (and whether it is a K-window pass): training with K = 1 and
-    every pass with gradient solve from the live parameters, once per forward pass, shared by the
-    layers;
-  - the K-update window's (`Window`, training with `--floater-recompute-every K` > 1): valid while the
-    window index (num_updates // K) and the options stay; solved with gradient on the window's first
-    pass, read detached by its other passes, extended from the window's parameter snapshot (saved in
-    checkpoints, so resuming inside a window is exact);
-  - evaluation's (no gradient, not training): kept across passes with the `TableKey` of what it was
-    solved from (the options and the exact values of h's parameters and of every b(0)), checked once
-    per forward pass that starts at position 0 (a decoding step reads its pass's table), grown in
-    chunks of EVAL_CHUNK positions.
+to a fresh solve). Three kinds, each valid for one stated thing and kept where that is said:
+  - this pass's (`PassTables`, an entry of the encoding cache's model-pass scope), keyed by grad
+    mode (and whether it is a K-window pass): training with K = 1 and every pass with gradient
+    solve from the live parameters, once per forward pass, shared by the layers;
+  - the K-update window's (`Window`, training with `--floater-recompute-every K` > 1, on `Tables`):
+    valid while the window index (num_updates // K) and the options stay; solved with gradient on
+    the window's first pass, read detached by its other passes, extended from the window's
+    parameter snapshot (saved in checkpoints, so resuming inside a window is exact);
+  - evaluation's (no gradient, not training): an entry of the cache's inference scope, which is
+    checked once per forward pass that starts at position 0 by value against h's parameters and
+    every b(0) (`Floater.kept_value_inputs`); the entry also holds the options it was solved with.
+    Grown in chunks of EVAL_CHUNK positions.
 Tables are never stored in checkpoints: they would be averaged by checkpoint averaging and EMA.
 """
 import math
-from typing import List, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from ..cache import same_values, value_copies
 
 EVAL_CHUNK = 64  # evaluation extends the table in chunks of this many positions
 
@@ -40,22 +39,6 @@ def checked(values: Tensor, model_dtype: torch.dtype) -> Solved:
     bad = ~(peaks <= limit)  # also NaN
     first = int(bad.nonzero()[0, 0]) if bool(bad.any()) else values.size(0)
     return Solved(values, first)
-
-
-class TableKey(NamedTuple):
-    """What a kept table was solved from: the options (solver options and slot layout) and copies of
-    the tensors it was solved from (h's parameters, every slot's b(0)). Compared by value: fairseq's
-    optimizers write through p.data, which no in-place version counter sees; the copies' dtype and
-    device are compared too."""
-    options: tuple
-    copies: List[Tensor]
-
-    @classmethod
-    def of(cls, options: tuple, tensors) -> "TableKey":
-        return cls(options, value_copies(tensors))
-
-    def holds_for(self, options: tuple, tensors) -> bool:
-        return self.options == options and same_values(self.copies, tensors)
 
 
 def snapshot(tensors, dtype: torch.dtype) -> Tensor:
@@ -82,54 +65,59 @@ class Window:
         self.table: Optional[Solved] = None
 
 
+class PassTables:
+    """The tables of one forward pass (an entry of the model-pass scope)."""
+    __slots__ = ("solved", "window_pass")
+
+    def __init__(self):
+        self.solved = {}  # (grad,) or ("window", grad) -> Solved
+        self.window_pass = False  # this pass reads the window's table
+
+
 class Tables:
-    """The tables one `Floater` keeps (plain attributes: read once per decoding step). The methods
-    take the encoding, which solves (`solve`, `extend`) and names what a table depends on
-    (`solve_inputs`, `table_options`)."""
+    """Which table serves a pass: the K-window (kept here, saved in checkpoints), the pass's own
+    (`PassTables`) or the kept evaluation table (the cache's inference scope). The methods take the
+    encoding, which solves (`solve`, `extend`), names what a table depends on (`solve_inputs`,
+    `table_options`) and holds the cache."""
 
     def __init__(self):
         self.window: Optional[Window] = None
-        self.evaluation: Optional[tuple] = None  # (TableKey, Solved)
-        self.new_pass()
 
-    def new_pass(self):
-        self.in_pass = {}  # (grad,) or ("window", grad) -> Solved, this forward pass only
-        self.window_pass = False  # this pass reads the window's table
-        self.evaluation_checked = False  # the evaluation table's key was checked in this pass
-
-    def start_window_pass(self, encoding, index: int):
+    def start_window_pass(self, encoding, index: int, in_pass: PassTables):
         """A training pass with K > 1: the window's table if the window goes on, else a new window
         (its first pass solves with gradient from the live parameters)."""
         options = encoding.table_options()
         if self.window is not None and self.window.index == index and self.window.options == options:
-            self.window_pass = True
+            in_pass.window_pass = True
         else:
             self.window = Window(index, options, snapshot(encoding.solve_inputs(), encoding.solve_dtype()))
 
-    def is_evaluation(self, values: Tensor) -> bool:
+    @staticmethod
+    def is_evaluation(encoding, values: Tensor) -> bool:
         """Whether `values` is the kept evaluation table."""
-        return self.evaluation is not None and values is self.evaluation[1].values
+        entry = encoding.cache.inference_values.get(encoding.evaluation_key)
+        return entry is not None and values is entry[1].values
 
-    def table(self, encoding, rows: int) -> Solved:
+    def table(self, encoding, rows: int, in_pass: PassTables) -> Solved:
         """The table serving at least positions 0..rows-1 in this pass."""
         grad = torch.is_grad_enabled() and any(p.requires_grad for p in encoding.solve_inputs())
-        if encoding.training and self.window_pass:
+        if encoding.training and in_pass.window_pass:
             key = ("window", grad)
-            solved = self.in_pass.get(key)
+            solved = in_pass.solved.get(key)
             if solved is None or solved.values.size(0) < rows:  # once per pass, shared by the layers
                 solved = self._window_table(encoding, rows)
                 if grad:  # keep h in the graph (zero gradient): DDP sees no unused parameters
                     touch = torch.stack([p.sum() for p in encoding.dynamics.parameters() if p.requires_grad]).sum()
                     solved = Solved(solved.values + 0.0 * touch, solved.first_overflow)
-                self.in_pass[key] = solved
+                in_pass.solved[key] = solved
             return solved
         if not encoding.training and not grad:
             return self._evaluation_table(encoding, rows)
         key = (grad,)
-        solved = self.in_pass.get(key)
+        solved = in_pass.solved.get(key)
         if solved is None or solved.values.size(0) < rows:
             values = encoding.solve(rows) if solved is None else encoding.extend(solved.values, rows)
-            solved = self.in_pass[key] = checked(values, encoding.model_dtype())
+            solved = in_pass.solved[key] = checked(values, encoding.model_dtype())
             window = self.window
             if encoding.training and window is not None and (
                     window.table is None or window.table.values.size(0) < values.size(0)):
@@ -147,17 +135,16 @@ class Tables:
             solved = window.table = checked(values, encoding.model_dtype())
         return solved
 
-    def _evaluation_table(self, encoding, rows: int) -> Solved:
-        if not self.evaluation_checked:  # once per forward pass that starts at position 0
-            self.evaluation_checked = True
-            if self.evaluation is not None and not self.evaluation[0].holds_for(
-                    encoding.table_options(), encoding.solve_inputs()):
-                self.evaluation = None
-        solved = self.evaluation[1] if self.evaluation is not None else None
+    @staticmethod
+    def _evaluation_table(encoding, rows: int) -> Solved:
+        kept = encoding.cache.inference(encoding)  # (checked by value once per pass)
+        options = encoding.table_options()
+        entry = kept.get(encoding.evaluation_key)
+        solved = entry[1] if entry is not None and entry[0] == options else None
         if solved is None or solved.values.size(0) < rows:
             target = EVAL_CHUNK * math.ceil(rows / EVAL_CHUNK)
             with torch.no_grad():
                 values = encoding.solve(target) if solved is None else encoding.extend(solved.values, target)
             solved = checked(values, encoding.model_dtype())
-            self.evaluation = (TableKey.of(encoding.table_options(), encoding.solve_inputs()), solved)
+            kept[encoding.evaluation_key] = (options, solved)
         return solved

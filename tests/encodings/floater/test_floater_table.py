@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from floater_util import counting_solves, floater_model, model_gradients, perturb
-from posenc_fairseq.encodings.floater import TableKey
+from posenc_fairseq.encodings import cache as cache_module
 from util import random_batch
 
 
@@ -65,8 +65,8 @@ def test_evaluation_table_is_tied_to_options_parameters_and_reused_across_steps(
         # incremental decoding: no solve, and no parameter check after the first step
         encoder_out = model.encoder(src, src_lengths=src_lengths)
         checks = []  # (checks of the kept table against the parameters)
-        monkeypatch.setattr(TableKey, "holds_for",
-                            lambda self, *args, original=TableKey.holds_for: checks.append(1) or original(self, *args))
+        monkeypatch.setattr(cache_module, "same_values",
+                            lambda *args, original=cache_module.same_values: checks.append(1) or original(*args))
         state = {}
         for t in range(prev.size(1)):
             model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
