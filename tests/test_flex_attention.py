@@ -119,7 +119,7 @@ def test_attention_equals_the_explicit_path_in_query_blocks_with_masks(monkeypat
     assert calls == 1
     assert torch.isfinite(got).all() and (got - expected).abs().max() <= 1e-5
     monkeypatch.setattr(block_module, "QUERY_BLOCK", 4)
-    monkeypatch.setattr(block_module, "QUERY_BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(block_module, "BLOCK_ELEMENTS", 1)
     blocked, calls = fused("on", call)
     assert calls == (3 if name in ("shaw", "lfhc", "xl", "gcdf") else 1)
     assert torch.isfinite(blocked).all()

@@ -17,7 +17,7 @@ CASES = [("shaw", ["--shaw-k", "3"]), ("lfhc", ["--lfhc-k", "2", "--lfhc-values"
 
 def blocks(monkeypatch, size):
     monkeypatch.setattr(block_module, "QUERY_BLOCK", size)
-    monkeypatch.setattr(block_module, "QUERY_BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(block_module, "BLOCK_ELEMENTS", 1)
 
 
 def run_both(monkeypatch, enc, call, queries, size=4):

@@ -21,6 +21,8 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from ..block_size import BLOCK_ELEMENTS
+
 
 @dataclass(frozen=True, slots=True)
 class Positions:
@@ -87,10 +89,6 @@ def relative_shift(per_distance: Tensor, keys: int) -> Tensor:
                                    per_distance.storage_offset() + queries - 1)
 
 
-#: elements of one chunk's (B, H, rows, N) products in `shifted_product` (4 MiB in float32)
-SHIFT_CHUNK_ELEMENTS = 2 ** 20
-
-
 def per_distance(query: Tensor, rel: Tensor) -> Tensor:
     """(B, H, Tq, N) query_i . rel_c of `query` (B, H, Tq, D) and `rel` (H, N, D)."""
     if query.size(0) == 1:  # (bmm keeps rel as the view it is; matmul's broadcast copies it per call)
@@ -103,7 +101,7 @@ def _shift_chunks(query: Tensor, n: int, keys: int):
     of m queries r0..r1-1 reads the columns Tq - r1 .. Tq - 1 - r0 + Tk - 1 of `rel` (m + Tk - 1 of
     them, fewer where N stops first); `width` = m + Tk - 1 lays them out for `relative_shift`."""
     batch, heads, queries = query.shape[:3]
-    step = max(16, SHIFT_CHUNK_ELEMENTS // max(1, batch * heads * (n + keys)))
+    step = max(16, BLOCK_ELEMENTS // max(1, batch * heads * (n + keys)))
     for start in range(0, queries, step):
         stop = min(start + step, queries)
         low = queries - stop

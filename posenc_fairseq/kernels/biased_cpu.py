@@ -26,8 +26,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-#: elements of one block's (B, H, rows, Tk) probabilities in the backward (4 MiB in float32)
-BLOCK_ELEMENTS = 2 ** 20
+from ..block_size import BLOCK_ELEMENTS
+
+#: the backward's blocks: the rows whose (B, H, rows, Tk) probabilities hold BLOCK_ELEMENTS, at least this many
 MIN_BLOCK_ROWS = 16
 
 

@@ -10,25 +10,24 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from ..block_size import BLOCK_ELEMENTS
 from ..encodings.distance import window
 
 #: queries per block when relative terms are computed a block at a time (see `query_block_size`)
 QUERY_BLOCK = 128
-#: ... and the size of one block's logits, in elements, below which the call is not split
-QUERY_BLOCK_ELEMENTS = 2 ** 20
-#: ... times this on the fused CPU training path (biased_cpu.py), which keeps a block's terms
-#: but not its logits and probabilities: each block's backward gives full-size gradients of the
-#: keys, values and the encoding's distance terms, summed over the blocks, so fewer blocks cost
-#: less (docs/benchmarks.md)
+#: BLOCK_ELEMENTS (the logits of one block, below which a call is not split) times this on the
+#: fused CPU training path (biased_cpu.py), which keeps a block's terms but not its logits and
+#: probabilities: each block's backward gives full-size gradients of the keys, values and the
+#: encoding's distance terms, summed over the blocks, so fewer blocks cost less (docs/benchmarks.md)
 FUSED_BLOCK_FACTOR = 4
 
 
 def query_block_size(batch_heads: int, keys: int, fused: bool = False) -> int:
     """Queries per block for encodings with relative terms (Shaw, LFHC, XL, GCDF): QUERY_BLOCK, or
-    more where a block of logits would stay under QUERY_BLOCK_ELEMENTS (short keys, small batch),
+    more where a block of logits would stay under BLOCK_ELEMENTS (short keys, small batch),
     so that short inputs run in one piece as before; `fused`: FUSED_BLOCK_FACTOR times as many
     elements."""
-    elements = QUERY_BLOCK_ELEMENTS * (FUSED_BLOCK_FACTOR if fused else 1)
+    elements = BLOCK_ELEMENTS * (FUSED_BLOCK_FACTOR if fused else 1)
     return max(QUERY_BLOCK, elements // max(1, batch_heads * keys))
 
 

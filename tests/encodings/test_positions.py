@@ -99,7 +99,7 @@ def test_shifted_product_equals_the_product_at_each_pairs_distance(monkeypatch, 
     the pairs the future mask leaves open are defined (the others must be finite)."""
     from posenc_fairseq.encodings import positions
 
-    monkeypatch.setattr(positions, "SHIFT_CHUNK_ELEMENTS", 1)  # chunks of 16 queries
+    monkeypatch.setattr(positions, "BLOCK_ELEMENTS", 1)  # chunks of 16 queries
     columns = columns or queries + keys - 1
     query = torch.randn(batch, 3, queries, 8, dtype=torch.float64, requires_grad=True)
     rel = torch.randn(3, columns, 8, dtype=torch.float64, requires_grad=True)
@@ -125,7 +125,7 @@ def test_shifted_product_computes_only_the_columns_a_chunk_reads(monkeypatch):
 
     from posenc_fairseq.encodings import positions
 
-    monkeypatch.setattr(positions, "SHIFT_CHUNK_ELEMENTS", 1)  # chunks of 16 queries
+    monkeypatch.setattr(positions, "BLOCK_ELEMENTS", 1)  # chunks of 16 queries
     products = []
 
     class Products(TorchDispatchMode):

@@ -91,7 +91,7 @@ def test_attention_output_equals_naive_loops(name, layer, role, values, block, m
     """block 3: the attention computes the relative terms 3 queries at a time (long-input path)."""
     if block is not None:
         monkeypatch.setattr(block_module, "QUERY_BLOCK", block)
-        monkeypatch.setattr(block_module, "QUERY_BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(block_module, "BLOCK_ELEMENTS", 1)
     k = 2  # small, so that clipping happens within 8 tokens (LFHC layer 3: |x| > 6)
     enc = encoding(name, f"--{name}-k", str(k), f"--{name}-values", values)
     module = attention(enc, role, layer)

@@ -94,7 +94,7 @@ def test_attention_output_equals_naive_loops(name, role, layer, block, monkeypat
     """block 3: the attention computes the relative terms 3 queries at a time (long-input path)."""
     if block is not None:
         monkeypatch.setattr(block_module, "QUERY_BLOCK", block)
-        monkeypatch.setattr(block_module, "QUERY_BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(block_module, "BLOCK_ELEMENTS", 1)
     argv = ["--gcdf-lambda", "3"] if name == "gcdf" else []
     enc = encoding(name, *argv)
     prior = (lambda d: xl_r(d, EMBED)) if name == "xl" else (lambda d: gcdf_r(d, EMBED, lam=3.0))
@@ -119,7 +119,7 @@ def test_decoder_mask_other_than_the_future_mask(name, block, future, monkeypatc
     after its last query); a decoder mask that lets one future key through must see its term."""
     if block is not None:
         monkeypatch.setattr(block_module, "QUERY_BLOCK", block)
-        monkeypatch.setattr(block_module, "QUERY_BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(block_module, "BLOCK_ELEMENTS", 1)
     enc = encoding(name)
     prior = (lambda d: xl_r(d, EMBED)) if name == "xl" else (lambda d: gcdf_r(d, EMBED))
     module = attention(enc, "decoder", 1)
@@ -320,7 +320,7 @@ def test_content_bias_folded_into_the_key_product_gives_the_same_values_and_grad
     is asked without it, and outputs and every gradient (u's included) equal the unfolded computation."""
     if block is not None:
         monkeypatch.setattr(block_module, "QUERY_BLOCK", block)
-        monkeypatch.setattr(block_module, "QUERY_BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(block_module, "BLOCK_ELEMENTS", 1)
     enc = encoding(name)
     module = attention(enc, role, 1)
     x, padding = inputs(left=role == "encoder")

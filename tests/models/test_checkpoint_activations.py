@@ -60,7 +60,7 @@ def test_activation_checkpointing_of_long_inputs(translation_data, monkeypatch, 
     whole_model, whole = gradients(translation_data, encoding, [])
     state = whole_model.state_dict()
     monkeypatch.setattr(block_module, "QUERY_BLOCK", 3)
-    monkeypatch.setattr(block_module, "QUERY_BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(block_module, "BLOCK_ELEMENTS", 1)
     for extra in ([], ["--checkpoint-activations"]):
         _, blocked = gradients(translation_data, encoding, extra, state)
         assert_same_gradients(blocked, whole, extra)

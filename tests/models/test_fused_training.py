@@ -22,7 +22,7 @@ def test_models_train_with_the_same_gradients_as_the_explicit_path(translation_d
     monkeypatch.setattr(biased, "attend", lambda *args: calls.append(1) or attend(*args))
     if query_blocks:
         monkeypatch.setattr(block_module, "QUERY_BLOCK", 3)
-        monkeypatch.setattr(block_module, "QUERY_BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(block_module, "BLOCK_ELEMENTS", 1)
     fused_model, fused = gradients(translation_data, encoding, extra)
     assert calls
     monkeypatch.setattr(biased, "serves_call", lambda *args: False)
