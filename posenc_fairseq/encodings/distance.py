@@ -4,8 +4,8 @@ code that turns it into what each kernel reads.
 Every encoding with relative terms gives them as a `DistanceTerm` (`distance_term`, and for a term
 on the values `value_term`) for the distances low..high of a call; this module makes of it
 
-    dense_logits    the (B or 1, H, Tq, Tk) logit term of consecutive positions (explicit, SDPA, fused CPU)
-    dense_values    the (B, H, Tq, D) value term from the probabilities
+    dense_logits    the (B or 1, H, Tq, Tk) logit term of consecutive positions (SDPA, explicit, logits, fused CPU)
+    dense_values    the (B, H, Tq, D) value term from the probabilities (explicit)
     window          the term of a block of queries: a slice of the call's (query blocks, future mask)
     step_terms      one query's terms as additions to q, k, v and the logits (a decoding step)
     flex_table      the per-distance table FlexAttention reads inside its kernel

@@ -71,16 +71,16 @@ def bounds(positions: AnyPositions) -> Tuple[int, int]:
 
 
 def relative_shift(per_distance: Tensor, keys: int) -> Tensor:
-    """(B, H, Tq, Tk) view of `per_distance` (B, H, Tq, N), whose column c holds the value of query -
-    key distance high - c (descending; high = last query - first key), for consecutive query and
-    key positions: pair (i, j) has distance high - (Tq - 1 - i + j), so the result is a strided
-    view at flat offset i * (N - 1) + j + Tq - 1 of each (B, H) slab (rows of Tk that do not
+    """(B, H, Tq, Tk) view of `per_distance` (B, H, Tq, N), whose column c holds the value of key -
+    query distance low + c (ascending; low = first key - last query), for consecutive query and key
+    positions: pair (i, j) reads column c = j - i + Tq - 1, so the result is a strided view at flat
+    offset i * (N - 1) + j + Tq - 1 = i * N + c of each (B, H) slab (rows of Tk that do not
     overlap). No (Tq, Tk) index tensor, and unlike gather the view keeps nothing for the backward
     pass (gather keeps its whole (B, H, Tq, N) input).
 
     N = Tq + Tk - 1 covers every distance. Under a future mask (the queries the last Tq of the
-    keys, each key after its query blocked) N = Tk + 1 columns, distances high..-1, are enough:
-    a blocked pair (j - i > N - Tq) reads a column of the next row, a finite value the mask
+    keys, each key after its query blocked) N = Tk + 1 columns, distances low..1, are enough: a
+    blocked pair past them (j - i > N - Tq) reads a column of the next row, a finite value the mask
     replaces."""
     per_distance = per_distance.contiguous()
     batch, heads, queries, n = per_distance.shape
@@ -98,8 +98,9 @@ def per_distance(query: Tensor, rel: Tensor) -> Tensor:
 
 def _shift_chunks(query: Tensor, n: int, keys: int):
     """Chunks of `shifted_product`'s queries: (rows, first column, last column + 1, width). A chunk
-    of m queries r0..r1-1 reads the columns Tq - r1 .. Tq - 1 - r0 + Tk - 1 of `rel` (m + Tk - 1 of
-    them, fewer where N stops first); `width` = m + Tk - 1 lays them out for `relative_shift`."""
+    of m queries r0..r1-1 reads the columns c = j - i + Tq - 1 of its pairs,
+    Tq - r1 .. Tq - 1 - r0 + Tk - 1 of `rel` (its distances, ascending: m + Tk - 1 of them, fewer
+    where N stops first); `width` = m + Tk - 1 lays them out for `relative_shift`."""
     batch, heads, queries = query.shape[:3]
     step = max(16, BLOCK_ELEMENTS // max(1, batch * heads * (n + keys)))
     for start in range(0, queries, step):
@@ -154,11 +155,12 @@ class _ShiftedProduct(torch.autograd.Function):
 
 def shifted_product(query: Tensor, rel: Tensor, keys: int) -> Tensor:
     """`relative_shift(per_distance(query, rel), keys)`: (B, H, Tq, Tk) query_i . rel_c(i, j),
-    c(i, j) = Tq - 1 - i + j (rel over descending distances: each pair's distance), computed a
-    chunk of queries at a time against only the columns the chunk reads. No (B, H, Tq, N) product
-    exists (allocating it, page faults included, cost more than the product at n = 2048), and the
-    columns no row of a chunk reads are not computed. Where N < Tq + Tk - 1 (under the future mask
-    N = Tk + 1) a pair past column N - 1 reads zero, a finite value the mask replaces."""
+    c(i, j) = j - i + Tq - 1 (`rel` over the key - query distances in ascending order: each pair's
+    distance), computed a chunk of queries at a time against only the columns the chunk reads. No
+    (B, H, Tq, N) product exists (allocating it, page faults included, cost more than the product
+    at n = 2048), and the columns no row of a chunk reads are not computed. Where N < Tq + Tk - 1
+    (under the future mask N = Tk + 1) a pair past column N - 1 reads zero, a finite value the mask
+    replaces."""
     assert rel.size(1) == query.size(2) + keys - 1 or keys < rel.size(1) < query.size(2) + keys - 1, \
         (query.shape, rel.shape, keys)
     return _ShiftedProduct.apply(query, rel, keys)
@@ -180,7 +182,7 @@ class _Toeplitz(torch.autograd.Function):
         queries, keys = grad.shape[-2:]
         n = queries + keys - 1
         flat = grad.reshape(1, -1, queries, keys)
-        skewed = flat.new_zeros(1, flat.size(1), queries, n)  # column c: key - query distance c - (Tq - 1)
+        skewed = flat.new_zeros(1, flat.size(1), queries, n)  # column c: the pairs with j - i = c - (Tq - 1)
         relative_shift(skewed, keys).copy_(flat)
         return skewed.sum(2).view(*grad.shape[:-2], n), None
 
@@ -198,7 +200,7 @@ class _SumRuns(torch.autograd.Function):
     @staticmethod
     def forward(ctx, probs: Tensor, runs: List[Tuple[int, int, int]], rows: int) -> Tensor:
         batch, heads, queries, keys = probs.shape
-        skewed = probs.new_zeros(batch, heads, queries, queries + keys - 1)  # column c: distance high - c
+        skewed = probs.new_zeros(batch, heads, queries, queries + keys - 1)  # column c: distance low + c
         relative_shift(skewed, keys).copy_(probs)
         out = probs.new_zeros(batch, heads, queries, rows)
         column = 0
@@ -223,10 +225,10 @@ class _SumRuns(torch.autograd.Function):
 def sum_by_distance_runs(probs: Tensor, runs: List[Tuple[int, int, int]], rows: int) -> Tensor:
     """(B, H, Tq, rows): for each query, the sum of its `probs` (B, H, Tq, Tk) over the keys whose
     distance falls in each row, for consecutive positions and `runs` (`row_runs`) giving the row of
-    each distance high..low (the order `relative_shift` reads): what scatter_add with a (Tq, Tk)
-    index computes, without the index. The pairs are laid out by distance (`relative_shift`), each
-    run of distances is one slice (a clipped end: one sum), and the backward is `take_runs` of the
-    gradient read back through the same layout."""
+    each key - query distance low..high (the columns `relative_shift` reads): what scatter_add with
+    a (Tq, Tk) index computes, without the index. The pairs are laid out by distance
+    (`relative_shift`), each run of distances is one slice (a clipped end: one sum), and the
+    backward is `take_runs` of the gradient read back through the same layout."""
     return _SumRuns.apply(probs, runs, rows)
 
 
