@@ -78,7 +78,7 @@ def bound_attentions(model: torch.nn.Module) -> List[Tuple[str, int, "Positional
 TORCHSCRIPT_MESSAGE = (
     "posenc_fairseq models cannot be compiled with TorchScript (torch.jit.script): the positional "
     "encoding is one Python module shared by every layer that keeps per-forward state (the token "
-    "positions each stack announces, position terms memoized across layers, FLOATER's ODE table with its "
+    "positions each stack gives in its pass context, position terms memoized across layers, FLOATER's ODE table with its "
     "Python solver), which TorchScript cannot represent (torch.jit.trace neither). Run the model in eager "
     "mode (fairseq-generate, fairseq-interactive, hub interfaces) or with torch.compile; see README, "
     "'Works with'.")
@@ -199,10 +199,9 @@ class PositionalAttention(MultiheadAttention):
                    context: Optional[PassContext]):
         """q (B, H, Tq, D), unscaled, and the keys and values (B, H, Tk, D) of the call: projected
         with the encoding's projection hooks (`projects`: it has some; the positions of the stack's
-        pass `context`), after the cached ones of
-        incremental decoding, one copy per beam; the key padding mask that goes with them, and the
-        number of source keys before the target keys (--cross-self-attention's decoder
-        self-attention, else 0)."""
+        pass `context`), after the cached ones of incremental decoding, one copy per beam; the key
+        padding mask that goes with them, and the number of source keys before the target keys
+        (--cross-self-attention's decoder self-attention, else 0)."""
         tgt_len, bsz, _ = query.size()
         heads, head_dim = self.num_heads, self.head_dim
         binding = self.position_binding
@@ -243,20 +242,8 @@ class PositionalAttention(MultiheadAttention):
             v = v.view(v.size(0), -1, heads, head_dim).permute(1, 2, 0, 3)
 
         if saved_state is not None:
-            if "prev_key" in saved_state:
-                k = saved_state["prev_key"] if static_kv else torch.cat([saved_state["prev_key"], k], dim=2)
-                v = saved_state["prev_value"] if static_kv else torch.cat([saved_state["prev_value"], v], dim=2)
-            key_padding_mask = MultiheadAttention._append_prev_key_padding_mask(
-                key_padding_mask=key_padding_mask,
-                prev_key_padding_mask=saved_state.get("prev_key_padding_mask"),
-                batch_size=k.size(0),
-                src_len=k.size(2),
-                static_kv=static_kv,
-            )
-            saved_state["prev_key"], saved_state["prev_value"] = k, v
-            saved_state["prev_key_padding_mask"] = key_padding_mask
-            self._set_input_buffer(incremental_state, saved_state)
-
+            k, v, key_padding_mask = self._after_cached(k, v, key_padding_mask, incremental_state, saved_state,
+                                                        static_kv)
         if k.size(0) != bsz:  # beamable cross-attention: share keys across the beams
             repeat = bsz // k.size(0)
             k, v = k.repeat_interleave(repeat, 0), v.repeat_interleave(repeat, 0)
@@ -265,6 +252,25 @@ class PositionalAttention(MultiheadAttention):
         if key_padding_mask is not None and key_padding_mask.dim() == 0:
             key_padding_mask = None
         return q, k, v, key_padding_mask, source_keys
+
+    def _after_cached(self, k: Optional[Tensor], v: Optional[Tensor], key_padding_mask: Optional[Tensor],
+                      incremental_state, saved_state: Dict[str, Optional[Tensor]], static_kv: bool):
+        """fairseq's incremental decoding: this call's keys, values (B, H, T, D) and key padding
+        after the cached ones (static_kv: the cached ones alone), which the state then holds."""
+        if "prev_key" in saved_state:
+            k = saved_state["prev_key"] if static_kv else torch.cat([saved_state["prev_key"], k], dim=2)
+            v = saved_state["prev_value"] if static_kv else torch.cat([saved_state["prev_value"], v], dim=2)
+        key_padding_mask = MultiheadAttention._append_prev_key_padding_mask(
+            key_padding_mask=key_padding_mask,
+            prev_key_padding_mask=saved_state.get("prev_key_padding_mask"),
+            batch_size=k.size(0),
+            src_len=k.size(2),
+            static_kv=static_kv,
+        )
+        saved_state["prev_key"], saved_state["prev_value"] = k, v
+        saved_state["prev_key_padding_mask"] = key_padding_mask
+        self._set_input_buffer(incremental_state, saved_state)
+        return k, v, key_padding_mask
 
     def _call(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
               source_keys: int, need_weights: bool, before_softmax: bool, use: HookUse,
