@@ -82,7 +82,8 @@ ATTN_DROPOUT = ["--dropout", "0.1", "--attention-dropout", "0.2", "--activation-
 VARIANTS = {"shaw": ["--shaw-values", "off"], "lfhc": ["--lfhc-values", "on"]}
 #: monkeypatches of the small_blocks cases: module -> {attribute: value}
 SMALL_BLOCKS = {
-    "posenc_fairseq.kernels.blocks": {"QUERY_BLOCK": 8, "QUERY_BLOCK_ELEMENTS": 1},
+    # (the blocks' element budget: QUERY_BLOCK_ELEMENTS, BLOCK_ELEMENTS since the sizers became one constant)
+    "posenc_fairseq.kernels.blocks": {"QUERY_BLOCK": 8, "QUERY_BLOCK_ELEMENTS|BLOCK_ELEMENTS": 1},
     "posenc_fairseq.kernels.biased_cpu": {"MIN_LOGITS": 1, "BLOCK_ELEMENTS": 1, "MIN_BLOCK_ROWS": 4},
 }
 LONG = 1024
@@ -111,6 +112,8 @@ def flex_on():
             os.environ.pop(FLEX_SWITCH, None)
         else:
             os.environ[FLEX_SWITCH] = previous
+
+
 DTYPES = {"f64": None, "f32": None}  # filled with torch dtypes after import
 
 
@@ -128,9 +131,11 @@ def patched(patches):
                 module = importlib.import_module(module_name)
             except ImportError as error:
                 raise PatchMissing(f"{module_name}: {error}")
-            for attribute, value in values.items():
-                if not hasattr(module, attribute):
-                    raise PatchMissing(f"{module_name}.{attribute} does not exist")
+            for names, value in values.items():
+                # "A|B": the first of these names the module has (a constant renamed between trees)
+                attribute = next((name for name in names.split("|") if hasattr(module, name)), None)
+                if attribute is None:
+                    raise PatchMissing(f"{module_name}.{names} does not exist")
                 saved.append((module, attribute, getattr(module, attribute)))
                 setattr(module, attribute, value)
         yield
