@@ -157,10 +157,10 @@ def shifted_product(query: Tensor, rel: Tensor, keys: int) -> Tensor:
     """`relative_shift(per_distance(query, rel), keys)`: (B, H, Tq, Tk) query_i . rel_c(i, j),
     c(i, j) = j - i + Tq - 1 (`rel` over the key - query distances in ascending order: each pair's
     distance), computed a chunk of queries at a time against only the columns the chunk reads. No
-    (B, H, Tq, N) product exists (allocating it, page faults included, cost more than the product
-    at n = 2048), and the columns no row of a chunk reads are not computed. Where N < Tq + Tk - 1
-    (under the future mask N = Tk + 1) a pair past column N - 1 reads zero, a finite value the mask
-    replaces."""
+    (B, H, Tq, N) product exists (at long lengths allocating it costs more than computing it:
+    docs/benchmarks.md), and the columns no row of a chunk reads are not computed. Where
+    N < Tq + Tk - 1 (under the future mask N = Tk + 1) a pair past column N - 1 reads zero, a finite
+    value the mask replaces."""
     assert rel.size(1) == query.size(2) + keys - 1 or keys < rel.size(1) < query.size(2) + keys - 1, \
         (query.shape, rel.shape, keys)
     return _ShiftedProduct.apply(query, rel, keys)
@@ -169,7 +169,7 @@ def shifted_product(query: Tensor, rel: Tensor, keys: int) -> Tensor:
 class _Toeplitz(torch.autograd.Function):
     """See `toeplitz`. Backward: the gradient's diagonals summed through `relative_shift`'s strided
     layout (a zero buffer, one strided copy, one sum); index_put's accumulation, the backward of an
-    index, is several times slower on CPU."""
+    index, is slower on CPU (docs/benchmarks.md)."""
 
     @staticmethod
     def forward(ctx, values: Tensor, queries: int) -> Tensor:
@@ -252,7 +252,7 @@ def row_runs(rows: List[int]) -> List[Tuple[int, int, int]]:
 def take_runs(values: Tensor, runs: List[Tuple[int, int, int]]) -> Tensor:
     """values[..., rows] for the rows that `row_runs` describes: slices and expanded single rows
     joined by one cat, i.e. no index tensor, and a backward pass of copies and sums (index_select
-    along the last dimension, and its index_add backward, cost several times more on CPU)."""
+    along the last dimension, and its index_add backward, cost more on CPU: docs/benchmarks.md)."""
     shape = values.shape[:-1]
     pieces = []
     for first, count, step in runs:

@@ -5,7 +5,7 @@
 PyTorch's fused CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`) takes A as its mask but
 gives no gradient for it, so SDPA falls back to its unfused form whenever A requires a gradient:
 the (B, H, Tq, Tk) logits, probabilities and their gradients are then written out in full, several
-passes over memory each (at n = 2048 one such pass costs about as much as one of the products).
+passes over memory each, at long lengths as costly as the products themselves (docs/benchmarks.md).
 
 `BiasedAttention` runs the fused kernel forward (it keeps the row log-sum-exp L) and does the
 backward by hand one block of queries at a time, so each block's probabilities stay small:

@@ -14,9 +14,9 @@ def flush_subnormals_in_backward(last: Tensor, first: Tensor) -> None:
 
     Why: position terms of wide range (ALiBi's slope times distance, T5's far buckets, XL's
     relative logits) put many probabilities at exp(-87..-103), the subnormal range, and CPU
-    arithmetic on subnormals is tens of times slower (docs/benchmarks.md). What is flushed is below 1.2e-38, far below what fp32 resolves
-    in the sums it enters (the probabilities sum to 1). The thread's setting is restored at `first`,
-    and at the end of the backward pass whatever happens in between."""
+    arithmetic on subnormals is far slower (docs/benchmarks.md). What is flushed is below 1.2e-38,
+    far below what fp32 resolves in the sums it enters (the probabilities sum to 1). The thread's
+    setting is restored at `first`, and at the end of the backward pass whatever happens in between."""
     if torch.compiler.is_compiling() or last.grad_fn is None or first.grad_fn is None or last.device.type != "cpu":
         return
     state = {}
