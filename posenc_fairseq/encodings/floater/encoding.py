@@ -51,8 +51,8 @@ class PassState:
 class GatherSlots(torch.autograd.Function):
     """Rows `index` of the group's table, (rows, slots, d) -> one (length, batch, d) per slot (views
     of one gather), with one index_select along the rows; backward adds the slots' gradients into
-    the table with one index_add (per-slot index_add along an inner dimension, or advanced
-    indexing's backward, cost several times more on CPU)."""
+    the table with one index_add, rather than per-slot index_add along an inner dimension or
+    advanced indexing's backward (docs/benchmarks.md, "Per-distance arithmetic")."""
 
     @staticmethod
     def forward(ctx, group_table: Tensor, index: Tensor, batch: int, length: int):
