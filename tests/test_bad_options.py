@@ -18,13 +18,20 @@ import torch
 
 import posenc_fairseq  # noqa: F401
 from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
-from posenc_fairseq.encodings.option_types import (MAX_PARAMETER_BYTES, OptionValueError, check_encoding_options,
-                                                   check_size, even_int_in_range, float_in_range, int_in_range, option,
+from posenc_fairseq.encodings.option_types import (MAX_PARAMETER_BYTES, OptionValueError, check_size,
+                                                   even_int_in_range, float_in_range, int_in_range, option,
                                                    option_pair, positive_float, probability)
 from position_terms import logits_between
 from util import USER_DIR, encoding_options
 
 DIMS = ModelDims(embed_dim=16, heads=4, encoder_layers=2, decoder_layers=2)
+
+
+def check_encoding_options(name: str, args, dims) -> None:
+    """Every check the encoding `name` makes when it is built, on torch's meta device: nothing is
+    allocated, so even a refused huge table costs nothing to check."""
+    with torch.device("meta"):
+        build_encoding(name, args, dims)
 
 # (encoding to build, command-line arguments): every one refused at parse time and at build time
 BAD = [

@@ -216,19 +216,3 @@ def check_size(option_text: str, elements: int, what: str, bytes_per_element: in
     if size > limit:
         raise OptionValueError(f"{option_text}: {what} would take {format_bytes(size)} "
                                f"({int(elements):,} values); the limit is {format_bytes(limit)}")
-
-
-def check_encoding_options(name: str, args, dims) -> None:
-    """Every check the encoding `name` makes when it is built (single values, combinations such
-    as --t5-max-distance against --t5-num-buckets, sizes against the model's dimensions),
-    without allocating anything: the encoding is built on torch's meta device and dropped.
-    Raises OptionValueError (or the encoding's own ValueError). Meant for the moment all options
-    and the model's sizes are known but nothing is built yet (e.g. an architecture function), so
-    that a command can stop with one line instead of a traceback from inside model building."""
-    import torch
-
-    from .base import build_encoding
-
-    with torch.device("meta"):
-        build_encoding(name, args, dims)
-
