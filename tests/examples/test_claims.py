@@ -1,10 +1,16 @@
 """examples/claims/: the papers' small claims at toy size. Process-50 (AT5 paper, table 1): the data
 follow the description (two Markov chains, P(repeat) 0.57 / 0.43, balanced classes, Bayes rate from
 the exact formula matches the Bayes classifier on generated data), and the runner goes through
-fairseq-preprocess, fairseq-train and fairseq-validate and prints its table."""
+fairseq-preprocess, fairseq-train and fairseq-validate and prints its table: one run per entry and
+seed, each row holding the accuracies fairseq logged for its runs (read back from the logs here)."""
+import json
+import math
 import random
 import re
+import statistics
 import sys
+
+import pytest
 
 from util import BIN, REPO, load_script, run
 
@@ -29,17 +35,64 @@ def test_process50_data_follow_the_description(tmp_path):
     assert abs(module.bayes_accuracy() - 0.839) < 0.001 and abs(bayes - module.bayes_accuracy()) < 0.02
 
 
+def logged_accuracies(log_text, subset):
+    """Every accuracy (a fraction) fairseq logged on `subset` ('valid' during training, 'test' from
+    fairseq-validate), in order: read here from the log, not through the runner's parser."""
+    accuracies = []
+    for line in log_text.splitlines():
+        if f"on '{subset}' subset |" in line:
+            cells = dict(cell.strip().split(" ", 1) for cell in line.split(f"on '{subset}' subset |")[1].split(" | "))
+            if "accuracy" in cells:
+                accuracies.append(float(cells["accuracy"]) / 100)
+    return accuracies
+
+
+def assert_counts_of(accuracy, sequences):
+    """An accuracy really measured on `sequences` examples: a whole number of them right (fairseq's
+    sentence_prediction logs the percentage rounded to one decimal)."""
+    assert min(abs(100 * right / sequences - 100 * accuracy) for right in range(sequences + 1)) <= 0.05 + 1e-9, accuracy
+
+
+def results_by_run(out_folder):
+    """results.jsonl, the runner's record of each finished run: {(entry, seed): result}; a run recorded
+    twice fails."""
+    results = [json.loads(line) for line in (out_folder / "results.jsonl").read_text().splitlines() if line]
+    by_run = {(result["entry"], result["seed"]): result for result in results}
+    assert len(by_run) == len(results), results
+    return by_run
+
+
+def binomial_tail(n, p, at_least):
+    """P(Binomial(n, p) >= at_least)."""
+    return sum(math.comb(n, k) * p ** k * (1 - p) ** (n - k) for k in range(at_least, n + 1))
+
+
 def test_process50_runs_through_fairseq_and_prints_the_table(tmp_path):
+    entries = ["roberta_t5", "roberta_at5:--at5-length-scale 50"]
     out = run([sys.executable, SCRIPT, "--out", tmp_path, "--train", "200", "--valid", "64", "--test", "64",
-               "--epochs", "1", "--batch-size", "32", "--jobs", "2",
-               "--arch", "roberta_t5", "roberta_at5:--at5-length-scale 50"], env={"PATH": str(BIN)})
-    rows = {row.split("|")[1].strip(): row for row in out.splitlines() if row.startswith("| `")}
+               "--epochs", "1", "--batch-size", "32", "--jobs", "2", "--arch", *entries], env={"PATH": str(BIN)})
+    rows = {row.split("|")[1].strip(): [cell.strip() for cell in row.split("|")[2:-1]]
+            for row in out.splitlines() if row.startswith("| `")}
     assert set(rows) == {"`roberta_t5`", "`roberta_at5:--at5-length-scale 50`"}
-    for row in rows.values():
-        test_accuracy = float(row.split("|")[2])
-        assert 0 <= test_accuracy <= 1
-    assert "| 0.808 |" in rows["`roberta_t5`"]  # the paper's number beside ours
+    assert rows["`roberta_t5`"][3] == "0.808"  # the paper's number beside ours
     assert (tmp_path / "results.md").read_text() in out
+    # the Bayes rate of the heading, computed here another way: the repeat counts of the two classes
+    # mirror each other (0.57 = 1 - 0.43), so the Bayes classifier is right iff class 0 repeats >= 25 times
+    assert f"Bayes rate {binomial_tail(49, 0.57, 25):.3f}" in out
+    results = results_by_run(tmp_path)
+    assert set(results) == {(entry, 1) for entry in entries}  # one run per entry (one seed)
+    for entry in entries:
+        folder = tmp_path / re.sub(r"[^A-Za-z0-9_.-]+", "_", entry).strip("_")
+        tested = logged_accuracies((folder / "test.log").read_text(), "test")
+        validated = logged_accuracies((folder / "train.log").read_text(), "valid")
+        assert len(tested) == 1 and len(validated) == 1  # fairseq-validate once; one epoch, one validation
+        assert_counts_of(tested[0], 64)
+        assert_counts_of(validated[0], 64)
+        result = results[(entry, 1)]
+        assert result["test"] == pytest.approx(tested[0], abs=1e-9)  # the run's own accuracy, as fairseq logged it
+        assert result["valid"] == pytest.approx(validated[0], abs=1e-9)
+        test_cell, valid_cell, seeds = rows[f"`{entry}`"][:3]
+        assert (test_cell, valid_cell, seeds) == (f"{tested[0]:.3f}", f"{validated[0]:.3f}", "1/1")
     assert re.search(r"at5_length_scale.: 50|--at5-length-scale', '50'|--at5-length-scale 50",
                      (tmp_path / "roberta_at5_--at5-length-scale_50" / "train.log").read_text())
 
@@ -67,9 +120,10 @@ def test_negation_scope_data_follow_the_rule(tmp_path):
 
 
 def test_negation_scope_runs_through_fairseq_with_the_reach_column(tmp_path):
+    entries = ["roberta_nope", "roberta_lfhc:--lfhc-k 4"]
     out = run([sys.executable, CLAIMS / "negation_scope.py", "--out", tmp_path, "--train", "200", "--valid", "64",
                "--test", "64", "--epochs", "2", "--batch-size", "32", "--seeds", "1", "2", "--jobs", "2",
-               "--arch", "roberta_nope", "roberta_lfhc:--lfhc-k 4"], env={"PATH": str(BIN)})
+               "--arch", *entries], env={"PATH": str(BIN)})
     rows = {row.split("|")[1].strip(): [cell.strip() for cell in row.split("|")[2:-1]]
             for row in out.splitlines() if row.startswith("| `")}
     assert set(rows) == {"`roberta_nope`", "`roberta_lfhc:--lfhc-k 4`"}
@@ -77,6 +131,28 @@ def test_negation_scope_runs_through_fairseq_with_the_reach_column(tmp_path):
     for test, valid, reach, seeds, paper, minutes, device in rows.values():
         assert seeds == "2/2" and device == "cpu" and " ± " in test and 0 <= float(test.split(" ± ")[0]) <= 1
     assert rows["`roberta_lfhc:--lfhc-k 4`"][4] == "83.26"  # the paper's SST-2 number beside ours
+    results = results_by_run(tmp_path)
+    assert set(results) == {(entry, seed) for entry in entries for seed in (1, 2)}  # one run per entry and seed
+    for entry in entries:
+        tested, best_valid, reached = [], [], []
+        for seed in (1, 2):
+            folder = tmp_path / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', entry).strip('_')}_seed{seed}"
+            test_accuracies = logged_accuracies((folder / "test.log").read_text(), "test")
+            curve = logged_accuracies((folder / "train.log").read_text(), "valid")
+            assert len(test_accuracies) == 1 and len(curve) == 2  # fairseq-validate once; a validation per epoch
+            for accuracy in (*test_accuracies, *curve):
+                assert_counts_of(accuracy, 64)
+            result = results[(entry, seed)]
+            assert result["test"] == pytest.approx(test_accuracies[0], abs=1e-9)  # the run's own, as fairseq logged it
+            assert result["valid_curve"] == pytest.approx(curve, abs=1e-9)
+            tested.append(test_accuracies[0])
+            best_valid.append(max(curve))
+            reached += [epoch for epoch, accuracy in enumerate(curve, start=1) if accuracy >= 0.9][:1]
+        test, valid, reach = rows[f"`{entry}`"][:3]
+        for cell, values in ((test, tested), (valid, best_valid)):  # mean ± sd (each seed's, in seed order)
+            assert cell == (f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} "
+                            f"({values[0]:.3f}, {values[1]:.3f})"), (entry, cell, values)
+        assert reach == (f"{statistics.mean(reached):.1f} ({len(reached)}/2)" if reached else "never"), (entry, reach)
     for seed in (1, 2):  # one run per seed, each trained with its seed
         log = (tmp_path / f"roberta_lfhc_--lfhc-k_4_seed{seed}" / "train.log").read_text()
         assert f" --seed {seed} " in log.splitlines()[0]
