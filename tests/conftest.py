@@ -1,48 +1,91 @@
-"""Session-wide fixtures: generated data, binarised once per test session."""
+"""Session-wide set-up: each pytest-xdist worker's share of the cores, the `slow` marker (slow tests
+start first), and generated data and tiny checkpoints, each made once per test run and shared by the
+workers (util.built_once)."""
+import hashlib
+import os
+
 import pytest
+import torch
 
 from posenc_fairseq.toy_data import monolingual_corpus, parallel_corpus, write_parallel
-from util import run
+from util import QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, built_once, run
+
+# Every pytest-xdist worker is a process of its own: torch's default of one intra-op thread per core in
+# each of them oversubscribes the cores, and the tiny models' many small operations then wait on each
+# other (tests/models/test_mixed_precision.py with -n 2 on 2 busy cores: 97 s with torch's default,
+# 31 s with one thread per worker). Each worker, and each command it starts, gets its share of the
+# cores instead, unless OMP_NUM_THREADS says otherwise.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(max(1, cores // WORKERS))
+    torch.set_num_threads(max(1, cores // WORKERS))
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: a long end-to-end run (a recipe, a claim, README's commands, several fairseq "
+                   "commands or processes); `make test-fast` (pytest -m 'not slow') skips them, `make test` "
+                   "runs everything")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first, otherwise in collection order: under xdist the long runs start while
+    there is still other work to share, and the workers finish together."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session")
 def translation_data(tmp_path_factory):
     """A toy parallel corpus binarised by fairseq-preprocess (word level, joined dictionary)."""
-    root = tmp_path_factory.mktemp("translation")
-    raw = write_parallel(root / "raw", {
-        "train": parallel_corpus(300), "valid": parallel_corpus(30, seed=3), "test": parallel_corpus(20, seed=4)})
-    run(["fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt",
-         "--trainpref", raw / "train", "--validpref", raw / "valid", "--testpref", raw / "test",
-         "--destdir", root / "bin", "--joined-dictionary", "--workers", "1"])
-    return root / "bin"
+    def build(root):
+        raw = write_parallel(root / "raw", {
+            "train": parallel_corpus(300), "valid": parallel_corpus(30, seed=3), "test": parallel_corpus(20, seed=4)})
+        run(["fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt",
+             "--trainpref", raw / "train", "--validpref", raw / "valid", "--testpref", raw / "test",
+             "--destdir", root / "bin", "--joined-dictionary", "--workers", "1"])
+
+    return built_once(tmp_path_factory, "translation", build) / "bin"
 
 
 @pytest.fixture(scope="session")
 def masked_lm_data(tmp_path_factory):
     """A toy monolingual corpus binarised for --task masked_lm."""
-    root = tmp_path_factory.mktemp("mlm")
-    (root / "train.txt").write_text("\n".join(monolingual_corpus(300)) + "\n")
-    (root / "valid.txt").write_text("\n".join(monolingual_corpus(30, seed=5)) + "\n")
-    run(["fairseq-preprocess", "--only-source", "--trainpref", root / "train.txt",
-         "--validpref", root / "valid.txt", "--destdir", root / "bin", "--workers", "1"])
-    return root / "bin"
+    def build(root):
+        (root / "train.txt").write_text("\n".join(monolingual_corpus(300)) + "\n")
+        (root / "valid.txt").write_text("\n".join(monolingual_corpus(30, seed=5)) + "\n")
+        run(["fairseq-preprocess", "--only-source", "--trainpref", root / "train.txt",
+             "--validpref", root / "valid.txt", "--destdir", root / "bin", "--workers", "1"])
+
+    return built_once(tmp_path_factory, "mlm", build) / "bin"
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(translation_data, tmp_path_factory):
     """Factory: `tiny_checkpoint(arch, *options)` -> checkpoint_last.pt of a tiny model trained by
-    fairseq-train for 2 updates on translation_data (cached per arch and options)."""
-    from util import QUICK_TRAIN, TINY_TRANSFORMER, USER_DIR
-
-    made = {}
-
+    fairseq-train for 2 updates on translation_data (made once per arch and options)."""
     def make(arch, *options):
-        key = (arch, *map(str, options))
-        if key not in made:
-            save = tmp_path_factory.mktemp(arch)
-            run(["fairseq-train", translation_data, "--user-dir", USER_DIR, "--arch", arch, *TINY_TRANSFORMER,
-                 *QUICK_TRAIN, *options, "--max-update", "2", "--save-dir", save])
-            made[key] = save / "checkpoint_last.pt"
-        return made[key]
+        options = [str(option) for option in options]
+        name = f"{arch}-{hashlib.sha1(' '.join(options).encode()).hexdigest()[:10]}"
+        return built_once(tmp_path_factory, name, lambda save: run([
+            "fairseq-train", translation_data, "--user-dir", USER_DIR, "--arch", arch, *TINY_TRANSFORMER,
+            *QUICK_TRAIN, *options, "--max-update", "2", "--save-dir", save])) / "checkpoint_last.pt"
 
     return make
+
+
+@pytest.fixture(scope="session")
+def stock_transformer_checkpoint(translation_data, tmp_path_factory):
+    """checkpoint_last.pt of a tiny transformer trained for 2 updates by STOCK fairseq (no --user-dir)."""
+    return built_once(tmp_path_factory, "stock_transformer", lambda save: run([
+        "fairseq-train", translation_data, "--task", "translation", "--arch", "transformer", *TINY_TRANSFORMER,
+        *QUICK_TRAIN, "--max-update", "2", "--save-dir", save])) / "checkpoint_last.pt"
+
+
+@pytest.fixture(scope="session")
+def stock_roberta_checkpoint(masked_lm_data, tmp_path_factory):
+    """checkpoint_last.pt of a tiny RoBERTa trained for 2 updates by STOCK fairseq (masked_lm)."""
+    return built_once(tmp_path_factory, "stock_roberta", lambda save: run([
+        "fairseq-train", masked_lm_data, "--task", "masked_lm", "--criterion", "masked_lm", "--arch", "roberta_base",
+        "--tokens-per-sample", "64", *TINY_ROBERTA, *QUICK_TRAIN, "--max-update", "2",
+        "--save-dir", save])) / "checkpoint_last.pt"

@@ -8,16 +8,18 @@ import subprocess
 
 import pytest
 
-from util import BIN, QUICK_TRAIN, REPO, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, run
+from util import BIN, QUICK_TRAIN, REPO, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, built_once, run
 
 
 @pytest.fixture(scope="module")
 def trained_alibi(translation_data, tmp_path_factory):
-    save_dir = tmp_path_factory.mktemp("alibi_ckpt")
-    out = run(["fairseq-train", translation_data, "--user-dir", USER_DIR, "--arch", "transformer_alibi",
-               *TINY_TRANSFORMER, *QUICK_TRAIN, "--max-update", "4", "--save-dir", save_dir])
-    assert "num_updates 4" in out
-    return save_dir
+    """A tiny transformer_alibi trained for 4 updates (made once per test run; the tests only read it)."""
+    def build(save_dir):
+        out = run(["fairseq-train", translation_data, "--user-dir", USER_DIR, "--arch", "transformer_alibi",
+                   *TINY_TRANSFORMER, *QUICK_TRAIN, "--max-update", "4", "--save-dir", save_dir])
+        assert "num_updates 4" in out
+
+    return built_once(tmp_path_factory, "trained_alibi", build)
 
 
 def test_generate_loads_the_checkpoint_and_scores(translation_data, trained_alibi):

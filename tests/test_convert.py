@@ -14,7 +14,7 @@ import torch
 import posenc_fairseq  # noqa: F401
 from posenc_fairseq import convert
 from posenc_fairseq.encodings import ENCODINGS
-from util import QUICK_TRAIN, REPO, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, random_batch, run
+from util import QUICK_TRAIN, REPO, TINY_TRANSFORMER, USER_DIR, random_batch, run
 
 EVERY_ENCODING = sorted(ENCODINGS)
 # Parameter-free encodings whose position terms cannot be switched off: no initialisation adds
@@ -36,21 +36,15 @@ def digest(path):
 
 
 @pytest.fixture(scope="module")
-def stock_transformer(translation_data, tmp_path_factory):
-    save = tmp_path_factory.mktemp("stock_transformer")
-    run(["fairseq-train", translation_data, "--task", "translation", "--arch", "transformer", *TINY_TRANSFORMER,
-         *QUICK_TRAIN, "--max-update", "2", "--save-dir", save])
-    return save / "checkpoint_last.pt"
+def stock_transformer(stock_transformer_checkpoint):
+    return stock_transformer_checkpoint  # (conftest: shared by the test run; no test writes to it)
 
 
 @pytest.fixture(scope="module")
-def stock_roberta(masked_lm_data, tmp_path_factory):
+def stock_roberta(masked_lm_data, stock_roberta_checkpoint, tmp_path_factory):
     """A stock RoBERTa folder as fairseq ships it (model.pt + dict.txt) with a classification head."""
-    save = tmp_path_factory.mktemp("stock_roberta")
-    run(["fairseq-train", masked_lm_data, "--task", "masked_lm", "--criterion", "masked_lm", "--arch", "roberta_base",
-         "--tokens-per-sample", "64", *TINY_ROBERTA, *QUICK_TRAIN, "--max-update", "2", "--save-dir", save])
     folder = tmp_path_factory.mktemp("roberta_release")
-    state = torch.load(save / "checkpoint_last.pt", map_location="cpu")
+    state = torch.load(stock_roberta_checkpoint, map_location="cpu")
     # add a (random) classification head, as fine-tuned releases carry
     generator = torch.Generator().manual_seed(3)
     embed = 32

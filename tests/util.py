@@ -185,3 +185,30 @@ def count_calls(monkeypatch, functions):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, original=original, name=name, **kw: used.append(name) or original(*a, **kw))
     return used
+
+
+def built_once(tmp_path_factory, name, build):
+    """The folder `name` that `build(folder)` fills, made once per test run: under pytest-xdist the
+    first worker that asks builds it while the others wait (a file lock), then all of them use it.
+    A build that fails leaves no folder behind: the next test that asks builds it again (and fails
+    the same way). What is built this way is shared: tests only read it."""
+    import shutil
+
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this run's folder, above the workers' own ones
+    (root / "built_once").mkdir(exist_ok=True)
+    folder, done = root / "built_once" / name, root / "built_once" / f"{name}.done"
+    with FileLock(str(root / "built_once" / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            try:
+                build(folder)
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            done.touch()
+    return folder

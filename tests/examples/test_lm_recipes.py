@@ -11,10 +11,11 @@ from classification_data import write_imdb, write_snli
 from posenc_fairseq.toy_data import wikitext_corpus
 from recipe_data import write_glue
 from test_recipes import ENV, PY, number
-from util import REPO, run
+from util import REPO, built_once, run
 
 EXAMPLES = REPO / "examples"
 TINY_RUN = ["--num-workers", "0"]
+pytestmark = pytest.mark.slow  # whole recipes, several fairseq commands each: `make test-fast` skips them
 
 
 def table_rows(path):
@@ -54,16 +55,17 @@ def test_lm_recipe_table3(tmp_path):
 @pytest.fixture(scope="module")
 def classification_data(tmp_path_factory, masked_lm_data):
     """IMDB, SNLI and QQP (GLUE) at toy scale, binarised by the recipes' preprocessing (--bpe none)."""
-    root = tmp_path_factory.mktemp("classification")
-    dictionary = masked_lm_data / "dict.txt"
-    run([PY, EXAMPLES / "classification" / "preprocess.py", "IMDB", write_imdb(root / "raw"), root / "data" / "IMDB-bin",
-         "--bpe", "none", "--dict", dictionary, "--workers", "1"], env=ENV)
-    run([PY, EXAMPLES / "classification" / "preprocess.py", "SNLI", write_snli(root / "raw"), root / "data" / "SNLI-bin",
-         "--bpe", "none", "--dict", dictionary, "--workers", "1"], env=ENV)
-    write_glue(root / "glue", "QQP")
-    run([PY, EXAMPLES / "glue" / "preprocess_glue.py", root / "glue", "QQP", root / "data" / "QQP-bin",
-         "--bpe", "none", "--dict", dictionary, "--workers", "1"], env=ENV)
-    return root / "data"
+    def build(root):
+        dictionary = masked_lm_data / "dict.txt"
+        run([PY, EXAMPLES / "classification" / "preprocess.py", "IMDB", write_imdb(root / "raw"),
+             root / "data" / "IMDB-bin", "--bpe", "none", "--dict", dictionary, "--workers", "1"], env=ENV)
+        run([PY, EXAMPLES / "classification" / "preprocess.py", "SNLI", write_snli(root / "raw"),
+             root / "data" / "SNLI-bin", "--bpe", "none", "--dict", dictionary, "--workers", "1"], env=ENV)
+        write_glue(root / "glue", "QQP")
+        run([PY, EXAMPLES / "glue" / "preprocess_glue.py", root / "glue", "QQP", root / "data" / "QQP-bin",
+             "--bpe", "none", "--dict", dictionary, "--workers", "1"], env=ENV)
+
+    return built_once(tmp_path_factory, "classification", build) / "data"  # (once per test run; read only)
 
 
 def test_classification_recipe_table1(classification_data, tmp_path):

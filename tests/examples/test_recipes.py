@@ -1,6 +1,7 @@
 """The examples/ recipes, end to end at toy scale: the same scripts a user runs on the real data, on
 tiny generated data in the real formats, through the real fairseq commands, with tiny models and a
-few updates. Each test asserts that the recipe prints its metric as a number in range."""
+few updates. Each test asserts that the recipe prints its metric as a number in range. All of them
+are slow (`make test-fast` skips them)."""
 import json
 import os
 import re
@@ -11,7 +12,7 @@ import pytest
 
 from posenc_fairseq.toy_data import parallel_corpus, write_parallel
 from recipe_data import write_glue, write_race
-from util import BIN, QUICK_TRAIN, REPO, TINY_ROBERTA, TINY_TRANSFORMER, run
+from util import BIN, REPO, TINY_ROBERTA, TINY_TRANSFORMER, built_once, run
 
 EXAMPLES = REPO / "examples"
 CONVERT_ROBERTA = REPO / "scripts" / "convert_roberta_checkpoint.py"
@@ -24,6 +25,7 @@ FAST_FLOATER = ["--floater-method", "euler", "--floater-step-size", "0.1"]
 TINY_RUN = ["--num-workers", "0", "--log-interval", "1"]
 FAST_DECODE = ["--cpu", "--beam", "1", "--max-len-a", "1", "--max-len-b", "5", "--batch-size", "1"]
 
+pytestmark = pytest.mark.slow
 needs_roberta_conversion = pytest.mark.skipif(not CONVERT_ROBERTA.exists(),
                                               reason="scripts/convert_roberta_checkpoint.py not there yet")
 needs_transformer_conversion = pytest.mark.skipif(not CONVERT_TRANSFORMER.exists(),
@@ -40,29 +42,29 @@ def number(pattern, output, low=0.0, high=100.0):
 
 
 # ---------------------------------------------------------------- shared data and checkpoints
+# (each made once per test run, util.built_once: the recipes only read them)
 @pytest.fixture(scope="module")
 def spm_translation(tmp_path_factory):
     """A toy parallel corpus through the recipe's sentencepiece + fairseq-preprocess step."""
-    root = tmp_path_factory.mktemp("recipe_translation")
-    raw = write_parallel(root / "raw", {"train": parallel_corpus(200), "valid": parallel_corpus(20, seed=3),
-                                        "test": parallel_corpus(12, seed=4)})
-    out = run([PY, EXAMPLES / "translation" / "prepare.py", raw, root / "data", "--src", "src", "--tgt", "tgt",
-               "--vocab-size", "120", "--workers", "1"], env=ENV)
-    assert (root / "data" / "spm.model").exists() and (root / "data" / "bin" / "train.src-tgt.src.bin").exists(), out
-    return root / "data" / "bin"
+    def build(root):
+        raw = write_parallel(root / "raw", {"train": parallel_corpus(200), "valid": parallel_corpus(20, seed=3),
+                                            "test": parallel_corpus(12, seed=4)})
+        out = run([PY, EXAMPLES / "translation" / "prepare.py", raw, root / "data", "--src", "src", "--tgt", "tgt",
+                   "--vocab-size", "120", "--workers", "1"], env=ENV)
+        assert (root / "data" / "spm.model").exists() and (root / "data" / "bin" / "train.src-tgt.src.bin").exists(), out
+
+    return built_once(tmp_path_factory, "recipe_translation", build) / "data" / "bin"
 
 
 @pytest.fixture(scope="module")
-def tiny_roberta(tmp_path_factory, masked_lm_data):
-    """A tiny RoBERTa trained with STOCK fairseq, converted to FLOATER with the repository's script."""
+def tiny_roberta(tmp_path_factory, masked_lm_data, stock_roberta_checkpoint):
+    """A tiny RoBERTa trained with STOCK fairseq (conftest), converted to FLOATER with the repository's script."""
     if not CONVERT_ROBERTA.exists():
         pytest.skip("scripts/convert_roberta_checkpoint.py not there yet")
-    root = tmp_path_factory.mktemp("recipe_roberta")
-    run(["fairseq-train", masked_lm_data, "--task", "masked_lm", "--arch", "roberta_base",
-         "--tokens-per-sample", "64", *TINY_ROBERTA, *QUICK_TRAIN, "--max-update", "2", "--save-dir", root / "stock"])
-    stock = root / "stock" / "checkpoint_last.pt"
-    run([PY, CONVERT_ROBERTA, stock, root / "floater.pt", "--encoding", "floater", *FAST_FLOATER], env=ENV)
-    return {"stock": stock, "floater": root / "floater.pt", "dict": masked_lm_data / "dict.txt",
+    root = built_once(tmp_path_factory, "recipe_roberta", lambda root: run(
+        [PY, CONVERT_ROBERTA, stock_roberta_checkpoint, root / "floater.pt", "--encoding", "floater", *FAST_FLOATER],
+        env=ENV))
+    return {"stock": stock_roberta_checkpoint, "floater": root / "floater.pt", "dict": masked_lm_data / "dict.txt",
             "mlm": masked_lm_data}
 
 
@@ -70,13 +72,14 @@ def tiny_roberta(tmp_path_factory, masked_lm_data):
 def glue_bin(tmp_path_factory, masked_lm_data):
     """GLUE TSVs of a single-sentence task (CoLA), a pair classification task (MRPC) and the
     regression task (STS-B), binarised by the recipe's preprocessing."""
-    root = tmp_path_factory.mktemp("recipe_glue")
-    tasks = ["CoLA", "MRPC", "STS-B"]
-    for task in tasks:
-        write_glue(root / "glue_data", task)
-    run([PY, EXAMPLES / "glue" / "preprocess_glue.py", root / "glue_data", ",".join(tasks), root / "bin",
-         "--bpe", "none", "--dict", masked_lm_data / "dict.txt", "--workers", "1"], env=ENV)
-    return root / "bin"
+    def build(root):
+        tasks = ["CoLA", "MRPC", "STS-B"]
+        for task in tasks:
+            write_glue(root / "glue_data", task)
+        run([PY, EXAMPLES / "glue" / "preprocess_glue.py", root / "glue_data", ",".join(tasks), root / "bin",
+             "--bpe", "none", "--dict", masked_lm_data / "dict.txt", "--workers", "1"], env=ENV)
+
+    return built_once(tmp_path_factory, "recipe_glue", build) / "bin"
 
 
 ROBERTA_FINETUNE_ENV = dict(ENV, ARCH="roberta_floater", MAX_POSITIONS="64")

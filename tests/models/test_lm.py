@@ -17,7 +17,7 @@ from posenc_fairseq import convert
 from posenc_fairseq.encodings import ENCODINGS
 from posenc_fairseq.models.lm import SIZES, PositionalLanguageModel
 from test_every_encoding import assert_half_precision_close
-from util import QUICK_TRAIN, REPO, USER_DIR, build_model, run, run_distributed
+from util import QUICK_TRAIN, REPO, USER_DIR, build_model, built_once, run, run_distributed
 
 EVERY_ENCODING = sorted(ENCODINGS)
 TINY_LM = ["--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-input-dim", "32",
@@ -270,11 +270,12 @@ def test_context_window_batches_score_each_window_from_position_0(masked_lm_data
 @pytest.fixture(scope="module")
 def stock_lm(masked_lm_data, tmp_path_factory):
     """A tiny transformer_lm trained for 2 updates with STOCK fairseq, as a hub folder."""
-    save = tmp_path_factory.mktemp("stock_lm")
-    run(["fairseq-train", masked_lm_data, *LM_TASK, "--arch", "transformer_lm", *TINY_LM, *QUICK_TRAIN,
-         "--max-update", "2", "--save-dir", save])
-    shutil.copyfile(masked_lm_data / "dict.txt", save / "dict.txt")
-    return save / "checkpoint_last.pt"
+    def build(save):
+        run(["fairseq-train", masked_lm_data, *LM_TASK, "--arch", "transformer_lm", *TINY_LM, *QUICK_TRAIN,
+             "--max-update", "2", "--save-dir", save])
+        shutil.copyfile(masked_lm_data / "dict.txt", save / "dict.txt")
+
+    return built_once(tmp_path_factory, "stock_lm", build) / "checkpoint_last.pt"  # (made once per test run)
 
 
 def load_lm(path, data):
@@ -354,6 +355,7 @@ def test_hub_sample_and_score_agree(stock_lm, masked_lm_data, tmp_path, encoding
     assert (scored["positional_scores"] - generated["positional_scores"][:n]).abs().max() <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("encoding", DDP_ENCODINGS)
 def test_lm_trains_in_two_gloo_processes(masked_lm_data, tmp_path, encoding):
     """fairseq's legacy DDP over 2 gloo processes (resuming is covered by the translation models'

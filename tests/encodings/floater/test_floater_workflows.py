@@ -93,6 +93,7 @@ def final_parameters(path):
     return {k: v for k, v in torch.load(path, map_location="cpu", weights_only=False)["model"].items()}
 
 
+@pytest.mark.slow
 def test_resume_inside_a_k_update_window_is_exact(translation_data, tmp_path):
     options = ["--floater-recompute-every", "4", "--max-update", "6", "--dropout", "0.1"]
     straight = tmp_path / "straight"
@@ -118,9 +119,8 @@ def test_resume_inside_a_k_update_window_is_exact(translation_data, tmp_path):
     assert any(not torch.equal(differs[key], expected[key]) for key in expected if "window_" not in key)
 
 
-def test_loading_with_other_options_solves_for_those_options(translation_data, tmp_path):
-    train(translation_data, tmp_path, "--max-update", "2")
-    path = tmp_path / "checkpoint_last.pt"
+def test_loading_with_other_options_solves_for_those_options(translation_data, tiny_checkpoint):
+    path = tiny_checkpoint("transformer_floater", "--floater-init", "small")  # (shared with test_plot_positions.py)
     model, task = load(path)
     for overrides in ({"floater_delta": 0.2}, {"floater_first_block_only": True}, {"floater_method": "midpoint"}):
         overridden, _ = load(path, overrides)
@@ -178,11 +178,8 @@ def test_dynamics_learning_rate_scale_needs_the_composite_optimizer(translation_
                     [*TINY_TRANSFORMER, "--floater-dynamics-lr-scale", "10", "--optimizer", "adam"])
 
 
-def test_converter_honours_floater_init_small(translation_data, tmp_path):
-    train_stock = ["fairseq-train", translation_data, "--arch", "transformer", *TINY_TRANSFORMER, *QUICK_TRAIN,
-                   "--disable-validation", "--max-update", "1", "--save-dir", tmp_path]
-    run(train_stock)
-    state = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+def test_converter_honours_floater_init_small(stock_transformer_checkpoint):
+    state = torch.load(stock_transformer_checkpoint, map_location="cpu", weights_only=False)
     zero = convert_checkpoint(state, "transformer", "floater")
     small = convert_checkpoint(state, "transformer", "floater", {"floater_init": "small"})
     fc2 = "positional_encoding.dynamics.fc2.weight"
