@@ -218,7 +218,7 @@ class PositionalAttention(MultiheadAttention):
         source_keys = 0  # keys (cached or not) that are source tokens, before the target keys
         if cross_self:
             source_positions = context.source if context is not None else None
-            source_keys = source_positions.size(1) if source_positions is not None else 0
+            source_keys = tensor_of(source_positions).size(1) if source_positions is not None else 0
             if projects and key is not None and key.size(0) == source_keys + tgt_len and source_positions is not None:
                 key_positions = torch.cat([tensor_of(source_positions), tensor_of(key_positions)], dim=1)
         q = self._project("q", query, query_positions, projects)

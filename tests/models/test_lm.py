@@ -15,6 +15,7 @@ from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 from fairseq.models.transformer_lm import TransformerLanguageModelConfig
 from posenc_fairseq import convert
 from posenc_fairseq.encodings import ENCODINGS
+from posenc_fairseq.encodings.positions import tensor_of
 from posenc_fairseq.models.lm import SIZES, PositionalLanguageModel
 from test_every_encoding import assert_half_precision_close
 from util import QUICK_TRAIN, REPO, USER_DIR, build_model, built_once, run, run_distributed
