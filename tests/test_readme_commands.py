@@ -167,6 +167,7 @@ def run_one(command, workspace, demo_dir, translation_data, lm_data):
         assert re.search(r"test BLEU \(sacrebleu\) = [0-9.]+", out), out[-2000:]
 
 
+@pytest.mark.slow
 def test_readme_commands_run_in_order(workspace, demo_dir, translation_data, lm_data):
     """One test, README's order (a command may read what the one before wrote; also under xdist)."""
     failures, skipped = [], []

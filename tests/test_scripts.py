@@ -6,12 +6,15 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from util import QUICK_TRAIN, REPO, TINY_ROBERTA, TINY_TRANSFORMER, run
 
 SCRIPTS = REPO / "scripts"
 TRAIN = [option for option in QUICK_TRAIN if option != "--cpu"]  # compare.py adds --cpu itself
 
 
+@pytest.mark.slow
 def test_compare_two_encodings_on_translation(translation_data, tmp_path):
     out = run([sys.executable, SCRIPTS / "compare.py", translation_data, "--arch", "transformer_alibi",
                "transformer_t5", "--out", tmp_path, "--length-bins", "6,9", "--quiet", "--",
@@ -35,6 +38,7 @@ def test_compare_two_encodings_on_translation(translation_data, tmp_path):
         assert "Translated 20 sentences" in (tmp_path / arch / "generate.txt").read_text()
 
 
+@pytest.mark.slow
 def test_compare_masked_lm_reports_perplexity_and_survives_a_failure(masked_lm_data, tmp_path):
     done = subprocess.run(
         [sys.executable, str(SCRIPTS / "compare.py"), str(masked_lm_data), "--arch", "roberta_alibi",
@@ -70,8 +74,6 @@ def options_output(capsys, *argv):
 
 def test_options_lists_every_option_of_every_encoding_with_a_default(capsys):
     import argparse
-
-    import pytest
 
     from posenc_fairseq.encodings import ENCODINGS
 

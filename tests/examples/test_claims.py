@@ -67,6 +67,7 @@ def binomial_tail(n, p, at_least):
     return sum(math.comb(n, k) * p ** k * (1 - p) ** (n - k) for k in range(at_least, n + 1))
 
 
+@pytest.mark.slow
 def test_process50_runs_through_fairseq_and_prints_the_table(tmp_path):
     entries = ["roberta_t5", "roberta_at5:--at5-length-scale 50"]
     out = run([sys.executable, SCRIPT, "--out", tmp_path, "--train", "200", "--valid", "64", "--test", "64",
@@ -119,6 +120,7 @@ def test_negation_scope_data_follow_the_rule(tmp_path):
         assert abs(sum(with_word) / len(with_word) - 0.5) < 0.03
 
 
+@pytest.mark.slow
 def test_negation_scope_runs_through_fairseq_with_the_reach_column(tmp_path):
     entries = ["roberta_nope", "roberta_lfhc:--lfhc-k 4"]
     out = run([sys.executable, CLAIMS / "negation_scope.py", "--out", tmp_path, "--train", "200", "--valid", "64",
@@ -174,6 +176,7 @@ def test_runner_reach_column_and_fairseq_module_fallback(tmp_path, monkeypatch):
     assert runner.fairseq_command("fairseq-validate") == [sys.executable, "-m", "fairseq_cli.validate"]
 
 
+@pytest.mark.slow
 def test_short_to_long_runs_through_fairseq_and_reports_each_bin(tmp_path):
     """FLOATER paper, figure 2, at toy size: sinusoidal and the bounded FLOATER through the recipe's
     steps (split, prepare, train.sh, evaluate.py with and without the stop, report.py)."""

@@ -141,6 +141,7 @@ def owns_parameters(name):
 DISTRIBUTED = sorted({name for name in EVERY_ENCODING if owns_parameters(name)} | {"sinusoidal"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("encoding", DISTRIBUTED)
 def test_trains_in_two_gloo_processes_and_resumes(translation_data, tmp_path, encoding):
     command = ["fairseq-train", translation_data, "--user-dir", USER_DIR, "--arch", f"transformer_{encoding}",
