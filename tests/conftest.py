@@ -12,9 +12,8 @@ from util import QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, built_on
 
 # Every pytest-xdist worker is a process of its own: torch's default of one intra-op thread per core in
 # each of them oversubscribes the cores, and the tiny models' many small operations then wait on each
-# other (tests/models/test_mixed_precision.py with -n 2 on 2 busy cores: 97 s with torch's default,
-# 31 s with one thread per worker). Each worker, and each command it starts, gets its share of the
-# cores instead, unless OMP_NUM_THREADS says otherwise.
+# other (docs/benchmarks.md, "The test suite"). Each worker, and each command it starts, gets its share
+# of the cores instead, unless OMP_NUM_THREADS says otherwise.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
