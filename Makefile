@@ -6,9 +6,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
-PYTEST_ARGS ?= -n 2
+PYTEST_ARGS ?= -n 2 --dist worksteal
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test test-fast clean
 venv: $(STAMP)
 
 # Order matters: torch pinned first (an open torch requirement pulls a multi-GB CUDA build),
@@ -32,6 +32,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
+
+# the same suite without the tests marked @pytest.mark.slow (the long end-to-end runs; see tests/conftest.py)
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf work/ .pytest_cache
