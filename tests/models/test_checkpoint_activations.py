@@ -12,9 +12,10 @@ NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropou
 CASES = [(name, []) for name in sorted(ENCODINGS)] + [("floater", ["--floater-recompute-every", "3"])]
 
 
-def gradients(data, encoding, extra, state=None, wrap=None):
-    """The model's parameter gradients of one loss; `state`: load these parameters (else perturb
-    the encoding's away from identity); `wrap`: run the model through `wrap(model)` (e.g. DDP)."""
+def gradients_of_steps(data, encoding, extra, state=None, wrap=None, steps=2):
+    """The model's parameter gradients of each of `steps` forward/backward passes of one loss (the same
+    batch, gradients cleared between, no update); `state`: load these parameters (else perturb the
+    encoding's away from identity); `wrap`: run the model through `wrap(model)` (DDP)."""
     torch.manual_seed(0)
     model, task, _ = build_model(data, f"transformer_{encoding}", [*TINY_TRANSFORMER, *NO_DROPOUT, *extra])
     if state is None:
@@ -23,10 +24,21 @@ def gradients(data, encoding, extra, state=None, wrap=None):
         model.load_state_dict(state, strict=False)
     model.train()
     model.set_num_updates(0)
+    forward = wrap(model) if wrap is not None else model
     src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
-    logits, _ = (wrap(model) if wrap is not None else model)(src, src_lengths, prev)
-    logits.float().log_softmax(-1)[..., 5].sum().backward()
-    return model, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    per_step = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        logits, _ = forward(src, src_lengths, prev)
+        logits.float().log_softmax(-1)[..., 5].sum().backward()
+        per_step.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    return model, per_step
+
+
+def gradients(data, encoding, extra, state=None, wrap=None):
+    """The model's parameter gradients of one loss (`gradients_of_steps`' first step)."""
+    model, per_step = gradients_of_steps(data, encoding, extra, state, wrap, steps=1)
+    return model, per_step[0]
 
 
 def assert_same_gradients(actual, expected, context=""):

@@ -15,9 +15,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from posenc_fairseq.encodings import ENCODINGS
-from test_checkpoint_activations import NO_DROPOUT, assert_same_gradients
-from test_every_encoding import perturb_away_from_identity
-from util import TINY_TRANSFORMER, build_model, random_batch
+from test_checkpoint_activations import NO_DROPOUT, assert_same_gradients, gradients_of_steps
+from util import TINY_TRANSFORMER, build_model
 
 SHARED = ["--scalar-bias-layers", "all", "--scalar-bias-share-layers"]
 CASES = ([(name, []) for name in sorted(ENCODINGS)]
@@ -46,29 +45,6 @@ def fairseq_c10d(model):
     (broadcast_buffers, bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view), on CPU."""
     return DistributedDataParallel(model, device_ids=None, output_device=None, broadcast_buffers=False,
                                    bucket_cap_mb=25, find_unused_parameters=False, gradient_as_bucket_view=False)
-
-
-def gradients_of_steps(data, encoding, extra, state=None, wrap=None, steps=2):
-    """The model's parameter gradients of each of `steps` forward/backward passes of one loss (the same
-    batch, gradients cleared between, no update); `state`: load these parameters (else perturb the
-    encoding's away from identity); `wrap`: run the model through `wrap(model)` (DDP)."""
-    torch.manual_seed(0)
-    model, task, _ = build_model(data, f"transformer_{encoding}", [*TINY_TRANSFORMER, *NO_DROPOUT, *extra])
-    if state is None:
-        perturb_away_from_identity(model)
-    else:
-        model.load_state_dict(state, strict=False)
-    model.train()
-    model.set_num_updates(0)
-    forward = wrap(model) if wrap is not None else model
-    src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
-    per_step = []
-    for _ in range(steps):
-        model.zero_grad(set_to_none=True)
-        logits, _ = forward(src, src_lengths, prev)
-        logits.float().log_softmax(-1)[..., 5].sum().backward()
-        per_step.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
-    return model, per_step
 
 
 @pytest.mark.parametrize("encoding,extra", CASES, ids=[f"{n}{'-' + '-'.join(e).replace('--', '') if e else ''}"
