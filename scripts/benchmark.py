@@ -25,6 +25,7 @@ Usage: benchmark.py [--archs transformer_sinusoidal transformer_t5 ...] [--lengt
        benchmark.py --growth [--archs ...] [--repeats 3]
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -41,27 +42,13 @@ def measure(arch, args):
     import torch
 
     import posenc_fairseq  # noqa: F401
-    from fairseq import options, tasks
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = torch.device(args.device)
 
     def build(name):
-        with tempfile.TemporaryDirectory() as data:
-            for lang in ("src", "tgt"):
-                Path(data, f"dict.{lang}.txt").write_text("".join(f"w{i} 1\n" for i in range(args.vocab)))
-            parser = options.get_training_parser()
-            model_args = options.parse_args_and_arch(parser, [
-                data, "--task", "translation", "-s", "src", "-t", "tgt", "--arch", name, "--user-dir",
-                str(REPO / "posenc_fairseq"), "--max-source-positions", "100000", "--max-target-positions", "100000",
-                "--encoder-layers", str(args.layers), "--decoder-layers", str(args.layers),
-                "--encoder-embed-dim", str(args.dim), "--decoder-embed-dim", str(args.dim),
-                "--encoder-ffn-embed-dim", str(4 * args.dim), "--decoder-ffn-embed-dim", str(4 * args.dim),
-                "--encoder-attention-heads", str(args.heads), "--decoder-attention-heads", str(args.heads),
-                *args.extra])
-            task = tasks.setup_task(model_args)
-            return task.build_model(model_args).to(device), task
+        return build_model(name, args, device, args.extra)
 
     # the model built first in a process measured ~1% slower than the same model built second
     # (docs/benchmarks.md): odd rounds build the reference first
@@ -73,19 +60,7 @@ def measure(arch, args):
     lengths = torch.full((args.batch,), args.length, device=device)
 
     def trainer(net):
-        """One training update of `net` (forward, backward, Adam) as a function to time."""
-        optimizer = torch.optim.Adam(net.parameters(), lr=1e-4)
-        updates = [0]
-
-        def step():
-            updates[0] += 1
-            net.set_num_updates(updates[0])
-            logits, _ = net(src, lengths, prev)
-            loss = logits.float().logsumexp(-1).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        return step
+        return training_step(net, src, lengths, prev)
 
     step = trainer(model)
 
@@ -139,6 +114,55 @@ def measure(arch, args):
         for prefix, seconds in alternating_medians(beams, args.gen_repeats, sync).items():
             result[prefix + "beam_tokens_per_s"] = args.gen_length / seconds
     return result
+
+
+def build_model(name, args, device, extra):
+    """(model, task): `name` built as fairseq-train builds it for translation, on a dictionary of
+    args.vocab words, args.layers + args.layers layers of width args.dim with args.heads heads and an
+    FFN of 4 x args.dim, `extra` (further model options) last, moved to `device`."""
+    from fairseq import options, tasks
+
+    with tempfile.TemporaryDirectory() as data:
+        for lang in ("src", "tgt"):
+            Path(data, f"dict.{lang}.txt").write_text("".join(f"w{i} 1\n" for i in range(args.vocab)))
+        parser = options.get_training_parser()
+        model_args = options.parse_args_and_arch(parser, [
+            data, "--task", "translation", "-s", "src", "-t", "tgt", "--arch", name, "--user-dir",
+            str(REPO / "posenc_fairseq"), "--max-source-positions", "100000", "--max-target-positions", "100000",
+            "--encoder-layers", str(args.layers), "--decoder-layers", str(args.layers),
+            "--encoder-embed-dim", str(args.dim), "--decoder-embed-dim", str(args.dim),
+            "--encoder-ffn-embed-dim", str(4 * args.dim), "--decoder-ffn-embed-dim", str(4 * args.dim),
+            "--encoder-attention-heads", str(args.heads), "--decoder-attention-heads", str(args.heads),
+            *extra])
+        task = tasks.setup_task(model_args)
+        return task.build_model(model_args).to(device), task
+
+
+def training_step(net, src, lengths, prev, autocast=None, scaler=None):
+    """One training update of `net` (forward, backward, Adam) on the batch (src, lengths, prev) as a
+    function to time. `autocast`: a context factory the forward runs under (mixed precision, as
+    fairseq's --amp); `scaler`: fp16's gradient scaler. Each call counts one update, as fairseq's
+    trainer does (FLOATER's --floater-recompute-every window follows it)."""
+    import torch
+
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-4)
+    updates = [0]
+
+    def step():
+        updates[0] += 1
+        net.set_num_updates(updates[0])
+        with autocast() if autocast is not None else contextlib.nullcontext():
+            logits, _ = net(src, lengths, prev)
+            loss = logits.float().logsumexp(-1).mean()
+        optimizer.zero_grad()
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    return step
 
 
 def greedy_decode(model, src, lengths, task, args):

@@ -1,0 +1,117 @@
+"""scripts/gpu_benchmark.py on the CPU with a tiny model: the records' format, the reference figures,
+FLOATER's two models, the table, and what a bad architecture name or a spent budget gives."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from util import REPO, load_script, run
+
+SCRIPT = REPO / "scripts" / "gpu_benchmark.py"
+TINY = ["--device", "cpu", "--layers", "1", "--dim", "16", "--heads", "2", "--vocab", "40", "--warmup", "1",
+        "--steps", "1", "--gen-length", "3", "--gen-repeats", "1"]
+# the second size is past --gen-max-length: its generation is skipped by the rule, not by an error
+SIZES = [(2, 12), (1, 20)]
+ARCHS = ["transformer_sinusoidal", "transformer_floater"]
+FLOATER_OPTIONS = ["--floater-recompute-every 10", "--floater-recompute-every 1"]
+REQUIRED = {"arch": str, "options": str, "device_name": str, "torch": str, "commit": str, "dtype": str,
+            "batch": int, "length": int, "train_tokens_per_s": (float, type(None)),
+            "peak_memory_mb": type(None), "generate_tokens_per_s": (float, type(None)), "reference": dict}
+FIGURES = ("train_tokens_per_s", "peak_memory_mb", "generate_tokens_per_s")
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gpu_benchmark")
+    out = folder / "gpu_benchmark.json"
+    printed = run([sys.executable, SCRIPT, *TINY, "--archs", *ARCHS, "--sizes", *(f"{b}x{n}" for b, n in SIZES),
+                   "--gen-max-length", "16", "--out", out])
+    return json.loads(out.read_text()), out, printed
+
+
+def test_one_well_formed_record_per_measurement(measured):
+    records, out, _ = measured
+    assert isinstance(records, list)
+    models = [("transformer", ""), ("transformer_sinusoidal", "")] + [("transformer_floater", o) for o in FLOATER_OPTIONS]
+    expected = [(arch, options, dtype, b, n) for arch, options in models for dtype in ("bf16", "fp16") for b, n in SIZES]
+    assert [(r["arch"], r["options"], r["dtype"], r["batch"], r["length"]) for r in records] == expected
+    for item in records:
+        for field, kind in REQUIRED.items():
+            assert isinstance(item[field], kind), (field, item)
+        assert sorted(item["reference"]) == sorted(FIGURES)
+        assert item["error"] is None or isinstance(item["error"], str)
+        if item["error"] is None:  # measured: positive speed, the profiler's operators named
+            assert item["train_tokens_per_s"] > 0 and item["kernels"] and all(isinstance(k, str) for k in item["kernels"])
+            assert (item["generate_tokens_per_s"] is None) == (item["length"] > 16)
+        else:  # fp16 training may fail on a CPU: then nothing else is claimed
+            assert item["dtype"] == "fp16" and item["train_tokens_per_s"] is None
+    assert all(item["error"] is None for item in records if item["dtype"] == "bf16")
+    # whole windows of FLOATER's cached solve are timed
+    assert {item["train_steps"] for item in records if item["options"] == FLOATER_OPTIONS[0]} == {10}
+    assert [path.name for path in out.parent.iterdir()] == [out.name]  # no temporary file left
+
+
+def test_reference_is_stock_transformer_in_the_same_cell(measured):
+    records, _, _ = measured
+    stock = {(r["dtype"], r["batch"], r["length"]): r for r in records if r["arch"] == "transformer"}
+    assert len(stock) == 4
+    for item in records:
+        cell = stock[(item["dtype"], item["batch"], item["length"])]
+        assert item["reference"] == {figure: cell[figure] for figure in FIGURES}
+
+
+def test_table_gives_ratios_to_stock_and_floater_to_sinusoidal(measured):
+    records, out, printed = measured
+    table = subprocess.run([sys.executable, SCRIPT, "--table", out], capture_output=True, text=True, check=True).stdout
+    assert table in printed  # the run prints the same table
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| transformer")]
+    assert len(rows) == len(records)
+    for row, item in zip(rows, records):
+        assert row[0] == f"| {item['arch']}" and row[2:4] == [item["dtype"], f"{item['batch']} x {item['length']}"]
+        if item["arch"] == "transformer" and item["error"] is None:
+            assert row[5] == "1.00"  # training, as a ratio to itself
+        if item["arch"] == "transformer_floater":
+            sinusoidal = next(r for r in records if r["arch"] == "transformer_sinusoidal"
+                              and (r["dtype"], r["batch"], r["length"]) == (item["dtype"], item["batch"], item["length"]))
+            if item["error"] is None and sinusoidal["error"] is None:  # step time: the inverse of tokens/s
+                assert row[10] == f"{sinusoidal['train_tokens_per_s'] / item['train_tokens_per_s']:.2f}"
+        else:
+            assert row[10] == ""
+
+
+def test_bad_arch_is_refused_and_nothing_written(tmp_path):
+    out = tmp_path / "never.json"
+    done = subprocess.run([sys.executable, SCRIPT, *TINY, "--archs", "transformer_nosuch", "--out", out],
+                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 2 and "unknown architecture(s) transformer_nosuch" in done.stderr
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_a_spent_budget_records_errors_not_figures():
+    gpu_benchmark = load_script(SCRIPT)
+    records = gpu_benchmark.run_all(gpu_benchmark.parse_args([*TINY, "--archs", "transformer_alibi", "--budget", "1e-9"]))
+    assert [(r["arch"], r["dtype"]) for r in records] == [(arch, dtype) for arch in ("transformer", "transformer_alibi")
+                                                         for dtype in ("bf16", "fp16") for _ in range(2)]
+    for item in records:
+        assert item["error"].startswith("not measured: --budget")
+        assert all(item[figure] is None and item["reference"][figure] is None for figure in FIGURES)
+
+
+def test_a_failed_cell_gives_nulls_and_an_error_and_the_others_go_on(tmp_path, monkeypatch):
+    gpu_benchmark = load_script(SCRIPT)
+    measure_cell = gpu_benchmark.measure_cell
+
+    def out_of_memory_in_bf16(model, task, args, device, cell, steps, deadline):
+        if cell[0] == "bf16":
+            raise RuntimeError("out of memory (as CUDA says it)")
+        return measure_cell(model, task, args, device, cell, steps, deadline)
+
+    monkeypatch.setattr(gpu_benchmark, "measure_cell", out_of_memory_in_bf16)
+    args = gpu_benchmark.parse_args([*TINY, "--sizes", "1x8", "--gen-max-length", "0"])
+    gpu_benchmark.measure_model("transformer_alibi", "", args, gpu_benchmark.time.time() + 60, tmp_path / "cells.jsonl")
+    failed, measured = map(json.loads, (tmp_path / "cells.jsonl").read_text().splitlines())
+    assert failed["dtype"] == "bf16" and failed["error"] == "RuntimeError: out of memory (as CUDA says it)"
+    assert all(failed[figure] is None for figure in FIGURES)
+    assert measured["dtype"] == "fp16" and (measured["error"] is None) == (measured["train_tokens_per_s"] is not None)
