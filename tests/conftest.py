@@ -10,6 +10,9 @@ import torch
 from posenc_fairseq.toy_data import monolingual_corpus, parallel_corpus, write_parallel
 from util import QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, built_once, run
 
+# --device cpu|cuda, the `device` fixture and marker, and the bounds per device (tests/devices.py)
+pytest_plugins = ["devices"]
+
 # Every pytest-xdist worker is a process of its own: torch's default of one intra-op thread per core in
 # each of them oversubscribes the cores, and the tiny models' many small operations then wait on each
 # other (docs/benchmarks.md, "The test suite"). Each worker, and each command it starts, gets its share
