@@ -6,7 +6,8 @@ Two steps each: DDP reports a parameter whose gradient it did not reduce (none r
 backward ended before its bucket did) only at the next forward.
 
 fairseq's own wrapper (distributed_fairseq_model) passes `device_ids=[device]`, which DDP refuses for a
-CPU module; the wrapping here is the same call without it (one gloo process)."""
+CPU module; the wrapping here is the same call without it on the CPU (one gloo process), with it on
+CUDA (--device cuda: one NCCL process, as fairseq trains on GPUs)."""
 import socket
 
 import pytest
@@ -26,14 +27,18 @@ FLAGS = [[], ["--checkpoint-activations"], ["--offload-activations"]]
 
 
 @pytest.fixture(scope="module")
-def process_group():
+def process_group(device):
+    """One process: gloo on the CPU, NCCL on CUDA (fairseq's backends for each)."""
     if dist.is_initialized():
         yield
         return
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         yield
     finally:
@@ -42,35 +47,40 @@ def process_group():
 
 def fairseq_c10d(model):
     """fairseq's DistributedDataParallel call for --ddp-backend c10d/pytorch_ddp, its defaults
-    (broadcast_buffers, bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view), on CPU."""
-    return DistributedDataParallel(model, device_ids=None, output_device=None, broadcast_buffers=False,
+    (broadcast_buffers, bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view); its device
+    (device_ids, output_device) on CUDA only."""
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    return DistributedDataParallel(model, device_ids=[device.index] if cuda else None,
+                                   output_device=device.index if cuda else None, broadcast_buffers=False,
                                    bucket_cap_mb=25, find_unused_parameters=False, gradient_as_bucket_view=False)
 
 
 @pytest.mark.parametrize("encoding,extra", CASES, ids=[f"{n}{'-' + '-'.join(e).replace('--', '') if e else ''}"
                                                        for n, e in CASES])
-def test_ddp_gives_the_plain_gradients(translation_data, process_group, encoding, extra):
+def test_ddp_gives_the_plain_gradients(translation_data, device, process_group, encoding, extra):
     """Each of FLAGS (plain, --checkpoint-activations, --offload-activations) under DDP against the
-    plain model's gradients of the same two steps (computed once per case)."""
-    plain_model, plain = gradients_of_steps(translation_data, encoding, extra)
+    plain model's gradients of the same two steps (computed once per case), on the device."""
+    plain_model, plain = gradients_of_steps(translation_data, encoding, extra, device=device)
     state = {k: v for k, v in plain_model.state_dict().items() if "window_" not in k}
     for flag in FLAGS:
-        _, wrapped = gradients_of_steps(translation_data, encoding, [*extra, *flag], state, wrap=fairseq_c10d)
+        _, wrapped = gradients_of_steps(translation_data, encoding, [*extra, *flag], state, wrap=fairseq_c10d,
+                                        device=device)
         assert len(wrapped) == len(plain) == 2
         for step, (got, expected) in enumerate(zip(wrapped, plain), start=1):
             assert_same_gradients(got, expected, (encoding, extra, flag, f"step {step}"))
 
 
-def test_an_unreduced_gradient_shows_at_the_second_step(translation_data, process_group):
+def test_an_unreduced_gradient_shows_at_the_second_step(translation_data, device, process_group):
     """Why two steps: a parameter no gradient reaches passes one DDP step silently; the next forward
     raises."""
     def with_an_unused_parameter(model):
-        model.register_parameter("unused", torch.nn.Parameter(torch.zeros(1)))
+        model.register_parameter("unused", torch.nn.Parameter(torch.zeros(1, device=device)))
         return fairseq_c10d(model)
 
-    gradients_of_steps(translation_data, "t5", [], wrap=with_an_unused_parameter, steps=1)
+    gradients_of_steps(translation_data, "t5", [], wrap=with_an_unused_parameter, steps=1, device=device)
     with pytest.raises(RuntimeError, match="finished reduction in the prior iteration"):
-        gradients_of_steps(translation_data, "t5", [], wrap=with_an_unused_parameter, steps=2)
+        gradients_of_steps(translation_data, "t5", [], wrap=with_an_unused_parameter, steps=2, device=device)
 
 
 def test_the_reentrant_wrapper_is_not_used(translation_data):

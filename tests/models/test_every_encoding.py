@@ -10,6 +10,7 @@ import posenc_fairseq  # noqa: F401
 from fairseq.models import ARCH_MODEL_REGISTRY
 from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
 from posenc_fairseq.encodings.base import PROJECTION_HOOKS, RELATIVE_HOOKS, PositionalEncoding
+from devices import bound, on
 from util import (QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, encoding_options, random_batch,
                   run_distributed)
 
@@ -35,21 +36,26 @@ def decoder_logits_full_and_stepwise(model, src, src_lengths, prev):
 
 
 @pytest.mark.parametrize("encoding", EVERY_ENCODING)
-def test_incremental_decoding_equals_full_forward(translation_data, encoding):
-    model, task = perturbed_translation_model(translation_data, encoding)
-    src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_incremental_decoding_equals_full_forward(translation_data, device, encoding, dtype):
+    """One token at a time (other kernels than the pass's on CUDA) equals the full pass in the model's
+    dtype; half precision on CUDA only (devices.BOUNDS)."""
+    limit = bound(device, "steps vs pass", dtype)
+    model, task = perturbed_translation_model(translation_data, encoding, device)
+    model.to(dtype)
+    src, src_lengths, prev = on(device, *random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7))
     with torch.no_grad():
         full, stepwise = decoder_logits_full_and_stepwise(model, src, src_lengths, prev)
-    assert (full - stepwise).abs().max() <= 1e-5
+    assert (full.float() - stepwise.float()).abs().max() <= limit
 
 
-def perturbed_translation_model(data, encoding):
-    """Tiny transformer_{encoding} in eval mode with its encoding moved away from identity."""
+def perturbed_translation_model(data, encoding, device="cpu"):
+    """Tiny transformer_{encoding} in eval mode with its encoding moved away from identity, on `device`."""
     torch.manual_seed(0)
     model, task, _ = build_model(data, f"transformer_{encoding}", TINY_TRANSFORMER)
     model.eval()
     perturb_away_from_identity(model)
-    return model, task
+    return model.to(device), task
 
 
 def perturb_away_from_identity(model):
@@ -99,12 +105,12 @@ def test_position_information_changes_the_output_or_not(translation_data, encodi
 
 
 @pytest.mark.parametrize("encoding", EVERY_ENCODING)
-def test_runs_on_inputs_longer_than_training(translation_data, encoding):
+def test_runs_on_inputs_longer_than_training(translation_data, device, encoding):
     torch.manual_seed(0)
     extra = [*TINY_TRANSFORMER, "--max-source-positions", "64", "--max-target-positions", "64"]
     model, task, args = build_model(translation_data, f"transformer_{encoding}", extra)
-    model.eval()
-    src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=1000, tgt_len=1000)
+    model.eval().to(device)
+    src, src_lengths, prev = on(device, *random_batch(task.source_dictionary, batch=1, src_len=1000, tgt_len=1000))
     if args.input_positions == "learned":
         with pytest.raises(ValueError, match="learned position table"):
             model(src, src_lengths, prev)
@@ -115,19 +121,21 @@ def test_runs_on_inputs_longer_than_training(translation_data, encoding):
 
 
 @pytest.mark.parametrize("encoding", EVERY_ENCODING)
-def test_roberta_features_ignore_padding(masked_lm_data, encoding):
+def test_roberta_features_ignore_padding(masked_lm_data, device, encoding):
     torch.manual_seed(0)
     model, task, _ = build_model(masked_lm_data, f"roberta_{encoding}", TINY_ROBERTA, task="masked_lm")
     model.eval()
     perturb_away_from_identity(model)
+    model.to(device)
     dictionary = task.source_dictionary
     tokens = torch.randint(dictionary.nspecial, len(dictionary), (1, 10))
     tokens[0, 0], tokens[0, -1] = dictionary.bos(), dictionary.eos()
     padded = torch.cat([tokens, torch.full((1, 4), dictionary.pad())], dim=1)
+    tokens, padded = on(device, tokens, padded)
     with torch.no_grad():
         features, _ = model(tokens, features_only=True)
         features_padded, _ = model(padded, features_only=True)
-    assert (features - features_padded[:, :10]).abs().max() <= 1e-5
+    assert (features - features_padded[:, :10]).abs().max() <= bound(device, "padding")
 
 
 
@@ -154,7 +162,7 @@ def test_trains_in_two_gloo_processes_and_resumes(translation_data, tmp_path, en
 
 @pytest.mark.parametrize("encoding", EVERY_ENCODING)
 @pytest.mark.parametrize("family", ["transformer", "roberta"])
-def test_every_parameter_receives_a_gradient(translation_data, masked_lm_data, encoding, family):
+def test_every_parameter_receives_a_gradient(translation_data, masked_lm_data, device, encoding, family):
     """What DDP's unused-parameter check (pytorch_ddp) demands; legacy_ddp would not notice."""
     torch.manual_seed(0)
     if family == "transformer":
@@ -163,41 +171,38 @@ def test_every_parameter_receives_a_gradient(translation_data, masked_lm_data, e
         model, task, _ = build_model(masked_lm_data, f"roberta_{encoding}", TINY_ROBERTA, task="masked_lm")
     model.train()
     perturb_away_from_identity(model)  # a zero last layer would block the gradient behind it
+    model.to(device)
     if family == "transformer":
-        src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=6, tgt_len=5)
+        src, src_lengths, prev = on(device, *random_batch(task.source_dictionary, batch=2, src_len=6, tgt_len=5))
         output, _ = model(src, src_lengths, prev)
     else:
         tokens = torch.randint(task.source_dictionary.nspecial, len(task.source_dictionary), (2, 8))
-        output, _ = model(tokens)
+        output, _ = model(tokens.to(device))
     output.float().pow(2).mean().backward()
     unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
     assert not unused
 
 
-# |half - fp32| of the logits over the largest fp32 logit: about twice the largest difference measured
-# over the encodings (here and in test_lm.py), well below what losing the position term changes
-HALF_PRECISION_LOGITS = {torch.bfloat16: 0.02, torch.float16: 0.003}
-
-
 def assert_half_precision_close(model, inputs, dtype, has_position_term=True):
-    """`model` (fp32) converted to `dtype`: finite logits within HALF_PRECISION_LOGITS of fp32's, a
-    bound that the same model without its position term exceeds (it would catch a dropped term)."""
+    """`model` (fp32) converted to `dtype`: finite logits within devices.BOUNDS' "half logits" of fp32's
+    (about twice the largest difference measured on the CPU over the encodings, here and in test_lm.py),
+    a bound that the same model without its position term exceeds (it would catch a dropped term)."""
     with torch.no_grad():
         reference, _ = model(*inputs)
         dropped, _ = without_position_term(model)(*inputs)
         half, _ = model.to(dtype)(*inputs)
-    bound = HALF_PRECISION_LOGITS[dtype] * reference.abs().max()
+    limit = bound(reference.device, "half logits", dtype) * reference.abs().max()
     assert torch.isfinite(half).all()
-    assert (half.float() - reference).abs().max() <= bound
+    assert (half.float() - reference).abs().max() <= limit
     if has_position_term:
-        assert (dropped - reference).abs().max() > bound
+        assert (dropped - reference).abs().max() > limit
 
 
 @pytest.mark.parametrize("encoding", EVERY_ENCODING)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_forward_is_finite_and_close(translation_data, encoding, dtype):
+def test_half_precision_forward_is_finite_and_close(translation_data, device, encoding, dtype):
     """Padded batch (left-padded source, causal decoder) in bf16/fp16: dtype-aware masks, no NaN,
     the logits as close to fp32's as the dtype's rounding allows."""
-    model, task = perturbed_translation_model(translation_data, encoding)
-    src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
+    model, task = perturbed_translation_model(translation_data, encoding, device)
+    src, src_lengths, prev = on(device, *random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7))
     assert_half_precision_close(model, (src, src_lengths, prev), dtype, has_position_term=encoding != "nope")
