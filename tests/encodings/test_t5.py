@@ -37,9 +37,11 @@ DISTANCES = torch.arange(-4096, 4097)
 @pytest.mark.parametrize("num_buckets", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("max_distance", [16, 64, 128, 512])
 @pytest.mark.parametrize("bidirectional", [True, False])
-def test_buckets_equal_independent_reference(num_buckets, max_distance, bidirectional):
-    got = relative_position_bucket(DISTANCES, bidirectional, num_buckets, max_distance)
-    assert got.dtype == torch.long and got.shape == DISTANCES.shape
+def test_buckets_equal_independent_reference(device, num_buckets, max_distance, bidirectional):
+    """The buckets computed on the device (CUDA's log and rounding are its own) against the scalar
+    reference."""
+    got = relative_position_bucket(DISTANCES.to(device), bidirectional, num_buckets, max_distance)
+    assert got.dtype == torch.long and got.shape == DISTANCES.shape and got.device == device
     compared = 0
     for rp, bucket in zip(DISTANCES.tolist(), got.tolist()):
         expected = reference_bucket(rp, bidirectional, num_buckets, max_distance)
@@ -49,12 +51,13 @@ def test_buckets_equal_independent_reference(num_buckets, max_distance, bidirect
     assert compared >= 2 * 8  # at least the exact buckets of both sides
 
 
-def test_bucket_function_any_shape_and_known_values():
-    rp = torch.tensor([[0, 1, -1], [200, -200, 7]])
+def test_bucket_function_any_shape_and_known_values(device):
+    rp = torch.tensor([[0, 1, -1], [200, -200, 7], [2 ** 20, -(2 ** 20), 99999]], device=device)
     got = relative_position_bucket(rp, True, 32, 128)
-    # bidirectional 32/128: 16 buckets a side, 8 exact; beyond 128 the last bucket of the side
-    assert got.tolist() == [[0, 17, 1], [31, 15, 23]]
-    assert relative_position_bucket(rp, False, 32, 128).tolist() == [[0, 0, 1], [0, 31, 0]]
+    # bidirectional 32/128: 16 buckets a side, 8 exact; beyond 128 (also far beyond: a float32 log of
+    # 2^20) the last bucket of the side
+    assert got.tolist() == [[0, 17, 1], [31, 15, 23], [31, 15, 31]]
+    assert relative_position_bucket(rp, False, 32, 128).tolist() == [[0, 0, 1], [0, 31, 0], [0, 31, 0]]
 
 
 def make(name, layers=2, heads=4, **options):

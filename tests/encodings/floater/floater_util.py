@@ -117,5 +117,3 @@ def counting_solves(monkeypatch):
     monkeypatch.setattr(solver, "fixed_grid_solve", counting)
     return calls
 
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

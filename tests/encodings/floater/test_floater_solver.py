@@ -5,7 +5,8 @@ import pytest
 import torch
 import torchdiffeq
 
-from floater_util import DEVICES, floater_model, perturb
+from devices import bound
+from floater_util import floater_model, perturb
 from posenc_fairseq.encodings.floater import (TABLEAUS, Dynamics, FixedGridSolve, HiddenSpaceSolve, dynamics_function,
                                               grid_times, solver, subdivided_grid)
 from util import random_batch
@@ -162,19 +163,19 @@ def test_half_precision_model_at_2048_tokens_is_close_to_fp32(translation_data, 
     assert (got.float() - reference).abs().max() <= tolerance * reference.abs().max()
 
 
-@pytest.mark.parametrize("device,method,adjoint,built,expected", [
+@pytest.mark.parametrize("model_device,method,adjoint,built,expected", [
     ("cuda", "rk4", False, True, "cpu"), ("cuda", "midpoint", False, True, "cpu"), ("cuda", "euler", False, True, "cpu"),
     ("cuda", "rk4", True, True, "cuda"),  # the continuous adjoint: torchdiffeq, on the GPU
     ("cuda", "dopri5", False, True, "cuda"),  # adaptive steps: torchdiffeq, on the GPU
     ("cuda", "rk4", False, False, "cuda"),  # the extension not built: the Python loops, on the GPU
     ("cpu", "rk4", False, True, "cpu"), ("cpu", "dopri5", False, True, "cpu")])
-def test_a_cuda_fixed_grid_solve_runs_on_the_cpu_in_the_compiled_loops(device, method, adjoint, built, expected,
-                                                                       monkeypatch):
+def test_a_cuda_fixed_grid_solve_runs_on_the_cpu_in_the_compiled_loops(model_device, method, adjoint, built,
+                                                                       expected, monkeypatch):
     """On CUDA the Python loops launch dozens of tiny kernels per position: a fixed-grid solve
     without the adjoint runs in the compiled CPU loops instead, when they are built."""
     if not built:
         monkeypatch.setattr(solver, "floater_solve", None)
-    assert solver.solve_device(torch.device(device), method, adjoint) == torch.device(expected)
+    assert solver.solve_device(torch.device(model_device), method, adjoint) == torch.device(expected)
 
 
 def floater_solve_inputs(data, device):
@@ -184,7 +185,6 @@ def floater_solve_inputs(data, device):
     return model, encoding, [*encoding.dynamics.parameters(), *encoding.initial_parameters()]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_the_solve_cuda_takes_equals_the_python_loops(translation_data, device, monkeypatch):
     """The table and every gradient of a solve as CUDA runs it (inputs copied to the CPU, the
     compiled loops, the table copied back) equal the Python loops on the inputs' own device (what
@@ -204,11 +204,12 @@ def test_the_solve_cuda_takes_equals_the_python_loops(translation_data, device, 
         "backward": staticmethod(loops.backward)}))
     table = encoding.solve(21)
     grads = torch.autograd.grad(table, inputs, upstream.to(device))
-    assert consulted == [(torch.device(device), "rk4", False)] and compiled == [torch.device("cpu")]
+    assert consulted == [(device, "rk4", False)] and compiled == [torch.device("cpu")]
     assert table.device == reference.device and table.dtype == torch.float32
-    assert (table - reference).abs().max() <= 1e-5 * reference.abs().max() and reference.abs().max() > 0.1
+    limit = bound(device, "floater solve")
+    assert (table - reference).abs().max() <= limit * reference.abs().max() and reference.abs().max() > 0.1
     for grad, expected in zip(grads, reference_grads):
-        assert grad.device == expected.device and (grad - expected).abs().max() <= 1e-5 * expected.abs().max()
+        assert grad.device == expected.device and (grad - expected).abs().max() <= limit * expected.abs().max()
 
 
 @pytest.mark.parametrize("variant", [[], ["--floater-method", "dopri5"], ["--floater-adjoint"], "python loops"])

@@ -4,16 +4,18 @@ reused across decoding steps, and clear failure where the biases overflow the mo
 import pytest
 import torch
 
+from devices import on
 from floater_util import counting_solves, floater_model, model_gradients, perturb
 from posenc_fairseq.encodings import cache as cache_module
 from util import random_batch
 
 
-def test_gradients_with_the_k_update_window(translation_data, monkeypatch):
+def test_gradients_with_the_k_update_window(translation_data, device, monkeypatch):
     model, task, encoding = floater_model(translation_data, ["--floater-recompute-every", "3", "--dropout", "0"])
     model.train()
     perturb(model)
-    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=10, tgt_len=8)
+    model.to(device)
+    src, src_lengths, prev = on(device, *random_batch(task.source_dictionary, batch=2, src_len=10, tgt_len=8))
     calls = counting_solves(monkeypatch)
     model.set_num_updates(0)
     theta, b0 = model_gradients(model, encoding, src, src_lengths, prev)  # first pass of the window: solves
@@ -29,7 +31,7 @@ def test_gradients_with_the_k_update_window(translation_data, monkeypatch):
     with torch.no_grad():
         for p in encoding.dynamics.parameters():
             p.add_(0.05)  # what an optimizer step would do; the window's table must not follow
-    src2, len2, prev2 = random_batch(task.source_dictionary, batch=2, src_len=30, tgt_len=8)
+    src2, len2, prev2 = on(device, *random_batch(task.source_dictionary, batch=2, src_len=30, tgt_len=8))
     model_gradients(model, encoding, src2, len2, prev2)
     assert len(calls) == 2 and encoding.tables.window.table.values.size(0) >= 30
     assert torch.equal(encoding.tables.window.table.values[: window_table.size(0)], window_table)
@@ -145,29 +147,29 @@ def exploding(model, encoding):
 
 
 @pytest.mark.parametrize("dtype,limit", [(torch.float32, 400), (torch.float16, 60)])
-def test_overflowing_biases_fail_with_a_message_naming_the_position(translation_data, dtype, limit):
+def test_overflowing_biases_fail_with_a_message_naming_the_position(translation_data, device, dtype, limit):
     model, task, encoding = floater_model(translation_data, ["--max-source-positions", "2048"])
     model.eval()
     exploding(model, encoding)
-    model.to(dtype)
-    src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=8, tgt_len=8)
+    model.to(device, dtype)
+    src, src_lengths, prev = on(device, *random_batch(task.source_dictionary, batch=1, src_len=8, tgt_len=8))
     with torch.no_grad():
         short, _ = model(src, src_lengths, prev)  # short inputs stay fine
         assert torch.isfinite(short).all()
-        src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=limit, tgt_len=8)
+        src, src_lengths, prev = on(device, *random_batch(task.source_dictionary, batch=1, src_len=limit, tgt_len=8))
         with pytest.raises(ValueError, match=r"FLOATER position biases overflow at position \d+ .*--floater-delta"):
             model(src, src_lengths, prev)
 
 
-def test_decoding_steps_into_the_overflow_fail_with_the_message(translation_data):
+def test_decoding_steps_into_the_overflow_fail_with_the_message(translation_data, device):
     """Step-by-step decoding of a model whose biases overflow fp16 near position 60: every step
     before runs, the step at the first position fp16 cannot hold fails with the message (the later
     steps' kept rows stop short of it). (Its outputs may overflow earlier: biases near fp16's limit.)"""
     model, task, encoding = floater_model(translation_data, ["--max-target-positions", "2048"])
     model.eval()
     exploding(model, encoding)
-    model.half()
-    src, src_lengths, prev = random_batch(task.source_dictionary, batch=1, src_len=8, tgt_len=100)
+    model.to(device).half()
+    src, src_lengths, prev = on(device, *random_batch(task.source_dictionary, batch=1, src_len=8, tgt_len=100))
     with torch.no_grad():
         encoder_out = model.encoder(src, src_lengths=src_lengths)
         state, steps = {}, 0
