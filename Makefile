@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?= -n 2 --dist worksteal
 
-.PHONY: venv demo test test-fast clean
+.PHONY: venv demo test test-fast test-cuda clean
 venv: $(STAMP)
 
 # Order matters: torch pinned first (an open torch requirement pulls a multi-GB CUDA build),
@@ -36,6 +36,17 @@ test: $(STAMP)
 # the same suite without the tests marked @pytest.mark.slow (the long end-to-end runs; see tests/conftest.py)
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+# On a GPU machine: only the tests a GPU changes (marker `device`), on CUDA (tests/devices.py), after
+# scripts/gpu_device_setup.sh has made fairseq importable where there is no venv (it needs pytest there).
+# What ran, with the card, goes to a JUnit XML report: $OUT/pytest_cuda.xml where $OUT is set, else
+# docs/data/pytest_cuda.xml; -rA lists every test's outcome in the output too.
+CUDA_PYTHON ?= python3
+CUDA_REPORT ?= $(if $(OUT),$(OUT),docs/data)/pytest_cuda.xml
+CUDA_PYTEST_ARGS ?=
+test-cuda:
+	bash scripts/gpu_device_setup.sh $(CUDA_PYTHON) -m pytest tests -m device --device cuda -p no:cacheprovider \
+		-rA --junitxml=$(CUDA_REPORT) $(CUDA_PYTEST_ARGS)
 
 clean:
 	rm -rf work/ .pytest_cache

@@ -10,7 +10,8 @@
 #               dist-info), without fairseq's compiled .so files: the model code path does not use
 #               them (fairseq imports its Cython/C++ helpers lazily, for data loading and scoring)
 #   .gpu/whl/   wheels of the compiled packages fairseq imports at start-up (bitarray), built for
-#               that machine's Python (`pip download --python-version 3.12 ...`)
+#               that machine's Python (`pip download --python-version 3.12 ...`), and for the test
+#               suite (`make test-cuda`) pytest's and torchdiffeq's where the machine lacks them
 # Where fairseq already imports, nothing is added. Messages go to stderr.
 _posenc_setup() {
     local repo site python
@@ -32,6 +33,17 @@ _posenc_setup() {
                 --target "$site" "$repo"/.gpu/whl/*.whl >&2 || return 1
         fi
         export PYTHONPATH="$repo/.gpu/site:$site${PYTHONPATH:+:$PYTHONPATH}"
+        # fairseq's commands, which the tests run by name (fairseq-preprocess makes their data): no console
+        # scripts come with the copies, so each is a script that runs its fairseq_cli module
+        local command_name interpreter
+        interpreter=$(command -v "$python")
+        mkdir -p "$site/bin"
+        for command_name in preprocess train generate interactive validate eval_lm score; do
+            printf '#!/bin/sh\nexec "%s" -m fairseq_cli.%s "$@"\n' "$interpreter" "$command_name" \
+                >"$site/bin/fairseq-${command_name//_/-}"
+            chmod +x "$site/bin/fairseq-${command_name//_/-}"
+        done
+        export PATH="$site/bin:$PATH"
     fi
     export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
     # fairseq-train batches with fairseq's Cython batch_by_size: a pure-Python port where it is missing
