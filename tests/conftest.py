@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from posenc_fairseq.toy_data import monolingual_corpus, parallel_corpus, write_parallel
-from util import QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, built_once, run
+import fork_server
+from util import QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, built_once, command_env, run
 
 # --device cpu|cuda, the `device` fixture and marker, and the bounds per device (tests/devices.py)
 pytest_plugins = ["devices"]
@@ -35,6 +36,26 @@ def pytest_collection_modifyitems(config, items):
     """The slow tests first, otherwise in collection order: under xdist the long runs start while
     there is still other work to share, and the workers finish together."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server_for_commands(tmp_path_factory):
+    """fairseq's commands and the repository's scripts, run by the tests, start from a process that has
+    imported torch and fairseq already (tests/fork_server): the same run without seconds of imports
+    each. POSENC_TEST_FORK_SERVER=off runs every command as a new process."""
+    if os.environ.get("POSENC_TEST_FORK_SERVER", "").lower() == "off":
+        yield None
+        return
+    server, callers = fork_server.start(tmp_path_factory.mktemp("fork_server"), command_env())
+    saved = {name: os.environ.get(name) for name in callers}
+    os.environ.update(callers)
+    yield server
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    fork_server.stop(server)
 
 
 @pytest.fixture(scope="session")

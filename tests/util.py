@@ -27,14 +27,20 @@ QUICK_TRAIN = [
 ]
 
 
+def command_env(env=None):
+    """The environment of a command the tests run: one thread (the workers share the cores) and no
+    warnings, then `env`."""
+    full = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    full.update(env or {})
+    return full
+
+
 def run(command, cwd=None, env=None, timeout=600):
     """Run a fairseq (or any) command; fail the test with its output if it fails."""
     command = [str(part) for part in command]
     if not os.path.isabs(command[0]) and (BIN / command[0]).exists():
         command[0] = str(BIN / command[0])
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    full_env.update(env or {})
-    done = subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(command, cwd=cwd, env=command_env(env), capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise AssertionError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}")
     return done.stdout + done.stderr
