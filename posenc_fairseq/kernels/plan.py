@@ -1,12 +1,13 @@
 """Which kernel serves one attention call: `plan(AttentionCall) -> Plan`, the one place that decides.
 
-    STEP        a decoding step (one query): its terms as additions to q, k, v and the logits
-                (`distance.step_terms`), SDPA of the changed inputs (step.py)
+    STEP        a decoding step (one query): its logit term per key computed once per row
+                (`distance.step_logits`), nothing added to the cached keys and values (step.py)
     FLEX        FlexAttention, the encoding's per-distance terms read inside the kernel (flex.py)
     LOGITS      the caller asked for the logits before softmax (explicit.py)
     EXPLICIT    the softmax written out: attention weights asked for, a relative value term, or
                 terms with a gradient that no fused kernel serves well (explicit.py)
-    SDPA        PyTorch's fused attention, the dense terms as its float mask (sdpa.py)
+    SDPA        PyTorch's fused attention, the dense terms as its float mask (sdpa.py); told
+                `is_causal` where fairseq's future mask is all there is to add
     BIASED_CPU  CPU float32 training: SDPA's fused CPU kernel forward and a blockwise backward of
                 our own, for terms that need a gradient (biased_cpu.py)
 
@@ -81,15 +82,18 @@ class Kernel(enum.Enum):
 class Plan(NamedTuple):
     """`kernel` serves the call (or each block of `query_block` queries; None: one piece),
     `recompute_blocks`: each block is recomputed in backward (checkpointed), `fold_content`: the
-    encoding's `content_query` may be added to the queries of the product with the keys."""
+    encoding's `content_query` may be added to the queries of the product with the keys, `causal`:
+    SDPA is told the mask is causal (`is_causal`) instead of given it (on CUDA: the flash kernel)."""
     kernel: Kernel
     query_block: Optional[int] = None
     recompute_blocks: bool = False
     fold_content: bool = False
+    causal: bool = False
 
 
 #: the plans of whole calls (no query blocks): immutable values, made once rather than per call
 _WHOLE_CALL = {(kernel, fold): Plan(kernel, fold_content=fold) for kernel in Kernel for fold in (False, True)}
+_CAUSAL_SDPA = Plan(Kernel.SDPA, causal=True)
 
 
 def plan(call: AttentionCall) -> Plan:
@@ -105,6 +109,8 @@ def plan(call: AttentionCall) -> Plan:
         kernel = Kernel.EXPLICIT
     else:
         kernel = Kernel.SDPA
+    if kernel is Kernel.SDPA and _only_causal(call):
+        return _CAUSAL_SDPA
     # XL/GCDF's u.k_j: folded into the product with the keys, (q + u).k_j, where every key carries
     # the relative terms (one (B, H, Tq, Tk) addition fewer)
     fold_content = (call.term is not None and call.term.content is not None and not call.source_keys
@@ -148,6 +154,13 @@ def terms_need_gradient(call: AttentionCall, content_folded: bool) -> bool:
     if term.content is not None and not content_folded:
         needs += [call.k_target, term.content]
     return any(tensor is not None and tensor.requires_grad for tensor in needs)
+
+
+def _only_causal(call: AttentionCall) -> bool:
+    """Whether all that is added to the call's logits is fairseq's future mask over a square of
+    queries and keys: the decoder stack's own mask, no padding, no position terms."""
+    return (call.stack_mask and call.term is None and call.values is None and call.key_padding_mask is None
+            and not call.source_keys and call.q.size(2) == call.k.size(2))
 
 
 def _flex_serves(call: AttentionCall) -> bool:

@@ -5,9 +5,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, terms: Optional[Tensor], dropout_p: float) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, terms: Optional[Tensor], dropout_p: float, causal: bool = False) -> Tensor:
     """softmax(q k^T + terms) v, (B, H, Tq, D); `q` already scaled, `terms` broadcasting against
-    (B, H, Tq, Tk) or None."""
+    (B, H, Tq, Tk) or None; `causal`: no terms, and key j > query i blocked (Tq = Tk)."""
+    if causal:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0, dropout_p=dropout_p)
     if terms is not None:
         terms = terms.expand(q.size(0), q.size(1), q.size(2), k.size(2))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=terms, scale=1.0, dropout_p=dropout_p)

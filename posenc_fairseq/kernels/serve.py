@@ -16,7 +16,7 @@ def serve(call: AttentionCall, plan: Plan, dropout: Callable[[Tensor], Tensor]) 
     whole calls); LOGITS: the logits (B, H, Tq, Tk) instead. `dropout`: the attention's dropout
     module (EXPLICIT applies it to the probabilities)."""
     if plan.kernel is Kernel.STEP:
-        return step.attend(call), None
+        return step.attend(call, dropout), None
     content_query = call.term.content if plan.fold_content else None
     if plan.query_block is None:
         return _serve_piece(call, plan, content_query, dropout)
@@ -37,6 +37,8 @@ def _serve_piece(call: AttentionCall, plan: Plan, content_query: Optional[Tensor
         return masked_logits(call, explicit.logits(q, call.k, with_finite_mask(call, terms))), None
     if kernel is Kernel.EXPLICIT:  # (fills the blocked logits itself)
         return explicit.attend(call, q, with_finite_mask(call, terms), dropout)
+    if plan.causal:
+        return sdpa.attend(q, call.k, call.v, None, call.dropout_p, causal=True), None
     if call.attn_mask is not None or call.key_padding_mask is not None:
         terms = with_masks(call, terms)
     if kernel is Kernel.BIASED_CPU:

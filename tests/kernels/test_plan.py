@@ -13,7 +13,8 @@ HEADS, DIM = 2, 4
 
 def call(queries=5, keys=5, dtype=torch.float32, bias=False, vectors=False, content=False, values=False,
          parameters_grad=True, queries_grad=False, grad_enabled=True, recorded_run=False, flex_mode="off",
-         need_weights=False, before_softmax=False, future_blocked=False, logits=None, batch=1):
+         need_weights=False, before_softmax=False, future_blocked=False, logits=None, batch=1,
+         stack_mask=False, padding=False):
     """A self-attention call of `queries` queries (the last of `keys` keys) with the chosen terms."""
     q = torch.randn(batch, HEADS, queries, DIM, dtype=dtype, requires_grad=queries_grad)
     k = torch.randn(batch, HEADS, keys, DIM, dtype=dtype)
@@ -28,11 +29,19 @@ def call(queries=5, keys=5, dtype=torch.float32, bias=False, vectors=False, cont
                             vectors=parameter(HEADS, columns, DIM) if vectors else None,
                             content=parameter(HEADS, 1, DIM) if content else None)
     value_term = DistanceTerm(low, high, vectors=parameter(HEADS, columns, DIM)) if values else None
-    return AttentionCall(q=q, k=k, v=k, k_target=k, attn_mask=None, key_padding_mask=None, source_keys=0,
+    attn_mask = torch.zeros(queries, keys).masked_fill(future(queries, keys), float("-inf")) if stack_mask else None
+    key_padding_mask = torch.zeros(batch, keys, dtype=torch.bool) if padding else None
+    return AttentionCall(q=q, k=k, v=k, k_target=k, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                         source_keys=0, stack_mask=stack_mask,
                          need_weights=need_weights, before_softmax=before_softmax, term=term, values=value_term,
                          future_blocked=future_blocked, dropout_p=0.0,
                          logits=logits if logits is not None else batch * HEADS * queries * keys,
                          grad_enabled=grad_enabled, recorded_run=recorded_run, flex_mode=flex_mode)
+
+
+def future(queries, keys):
+    """Where fairseq's future mask blocks: keys after their query (the queries are the last keys)."""
+    return torch.ones(queries, keys, dtype=torch.bool).triu(keys - queries + 1)
 
 
 LARGE = biased_cpu.MIN_LOGITS  # a call the fused CPU kernel serves
@@ -82,3 +91,24 @@ def test_query_blocks_and_their_recomputation_follow_from_the_call():
 def test_content_is_folded_into_the_queries_except_on_flex():
     assert plan(call(content=True)).fold_content
     assert not plan(call(content=True, flex_mode="on", grad_enabled=False)).fold_content
+
+
+@pytest.mark.parametrize("case,causal", [
+    (dict(stack_mask=True), True),  # fairseq's future mask alone: SDPA told is_causal
+    (dict(stack_mask=True, padding=True), False),  # padded keys: the mask is given
+    (dict(stack_mask=True, bias=True, grad_enabled=False), False),  # position terms: given with the mask
+    (dict(stack_mask=True, need_weights=True), False),  # weights asked for: EXPLICIT
+    (dict(), False),  # no mask
+])
+def test_sdpa_is_told_the_mask_is_causal_only_where_it_is_all_there_is(case, causal):
+    assert plan(call(**case)).causal is causal
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_the_causal_plan_gives_the_masked_output(grad):
+    from posenc_fairseq.kernels.serve import serve
+    value = call(queries=6, keys=6, batch=2, stack_mask=True, queries_grad=grad)
+    assert plan(value).causal
+    out, _ = serve(value, plan(value), lambda probs: probs)
+    logits = (value.q @ value.k.transpose(-1, -2)).masked_fill(future(6, 6), float("-inf"))
+    assert torch.allclose(out, torch.softmax(logits, -1) @ value.v, atol=1e-6)
