@@ -5,7 +5,8 @@
     FLEX        FlexAttention, the encoding's per-distance terms read inside the kernel (flex.py)
     LOGITS      the caller asked for the logits before softmax (explicit.py)
     EXPLICIT    the softmax written out: attention weights asked for, a relative value term, or
-                terms with a gradient that no fused kernel serves well (explicit.py)
+                query-dependent terms with a gradient where SDPA has no fused kernel for them (CPU)
+                (explicit.py)
     SDPA        PyTorch's fused attention, the dense terms as its float mask (sdpa.py); told
                 `is_causal` where fairseq's future mask is all there is to add
     BIASED_CPU  CPU float32 training: SDPA's fused CPU kernel forward and a blockwise backward of
@@ -25,7 +26,7 @@ from typing import Any, Callable, NamedTuple, Optional
 from torch import Tensor
 
 from ..encodings.distance import DistanceTerm
-from . import biased_cpu, blocks, flex
+from . import biased_cpu, blocks, flex, sdpa
 
 
 class AttentionCall(NamedTuple):
@@ -120,8 +121,8 @@ def plan(call: AttentionCall) -> Plan:
     if kernel is Kernel.SDPA and terms_need_gradient(call, fold_content):
         if biased_cpu.serves_call(call.q, call.dropout_p, call.logits, call.grad_enabled):
             kernel = Kernel.BIASED_CPU
-        elif blockwise:  # SDPA's unfused fallback for a mask with gradient keeps more memory than EXPLICIT
-            kernel = Kernel.EXPLICIT
+        elif blockwise and not sdpa.fused_mask_gradient(call.q):
+            kernel = Kernel.EXPLICIT  # SDPA's unfused fallback for a mask with gradient keeps more memory
     if not blockwise:
         return _WHOLE_CALL[kernel, fold_content]
     # whether the blocks' terms (if they need a gradient) take the fused CPU kernel

@@ -5,6 +5,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def fused_mask_gradient(q: Tensor) -> bool:
+    """Whether SDPA has a fused kernel that returns the float mask's gradient on `q`'s device: CUDA's
+    memory-efficient kernel does (its O(n) memory apart from the mask); on CPU a mask with gradient
+    takes the unfused math path, which keeps more memory than the explicit softmax."""
+    return q.device.type == "cuda"
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, terms: Optional[Tensor], dropout_p: float, causal: bool = False) -> Tensor:
     """softmax(q k^T + terms) v, (B, H, Tq, D); `q` already scaled, `terms` broadcasting against
     (B, H, Tq, Tk) or None; `causal`: no terms, and key j > query i blocked (Tq = Tk)."""

@@ -112,3 +112,13 @@ def test_the_causal_plan_gives_the_masked_output(grad):
     out, _ = serve(value, plan(value), lambda probs: probs)
     logits = (value.q @ value.k.transpose(-1, -2)).masked_fill(future(6, 6), float("-inf"))
     assert torch.allclose(out, torch.softmax(logits, -1) @ value.v, atol=1e-6)
+
+
+def test_query_dependent_terms_with_a_gradient_take_sdpa_where_it_fuses_the_mask_gradient(monkeypatch):
+    """CUDA's memory-efficient SDPA returns the float mask's gradient: XL's and Shaw's key terms with a
+    gradient go there instead of the explicit softmax (on CPU, where it has no such kernel: EXPLICIT)."""
+    from posenc_fairseq.kernels import sdpa
+    assert plan(call(vectors=True)).kernel is Kernel.EXPLICIT
+    monkeypatch.setattr(sdpa, "fused_mask_gradient", lambda q: True)
+    assert plan(call(vectors=True)).kernel is Kernel.SDPA
+    assert plan(call(values=True)).kernel is Kernel.EXPLICIT  # the value term needs the probabilities
