@@ -7,7 +7,7 @@ on the values `value_term`) for the distances low..high of a call; this module m
     dense_logits    the (B or 1, H, Tq, Tk) logit term of consecutive positions (SDPA, explicit, logits, fused CPU)
     dense_values    the (B, H, Tq, D) value term from the probabilities (explicit)
     window          the term of a block of queries: a slice of the call's (query blocks, future mask)
-    step_logits     one query's logit term per key (a decoding step)
+    step_terms      one query's terms as additions to q, k, v and the logits (a decoding step)
     flex_table      the per-distance table FlexAttention reads inside its kernel
     bias_between    a bias-only term between arbitrary (not consecutive) positions (the plots)
 """
@@ -37,8 +37,9 @@ class DistanceTerm(NamedTuple):
     the N columns, or None (R = N). `key`: names the values within a forward pass, so layers whose
     bias-only terms have the same key share their dense form (None: not shared).
 
-    A decoding step computes bias + (q + shift).vectors once per row (`step_logits`) and adds
-    content to its query; an encoding may give its step's term with kept rows (XL)."""
+    A decoding step writes the logit term as (q + content).(k_j + vectors) + bias + (shift -
+    content).vectors; an encoding may give its step's term with `shift is content` (the same
+    tensor) and that last term already in `bias` (XL), so a step computes nothing per distance."""
     low: int
     high: int
     bias: Optional[Tensor] = None
@@ -47,6 +48,19 @@ class DistanceTerm(NamedTuple):
     shift: Optional[Tensor] = None
     content: Optional[Tensor] = None
     key: Optional[TermKey] = None
+
+
+class StepTerms(NamedTuple):
+    """One query's position terms (a decoding step) as additions to the attention's inputs, which
+    then make plain (fused) attention:
+
+        softmax_j((q + query) . (k_j + keys_j) + logits_j) . (v_j + values_j)
+
+    `query` (H, 1, D); `keys`/`values` (H or 1, Tk, D); `logits` (H, 1, Tk); None: nothing there."""
+    query: Optional[Tensor] = None
+    keys: Optional[Tensor] = None
+    values: Optional[Tensor] = None
+    logits: Optional[Tensor] = None
 
 
 class DistanceLogits(NamedTuple):
@@ -181,20 +195,30 @@ def dense_values(term: DistanceTerm, probs: Tensor) -> Tensor:
     return per_row @ vectors.to(probs.dtype)
 
 
-def step_logits(term: DistanceTerm, query: Tensor) -> Tensor:
-    """One query (B, H, 1, D) against consecutive keys: the term bias[r_j] + (q + shift).vectors[r_j]
-    of each key j, (B or 1, H, 1, Tk), computed once per row r and read by each key through its row.
-    content.k_j is the caller's: it adds `content` to the query of its product with the keys."""
-    per_row = term.bias[:, None, :] if term.bias is not None else None  # (H, 1, R)
-    if term.vectors is not None:
-        shifted = query if term.shift is None else query + term.shift
-        batch, heads, _, dim = shifted.shape
-        vectors = term.vectors.expand(heads, -1, -1)
-        # one (B, D) x (D, R) product per head: each row is read once, not once per sentence
-        scores = (shifted.view(batch, heads, dim).transpose(0, 1) @ vectors.transpose(-1, -2).to(shifted.dtype))
-        scores = scores.transpose(0, 1)[:, :, None, :]  # (B, H, 1, R)
-        per_row = scores if per_row is None else scores + per_row
-    return per_row if term.rows is None else take_runs(per_row, term.rows)
+def step_terms(term: Optional[DistanceTerm], values: Optional[DistanceTerm]) -> StepTerms:
+    """One query against consecutive keys: its columns are the keys, in their order."""
+    query = keys = logits = None
+    if term is not None:
+        logits = term.bias
+        if logits is not None and term.rows is not None:
+            logits = take_runs(logits, term.rows)  # (H, Tk): each key's row
+        if term.vectors is not None:
+            keys = _per_column(term)
+            if term.shift is not None and term.shift is not term.content:
+                difference = term.shift if term.content is None else term.shift - term.content
+                extra = (keys * difference).sum(-1)  # (H, Tk)
+                logits = extra if logits is None else logits + extra
+        logits = logits[:, None, :] if logits is not None else None
+        query = term.content
+    return StepTerms(query=query, keys=keys, values=_per_column(values) if values is not None else None,
+                     logits=logits)
+
+
+def _per_column(term: DistanceTerm) -> Tensor:
+    """`vectors` of each column, (H or 1, N, D)."""
+    if term.rows is None:
+        return term.vectors
+    return take_runs(term.vectors.transpose(-1, -2), term.rows).transpose(-1, -2)
 
 
 def flex_table(term: DistanceTerm, query: Tensor, key: Tensor) -> DistanceLogits:

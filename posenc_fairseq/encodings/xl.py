@@ -74,8 +74,8 @@ class TransformerXL(PositionalEncoding):
 
     def distance_term(self, role, layer, low, high, queries, dtype):
         """(q_i + v).W_r R_{i-j} + u.k_j: W_r R of each distance d = j - i = low..high per head, the
-        query shift v and the content u. A decoding step in inference: its rows kept across steps and
-        decodes (`_step_terms`)."""
+        query shift v and the content u. A decoding step in inference: its form (q + u).(k_j + r_j)
+        + (v - u).r_j, kept across steps and decodes (`_step_terms`)."""
         if role not in SELF_ROLES:
             return None
         if queries == 1 and use_kept_values(self):
@@ -123,22 +123,25 @@ class TransformerXL(PositionalEncoding):
 
     def _step_terms(self, role, low, high):
         """Each layer's term of a decoding step for the distances j - i = low..high (the keys'
-        order): r = W_r R (H, N, D) as `vectors`, v as `shift` and u as `content`, scaled as the
-        queries arrive, in the parameters' dtype. The rows of every layer are kept (`range_values`)
-        and so are the terms made of each slice: a step computes its query's product with them."""
+        order) in the step's form: r = W_r R (H, N, D) as `vectors`, (v - u).r (H, N) as `bias`
+        and u (H, 1, D) as `shift` and `content`, scaled as the queries arrive, in the parameters'
+        dtype. The rows of every layer are kept (`range_values`) and so are the terms made of each
+        slice: a step computes nothing."""
         heads, head_dim = self.dims.heads, self.dims.head_dim
 
-        def rows(first, last):  # (L, H, N, D): r of every layer
+        def rows(first, last):  # (L, H, N, D + 1): r and (v - u).r of every layer
             projections = [self.projections[f"{role}{layer}"] for layer in range(self.dims.layers(role))]
+            u, v = self.content_bias[role], self.position_bias[role]
             dtype = projections[0].weight.dtype
-            prior = self.prior(torch.arange(-first, -last - 1, -1, device=self._device())).to(dtype)
+            prior = self.prior(torch.arange(-first, -last - 1, -1, device=u.device)).to(dtype)
             rel = torch.stack([projection(prior) for projection in projections]).view(len(projections), -1, heads, head_dim)
-            return rel.transpose(1, 2).contiguous()
+            shift = (rel * ((v - u) * head_dim ** -0.5).to(dtype)).sum(-1, keepdim=True)  # (L, N, H, 1)
+            return torch.cat([rel, shift], dim=3).transpose(1, 2).contiguous()
 
         def terms(step_rows):
             u = self._scaled(self.content_bias[role], step_rows.dtype)
-            v = self._scaled(self.position_bias[role], step_rows.dtype)
-            return [DistanceTerm(low, high, vectors=layer_rows, shift=v, content=u) for layer_rows in step_rows.unbind(0)]
+            return [DistanceTerm(low, high, bias=layer_rows[..., head_dim], vectors=layer_rows[..., :head_dim],
+                                 shift=u, content=u) for layer_rows in step_rows.unbind(0)]
         return range_values(self.cache.inference(self), self.term_key(role, "step terms"), self.prior_key(),
                             low, high, rows, dim=2, derive=terms)
 

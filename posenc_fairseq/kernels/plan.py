@@ -1,7 +1,7 @@
 """Which kernel serves one attention call: `plan(AttentionCall) -> Plan`, the one place that decides.
 
-    STEP        a decoding step (one query): its logit term per key computed once per row
-                (`distance.step_logits`), nothing added to the cached keys and values (step.py)
+    STEP        a decoding step (one query): its terms as additions to q, k, v and the logits
+                (`distance.step_terms`), SDPA of the changed inputs (step.py)
     FLEX        FlexAttention, the encoding's per-distance terms read inside the kernel (flex.py)
     LOGITS      the caller asked for the logits before softmax (explicit.py)
     EXPLICIT    the softmax written out: attention weights asked for, a relative value term, or

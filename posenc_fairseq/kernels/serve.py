@@ -16,7 +16,7 @@ def serve(call: AttentionCall, plan: Plan, dropout: Callable[[Tensor], Tensor]) 
     whole calls); LOGITS: the logits (B, H, Tq, Tk) instead. `dropout`: the attention's dropout
     module (EXPLICIT applies it to the probabilities)."""
     if plan.kernel is Kernel.STEP:
-        return step.attend(call, dropout), None
+        return step.attend(call), None
     content_query = call.term.content if plan.fold_content else None
     if plan.query_block is None:
         return _serve_piece(call, plan, content_query, dropout)

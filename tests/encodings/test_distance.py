@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from posenc_fairseq.encodings.distance import (DistanceTerm, dense_logits, dense_values, flex_table, rows_window,
-                                               step_logits, window)
+                                               step_terms, window)
 from posenc_fairseq.encodings.positions import row_runs, take_runs
 from position_terms import position_range, values_between
 
@@ -122,14 +122,19 @@ def test_rows_window_takes_the_columns_it_is_asked():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_steps_term_per_key_plus_its_content_query_is_the_definition(kind):
-    """One query: step_logits_j + content . k_j is the term of every key j, computed per row."""
+@pytest.mark.parametrize("step_form", [False, True])
+def test_a_step_is_plain_attention_of_the_changed_inputs(kind, step_form):
+    """One query: (q + query) . (k_j + keys_j) + logits_j - q . k_j is the term of every key; with
+    `step_form` the term is given as XL gives a decoding step's (shift is content, the rest in bias)."""
     term, query, key, q_pos, k_pos = call(kind, 1, 6)
     expected = naive(term, query, key, q_pos, k_pos)
-    got = step_logits(term, query)
-    if term.content is not None:
-        got = got + (query + term.content) @ key.transpose(-1, -2) - query @ key.transpose(-1, -2)
-    assert got.shape[-2:] == (1, 6)
+    if step_form and term.shift is not None:
+        extra = (term.vectors * (term.shift - term.content)).sum(-1)  # (H, R)
+        term = term._replace(bias=extra if term.bias is None else term.bias + extra, shift=term.content)
+    terms = step_terms(term, None)
+    q = query + (terms.query if terms.query is not None else 0)
+    k = key + (terms.keys if terms.keys is not None else 0)
+    got = q @ k.transpose(-1, -2) + (terms.logits if terms.logits is not None else 0) - query @ key.transpose(-1, -2)
     assert torch.allclose(got, expected, atol=1e-12)
 
 

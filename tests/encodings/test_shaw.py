@@ -114,11 +114,10 @@ def test_attention_output_equals_naive_loops(name, layer, role, values, block, m
 
 @pytest.mark.parametrize("name,layer", CASES)
 @pytest.mark.parametrize("values", ["on", "off"])
-def test_decoding_steps_read_the_terms_per_row_and_equal_naive_loops(name, layer, values, monkeypatch):
+def test_decoding_steps_fold_the_terms_into_keys_and_values_and_equal_naive_loops(name, layer, values, monkeypatch):
     """One query at a time (incremental decoding): a^K and a^V depend on the key alone, so each step
-    computes q.a^K once per row (`step_logits`) and mixes a^V by the probabilities summed per row,
-    adding nothing to the cached keys and values and without the dense logit form; every step
-    equals the naive loops' row."""
+    adds them to the cached keys and values (`step_terms`) and runs plain attention, without the
+    dense logit and value forms; every step equals the naive loops' row."""
     k = 2
     enc = encoding(name, f"--{name}-k", str(k), f"--{name}-values", values)
     module = attention(enc, "decoder", layer)
@@ -129,10 +128,11 @@ def test_decoding_steps_read_the_terms_per_row_and_equal_naive_loops(name, layer
     with torch.no_grad():
         expected = naive(module, x, no_padding, True, enc.key_tables[key],
                          enc.value_tables[key] if values == "on" else None, clip)
-    used = count_calls(monkeypatch, [(step_module, "step_logits"), (terms_module, "dense_logits"),
-                                     (explicit_module, "dense_values"), (distance, "dense_logits")])
+    used = count_calls(monkeypatch, [(step_module, "step_terms"), (terms_module, "dense_logits"),
+                                     (explicit_module, "dense_values"), (distance, "dense_logits"),
+                                     (distance, "dense_values")])
     steps = attention_steps(module, enc, x)
-    assert used == (["step_logits", "dense_values"] if values == "on" else ["step_logits"]) * len(x)
+    assert used == ["step_terms"] * len(x)
     assert (steps - expected).abs().max() <= 1e-5
 
 

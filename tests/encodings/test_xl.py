@@ -155,10 +155,10 @@ def test_future_blocked_logits_agree_where_not_blocked(name):
 
 @pytest.mark.parametrize("name", ["xl", "gcdf"])
 @pytest.mark.parametrize("layer", [0, 2])
-def test_decoding_steps_in_inference_read_kept_rows_and_equal_naive_loops(name, layer, monkeypatch):
-    """Incremental decoding in inference: each step is attention of (q + u) against the keys with
-    (q + v).W_r R_{i-j} added, computed once per distance from rows kept across steps
-    (`step_logits`), without the dense logit form; every step equals the naive loops' row."""
+def test_decoding_steps_in_inference_fold_the_terms_and_equal_naive_loops(name, layer, monkeypatch):
+    """Incremental decoding in inference: each step is plain attention of (q + u) against
+    (k_j + W_r R_{i-j}) with (v - u).W_r R_{i-j} added (`step_terms`, kept across steps), without
+    the dense logit form; every step equals the naive loops' row."""
     enc = encoding(name)
     enc.eval()
     module = attention(enc, "decoder", layer)
@@ -168,10 +168,10 @@ def test_decoding_steps_in_inference_read_kept_rows_and_equal_naive_loops(name, 
     prior = (lambda d: xl_r(d, EMBED)) if name == "xl" else (lambda d: gcdf_r(d, EMBED))
     with torch.no_grad():
         expected = naive(module, enc, "decoder", layer, x, no_padding, True, prior)
-    calls = count_calls(monkeypatch, [(step_module, "step_logits"), (terms_module, "dense_logits"),
+    calls = count_calls(monkeypatch, [(step_module, "step_terms"), (terms_module, "dense_logits"),
                                       (distance, "dense_logits")])
     steps = attention_steps(module, enc, x)
-    assert calls == ["step_logits"] * len(x)
+    assert calls == ["step_terms"] * len(x)
     assert (steps - expected).abs().max() <= 1e-10
 
 
