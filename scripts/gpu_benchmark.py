@@ -6,7 +6,8 @@ On a GPU machine, from the repository root (scripts/gpu_device_setup.sh makes fa
     bash scripts/gpu_device_setup.sh python3 scripts/gpu_benchmark.py --device cuda
 
 For stock `transformer`, every registered encoding's `transformer_<name>`, and FLOATER once with
-`--floater-recompute-every 1` (the paper's solve every update) and once with 10 (its caching), in bf16
+`--floater-recompute-every 1` (the paper's solve every update) and once with 10 (its caching; with
+--floater-graphs each also with POSENC_FLOATER_CUDA_GRAPHS=1: its solve in CUDA graphs on the GPU), in bf16
 and fp16 (autocast over fp32 weights, as fairseq's --amp; fp16 with a gradient scaler), at batch 16 x
 512 and 2 x 4096 tokens, base size (6+6 layers, d 512, 8 heads, FFN 2048), one record per (arch,
 options, dtype, batch, length):
@@ -63,6 +64,7 @@ DEFAULT_OUT = REPO / "docs" / "data" / "gpu_benchmark.json"
 REFERENCE = "transformer"
 SINUSOIDAL = "transformer_sinusoidal"
 FLOATER = "transformer_floater"
+GRAPHS = "POSENC_FLOATER_CUDA_GRAPHS"  # FLOATER's solve in CUDA graphs (posenc_fairseq/encodings/floater/graphs.py)
 FIGURES = ("train_tokens_per_s", "peak_memory_mb", "generate_tokens_per_s")
 ORDER = ("arch", "options", "device_name", "torch", "commit", "dtype", "batch", "length", *FIGURES, "reference")
 # profiler names of attention kernels: fused SDPA (flash, cutlass's memory-efficient fmha, cuDNN),
@@ -109,6 +111,10 @@ def parse_args(argv=None):
                              "once per --floater-recompute value")
     parser.add_argument("--floater-recompute", type=benchmark.positive_count, nargs="+", default=[10, 1], metavar="K",
                         help=f"{FLOATER}'s --floater-recompute-every values, one model each")
+    parser.add_argument("--floater-graphs", action="store_true",
+                        help=f"{FLOATER} also with its solve in CUDA graphs on the GPU ({GRAPHS}=1, "
+                             "docs/floater.md), once per --floater-recompute value: against the default solve "
+                             "(the CPU's compiled loops) and sinusoidal in the same run")
     parser.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16"), default=["bf16", "fp16"])
     parser.add_argument("--sizes", nargs="+", type=batch_by_length, default=[(16, 512), (2, 4096)],
                         metavar="BATCHxLENGTH", help="batch and length (source and target) of each cell")
@@ -149,6 +155,8 @@ def models_to_measure(args):
         if arch == FLOATER:
             # the value named even where it is FLOATER's default, so that each record says which it is
             models += [(arch, f"--floater-recompute-every {k}") for k in args.floater_recompute]
+            if args.floater_graphs:  # (an environment setting in front: `measure_model` sets it in the model's process)
+                models += [(arch, f"{GRAPHS}=1 --floater-recompute-every {k}") for k in args.floater_recompute]
         else:
             models.append((arch, ""))
     return models
@@ -200,8 +208,12 @@ def measure_model(arch, options, args, deadline, path):
         with open(path, "a") as results:
             results.write(json.dumps(line) + "\n")
 
+    words = shlex.split(options)
+    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # NAME=value in front: this process's environment
+        name, value = words.pop(0).split("=", 1)
+        os.environ[name] = value
     try:
-        model, task = benchmark.build_model(arch, args, device, shlex.split(options))
+        model, task = benchmark.build_model(arch, args, device, words)
     except Exception as error:  # noqa: BLE001 - every cell of this model reports it
         traceback.print_exc()
         for cell in cells(args):

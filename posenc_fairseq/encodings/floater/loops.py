@@ -20,18 +20,13 @@ class _Run:
         dim = y0.size(-1)
         self.tableau, self.dt, self.count = tableau, delta / substeps, y0.size(0)
         self.steps = (last - first) * substeps
-        step = torch.arange(first * substeps, last * substeps, dtype=torch.float64)
-        start = torch.div(step, substeps, rounding_mode="floor") * delta + torch.remainder(step, substeps) * self.dt
-        nodes = torch.tensor(tableau.c, dtype=torch.float64)
-        self.tau = (start[:, None] + nodes[None, :] * self.dt).to(device=y0.device, dtype=y0.dtype)  # (steps, stages)
+        constants = grid_constants(tableau_key(tableau), first, last, delta, substeps, y0.dtype, y0.device)
+        self.tau, self.a, self.b, self.later = constants  # tau: (steps, stages)
         # the state and time parts of the weights, contiguous (BLAS on strided slices copies them per call)
         self.w1b, self.w2h = w1[:, :dim].contiguous(), w2[:, :-1].contiguous()
         self.w1b_t, self.w2h_t = self.w1b.T.contiguous(), self.w2h.T.contiguous()
         self.bias1 = c1 + self.tau[..., None] * w1[:, dim]  # (steps, stages, hidden)
         self.bias2 = c2 + self.tau[..., None] * w2[:, -1]  # (steps, stages, dim)
-        as_tensor = lambda row: torch.tensor([row], dtype=y0.dtype, device=y0.device)
-        self.a = [as_tensor(row) for row in tableau.a]
-        self.b = as_tensor(tableau.b)
         self.k = y0.new_empty(len(tableau.b), y0.numel())
 
     def step(self, index: int, y: Tensor, inputs: Optional[Tensor] = None, relus: Optional[Tensor] = None) -> Tensor:
@@ -60,7 +55,7 @@ class _HiddenRun:
         base = _Run(tableau, first, last, delta, substeps, y0, w1, c1, w2, c2)
         self.tableau, self.intervals = tableau, last - first
         self.dt, self.steps, self.tau, self.substeps = base.dt, base.steps, base.tau, substeps
-        self.a, self.b = base.a, base.b
+        self.a, self.b, self.later = base.a, base.b, base.later
         self.b_repeated = self.b.repeat(1, substeps)  # b_j of every stage of an interval's steps
         self.w1b, self.w2h, self.w2h_t, self.w1b_t = base.w1b, base.w2h, base.w2h_t, base.w1b_t
         self.bias2 = base.bias2
@@ -129,11 +124,15 @@ def _hidden_forward_loops(run: "_HiddenRun", y0: Tensor, keep: bool):
     return states, relus
 
 
-def _hidden_backward_loops(run: "_HiddenRun", states: Tensor, grad_states: Tensor, kept: Optional[Tensor]):
+def _hidden_backward_loops(run: "_HiddenRun", states: Tensor, grad_states: Tensor, kept: Optional[Tensor],
+                           reduce_kept: bool = True):
     """`HiddenSpaceSolve`'s backward loops in Python (the exact discrete adjoint), returning
     d loss / d b(t_first) (N, d), d loss / d bias1 (steps, stages, hidden), each interval's sum of b_j r_j
     (intervals, N, hidden), d loss / d b(t_i+1) (intervals, N, d), d loss / d z at each interval's start
-    (intervals, N, hidden), d loss / d M (hidden, hidden) and d loss / d cz (steps, stages, hidden)."""
+    (intervals, N, hidden), d loss / d M (hidden, hidden) and d loss / d cz (steps, stages, hidden).
+    With `kept` and not `reduce_kept`, d loss / d kz of every stage (steps, stages, N, hidden) and None
+    stand for the last two (`kept_reductions` makes them): the CUDA graphs (graphs.py) run these loops
+    over a padded length and reduce over the real steps only."""
     count, dim, hidden = states.size(1), states.size(2), run.m.size(0)
     tableau, stages, substeps, dt, intervals = run.tableau, run.stages, run.substeps, run.dt, run.intervals
     # relu outputs and d loss / d kz of every stage (when the forward kept the relus; else of one
@@ -146,7 +145,7 @@ def _hidden_backward_loops(run: "_HiddenRun", states: Tensor, grad_states: Tenso
     gk_rows, gk_mats = GK.view(-1, 1, count * hidden).unbind(0), GK.view(-1, count, hidden).unbind(0)
     gp_mats, gp_steps = GP.view(-1, count, hidden).unbind(0), GP.view(substeps, stages, -1).unbind(0)
     grad_bias1 = states.new_empty(run.steps, stages, hidden)
-    later = [states.new_tensor([[tableau.a[l][i] for l in range(i + 1, stages)]]) for i in range(stages)]
+    later = run.later
     ones, beta = states.new_ones(1, stages), [dt * b for b in tableau.b]
     sums = states.new_empty(intervals, count, hidden)  # per interval: sum of b_j r_j over its stages
     after = states.new_empty(intervals, count, dim)  # d loss / d b(t_i+1)
@@ -186,6 +185,42 @@ def _hidden_backward_loops(run: "_HiddenRun", states: Tensor, grad_states: Tenso
             grad_m.addmm_(GK.view(-1, hidden).T, R.view(-1, hidden))
             torch.sum(GK, dim=2, out=grad_cz[interval_steps])
     if kept is not None:  # the weight gradients of every stage in one product
-        grad_m = GK.view(-1, hidden).T @ R.view(-1, hidden)
-        torch.sum(GK, dim=2, out=grad_cz)
+        if not reduce_kept:
+            return gy, grad_bias1, sums, after, starts, GK, None
+        grad_m, grad_cz = kept_reductions(GK, R)
     return gy, grad_bias1, sums, after, starts, grad_m, grad_cz
+
+
+def kept_reductions(stage_grads: Tensor, relus: Tensor):
+    """d loss / d M and d loss / d cz from d loss / d kz (steps, stages, N, hidden) and the relu outputs
+    of every stage (the same steps): each a reduction over every step at once."""
+    hidden = stage_grads.size(-1)
+    return stage_grads.view(-1, hidden).T @ relus.view(-1, hidden), stage_grads.sum(2)
+
+
+def tableau_key(tableau) -> tuple:
+    """A Runge-Kutta tableau as nested tuples (hashable: a key of the memoised constants and the graphs)."""
+    return tuple(tuple(map(tuple, part)) if part and isinstance(part[0], list) else tuple(part) for part in tableau)
+
+
+@functools.lru_cache(maxsize=256)
+def grid_constants(tableau: tuple, first: int, last: int, delta: float, substeps: int, dtype: torch.dtype,
+                   device: torch.device):
+    """A solve's constants on its device: the time of every stage of every step (steps, stages), the
+    tableau's a rows and b as (1, n) rows, and per stage i the a_li of the later stages l. Memoised
+    (they are only read): on CUDA, made on the CPU and copied once from pinned memory without
+    blocking, so a solve neither waits on the host nor copies from the host inside a graph capture."""
+    a_rows, b_row, c_nodes = tableau
+    dt = delta / substeps
+    step = torch.arange(first * substeps, last * substeps, dtype=torch.float64)
+    start = torch.div(step, substeps, rounding_mode="floor") * delta + torch.remainder(step, substeps) * dt
+    tau = start[:, None] + torch.tensor(c_nodes, dtype=torch.float64)[None, :] * dt
+    stages = len(b_row)
+    rows = [[list(row)] for row in a_rows] + [[list(b_row)]]
+    rows += [[[a_rows[l][i] for l in range(i + 1, stages)]] for i in range(stages)]
+    host = [tau.to(dtype)] + [torch.tensor(row, dtype=dtype) for row in rows]
+    if device.type == "cuda":
+        host = [tensor.pin_memory().to(device, non_blocking=True) for tensor in host]
+    else:
+        host = [tensor.to(device) for tensor in host]
+    return host[0], host[1:1 + stages], host[1 + stages], host[2 + stages:]

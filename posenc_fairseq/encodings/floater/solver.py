@@ -7,7 +7,8 @@ discrete adjoint (backpropagation through the same steps) instead of thousands o
 On CPU the hidden-space loops are compiled (csrc/floater_solve.cpp, the `_floater_solve` extension
 that setup.py builds) and split the rows over the threads (`compiled_parts`); without the extension
 the same loops run in Python (loops.py, with each solve's precomputed pieces). A CUDA model's
-fixed-grid solve runs on the CPU (`solve_device`). torchdiffeq does `dopri5`, the continuous
+fixed-grid solve runs on the CPU (`solve_device`), unless POSENC_FLOATER_CUDA_GRAPHS=1 replays the
+Python loops from CUDA graphs on the GPU (graphs.py; not yet run on a GPU). torchdiffeq does `dopri5`, the continuous
 adjoint (`--floater-adjoint`) and the bounded flows. The ODE is always solved in float32 or better
 with a float64 time grid, whatever the model's dtype.
 """
@@ -52,7 +53,8 @@ def solve(dynamics: Dynamics, options: SolverOptions, y0: Tensor, first: int, la
         if options.method in FIXED_GRID and not options.adjoint and dynamics.is_paper_form:
             fixed = functools.partial(fixed_grid_solve, TABLEAUS[options.method], first, last, options.delta,
                                       options.substeps)
-            return solved_on(solve_device(y0.device, options.method, options.adjoint), fixed, y0, *weights)
+            work = y0.size(0) * weights[0].size(0) * (last - first) * options.substeps  # rows x hidden x steps
+            return solved_on(solve_device(y0.device, options.method, options.adjoint, work), fixed, y0, *weights)
         return torchdiffeq_solve(dynamics, options, y0, first, last, weights)
 
 
@@ -281,7 +283,6 @@ class HiddenSpaceSolve(torch.autograd.Function):
         states, w1, c1, w2, c2, *kept = ctx.saved_tensors
         tableau, first, last, delta, substeps = ctx.settings
         run = _HiddenRun(tableau, first, last, delta, substeps, states[0], w1, c1, w2, c2)
-        dim, hidden = states.size(2), w1.size(0)
         dt = run.dt
         with single_thread(states):
             if ctx.parts is None:
@@ -291,24 +292,32 @@ class HiddenSpaceSolve(torch.autograd.Function):
                 parts = list(zip(part_states, floater_solve.backward(
                     run.pieces(), tableau.a, tableau.b, dt, substeps, part_states,
                     [grad_states[:, rows].contiguous() for rows in ctx.parts], kept)))
-        # per part: d loss / d b(t_first), d bias1, each interval's relu sums, d b(t_i+1), d z at the
-        # intervals' starts, d M, d cz; the weights' gradients add up over the parts
-        gy = torch.cat([result[0] for _, result in parts]) if len(parts) > 1 else parts[0][1][0]
-        grad_bias1, grad_m, grad_cz = (functools.reduce(torch.add, [result[k] for _, result in parts]) for k in (1, 5, 6))
-        starts_by_states = functools.reduce(torch.add, [
-            result[4].reshape(-1, hidden).T @ part[:-1].reshape(-1, dim) for part, result in parts])
-        after_by_sums = functools.reduce(torch.add, [
-            result[3].reshape(-1, dim).T @ result[2].reshape(-1, hidden) for _, result in parts])
-        after_total = functools.reduce(torch.add, [result[3].sum(1) for _, result in parts])  # (intervals, d)
-        # z = W1_b b(t_i), cz = W1_b bias2, M = W1_b W2_b, b(t_i+1) = b(t_i) + dt W2_b sums + b2 sums
-        grad_w1b = starts_by_states + grad_m @ run.w2h.T + grad_cz.view(-1, hidden).T @ run.bias2.view(-1, dim)
-        grad_w2h = run.w1b.T @ grad_m + dt * after_by_sums
-        grad_bias2 = (grad_cz @ run.w1b  # through cz, and through the b path's bias sums:
-                      + dt * run.b.view(1, -1, 1) * after_total.repeat_interleave(substeps, 0)[:, None, :])
-        tau = run.tau.reshape(-1)
-        grad_w1 = torch.cat([grad_w1b, (tau @ grad_bias1.view(-1, hidden))[:, None]], dim=1)
-        grad_w2 = torch.cat([grad_w2h, (tau @ grad_bias2.view(-1, dim))[:, None]], dim=1)
-        return (None, None, None, None, None, gy, grad_w1, grad_bias1.sum((0, 1)), grad_w2, grad_bias2.sum((0, 1)))
+        return hidden_gradients(run, parts)
+
+
+def hidden_gradients(run: _HiddenRun, parts) -> tuple:
+    """`HiddenSpaceSolve.backward`'s result from its loops' results, [(states of a part's rows, what
+    `_hidden_backward_loops` returns for them)] (also the CUDA graphs' backward, graphs.py)."""
+    dim, hidden, dt, substeps = run.w1b.size(1), run.w1b.size(0), run.dt, run.substeps
+    # per part: d loss / d b(t_first), d bias1, each interval's relu sums, d b(t_i+1), d z at the
+    # intervals' starts, d M, d cz; the weights' gradients add up over the parts
+    gy = torch.cat([result[0] for _, result in parts]) if len(parts) > 1 else parts[0][1][0]
+    grad_bias1, grad_m, grad_cz = (functools.reduce(torch.add, [result[k] for _, result in parts]) for k in (1, 5, 6))
+    starts_by_states = functools.reduce(torch.add, [
+        result[4].reshape(-1, hidden).T @ part[:-1].reshape(-1, dim) for part, result in parts])
+    after_by_sums = functools.reduce(torch.add, [
+        result[3].reshape(-1, dim).T @ result[2].reshape(-1, hidden) for _, result in parts])
+    after_total = functools.reduce(torch.add, [result[3].sum(1) for _, result in parts])  # (intervals, d)
+    # z = W1_b b(t_i), cz = W1_b bias2, M = W1_b W2_b, b(t_i+1) = b(t_i) + dt W2_b sums + b2 sums
+    grad_w1b = starts_by_states + grad_m @ run.w2h.T + grad_cz.view(-1, hidden).T @ run.bias2.view(-1, dim)
+    grad_w2h = run.w1b.T @ grad_m + dt * after_by_sums
+    grad_bias2 = (grad_cz @ run.w1b  # through cz, and through the b path's bias sums:
+                  # (each interval's row repeated for its steps by expand: repeat_interleave may wait on the host)
+                  + dt * run.b.view(1, -1, 1) * after_total[:, None].expand(-1, substeps, -1).reshape(-1, 1, dim))
+    tau = run.tau.reshape(-1)
+    grad_w1 = torch.cat([grad_w1b, (tau @ grad_bias1.view(-1, hidden))[:, None]], dim=1)
+    grad_w2 = torch.cat([grad_w2h, (tau @ grad_bias2.view(-1, dim))[:, None]], dim=1)
+    return (None, None, None, None, None, gy, grad_w1, grad_bias1.sum((0, 1)), grad_w2, grad_bias2.sum((0, 1)))
 
 
 def compiled_parts(y0: Tensor, hidden: int) -> Optional[List[slice]]:
@@ -328,13 +337,21 @@ def compiled_parts(y0: Tensor, hidden: int) -> Optional[List[slice]]:
     return [slice(start, end) for start, end in zip(bounds[:-1], bounds[1:])]
 
 
-def solve_device(device: torch.device, method: str, adjoint: bool) -> torch.device:
+def solve_device(device: torch.device, method: str, adjoint: bool, work: int = 0) -> torch.device:
     """Where a solve of inputs on `device` runs. A CUDA solve by a fixed-grid method without the
     adjoint runs on the CPU in the compiled loops, its table then copied to the GPU: on CUDA the
-    loops are Python's, dozens of tiny kernel launches per position (launch-bound whatever the GPU).
-    Elsewhere (CPU, the extension not built, dopri5 or the adjoint: torchdiffeq) on `device`."""
-    if device.type == "cuda" and floater_solve is not None and method in FIXED_GRID and not adjoint:
-        return torch.device("cpu")
+    eager loops are Python's, dozens of tiny kernel launches per position (launch-bound whatever the
+    GPU); unless the CUDA graphs are on (POSENC_FLOATER_CUDA_GRAPHS, graphs.py) and the solve's
+    `work` (rows x hidden x steps) reaches their threshold (`graphs.gpu_min_work`, not measured yet:
+    off by default). Elsewhere (CPU, the extension not built, dopri5 or the adjoint: torchdiffeq) on
+    `device`."""
+    if device.type == "cuda" and method in FIXED_GRID and not adjoint:
+        from .graphs import gpu_min_work  # (graphs.py builds on this module)
+        threshold = gpu_min_work()
+        if threshold is not None and work >= threshold:
+            return device
+        if floater_solve is not None:
+            return torch.device("cpu")
     return device
 
 
@@ -349,5 +366,9 @@ def solved_on(device: torch.device, function, y0: Tensor, *weights: Tensor) -> T
 def fixed_grid_solve(tableau, first, last, delta, substeps, y0, *weights) -> Tensor:
     """States b(t_i), i = first..last (see `FixedGridSolve`): in h's hidden space when that is
     cheaper (one (N, hidden) x (hidden, hidden) product per stage instead of two with (hidden, d))."""
-    kind = HiddenSpaceSolve if weights[0].size(0) <= 2 * y0.size(-1) else FixedGridSolve
-    return kind.apply(tableau, first, last, delta, substeps, y0, *weights)
+    if weights[0].size(0) > 2 * y0.size(-1):
+        return FixedGridSolve.apply(tableau, first, last, delta, substeps, y0, *weights)
+    from . import graphs  # (graphs.py builds on this module)
+    if graphs.enabled():  # the CUDA graphs, or on the CPU their fallback: the same loops
+        return graphs.graphed_solve(tableau, first, last, delta, substeps, y0, *weights)
+    return HiddenSpaceSolve.apply(tableau, first, last, delta, substeps, y0, *weights)

@@ -1,0 +1,203 @@
+"""FLOATER's hidden-space solve (`solver.HiddenSpaceSolve`) replayed from CUDA graphs: the solve off the
+launch path. Not yet run on a GPU (docs/floater.md, "CUDA graphs"); off unless POSENC_FLOATER_CUDA_GRAPHS=1.
+
+On CUDA the eager loops launch a few kernels per Runge-Kutta stage, about 10k tiny launches per solve
+and as many again in backward, so the GPU waits on the host. A graph captures the Python loops of
+loops.py (`_hidden_forward_loops`, and `_hidden_backward_loops` for a solve with gradient) once per
+`GraphKey` and replays them with one launch:
+  - Only the loops over the intervals are captured. The pieces a solve precomputes (`_HiddenRun`) and
+    the reductions over every step (`kept_reductions`, `solver.hidden_gradients`) run eagerly with the
+    solve's own shapes, so every operation is the eager solve's, in its order, with its shapes: tables and
+    gradients equal the eager solve's bit for bit.
+  - Lengths share a graph per bucket: the intervals rounded up to a multiple of BUCKET. An interval reads
+    only its own steps' pieces and the state at its start, so the padded intervals after the real ones
+    change nothing before them; in backward they receive zero gradients and pass on zeros.
+  - The graph reads static buffers: the solve's inputs and pieces are copied in before each replay (the
+    parameters are never baked in), and its outputs copied out (the next replay overwrites them).
+  - Nothing waits on the host: the grid's constants are made once and copied without blocking
+    (`loops.grid_constants`), and the solve checks nothing (the overflow check is table.py's).
+On the CPU (no graphs) the same buffers, padding and copies run with the loops called eagerly instead
+of replayed: the fallback, which the CPU tests hold to the eager solve exactly.
+"""
+import math
+import os
+from collections import OrderedDict
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from .loops import _hidden_backward_loops, _hidden_forward_loops, _HiddenRun, kept_reductions, tableau_key
+from .solver import KEEP_STAGES_BYTES, HiddenSpaceSolve, hidden_gradients, single_thread, without_autocast
+
+ENABLE = "POSENC_FLOATER_CUDA_GRAPHS"  # "1": fixed-grid solves run through this module (CUDA models on the GPU)
+MIN_WORK = "POSENC_FLOATER_CUDA_GRAPHS_MIN_WORK"  # a CUDA solve stays on the GPU from this rows x hidden x steps
+# rows x hidden x steps from which a CUDA model's solve is faster in graphs on the GPU than in the compiled
+# CPU loops: not measured yet (scripts/gpu_benchmark.py --floater-graphs measures the two sides). Until it
+# is, turning the graphs on keeps every CUDA solve on the GPU unless MIN_WORK says otherwise.
+DEFAULT_MIN_WORK = 0
+BUCKET = 8  # intervals rounded up to a multiple of this: lengths that differ by less share a graph
+CACHE_SIZE = 16  # graphs kept (least recently used dropped): each holds its buffers and its memory pool
+
+
+def enabled() -> bool:
+    """Whether the fixed-grid hidden-space solves go through the graphs (POSENC_FLOATER_CUDA_GRAPHS=1)."""
+    return os.environ.get(ENABLE, "") not in ("", "0")
+
+
+def gpu_min_work() -> Optional[int]:
+    """The work (rows x hidden x steps) from which a CUDA model's solve runs on the GPU in graphs; None
+    (always the CPU's compiled loops, `solver.solve_device`) while the graphs are off."""
+    if not enabled():
+        return None
+    return int(os.environ.get(MIN_WORK, DEFAULT_MIN_WORK))
+
+
+class GraphKey(NamedTuple):
+    """What a graph was captured for: a different value of any field needs another graph."""
+    device: torch.device
+    dtype: torch.dtype
+    rows: int  # the independent ODEs solved together (every slot: all layers and projections)
+    dim: int
+    hidden: int
+    tableau: tuple  # the method's coefficients (`loops.tableau_key`)
+    substeps: int
+    delta: float  # with substeps, the step dt that the captured operations hold as a constant
+    intervals: int  # the bucket: the number of intervals the graph runs
+    grad: bool  # a backward graph too, and the forward keeps every stage's relu output for it
+
+
+def key_of(tableau, first: int, last: int, delta: float, substeps: int, y0: Tensor, w1: Tensor, grad: bool) -> GraphKey:
+    return GraphKey(y0.device, y0.dtype, y0.size(0), y0.size(1), w1.size(0), tableau_key(tableau), substeps,
+                    float(delta), BUCKET * max(1, math.ceil((last - first) / BUCKET)), grad)
+
+
+class Replay:
+    """`function` of static buffers: on CUDA captured in a graph at construction (after one eager run
+    outside it, which makes cuBLAS's handle and workspace) and replayed per call, its outputs the same
+    tensors every time; elsewhere called per call."""
+
+    def __init__(self, function, device: torch.device):
+        self.function, self.graph, self.outputs = function, None, None
+        if device.type == "cuda":
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                function()
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.outputs = function()
+
+    def __call__(self):
+        if self.graph is None:
+            return self.function()
+        self.graph.replay()
+        return self.outputs
+
+
+class SolveGraph:
+    """The graphs of one `GraphKey`, their static buffers (`run`: the pieces of a bucket-long solve;
+    `y0`; for backward the kept relus and the states' gradients) and how a solve goes in and out."""
+
+    def __init__(self, key: GraphKey, tableau, y0: Tensor, weights):
+        self.key = key
+        # built from copies: no static buffer may share memory with the caller's tensors
+        self.run = _HiddenRun(tableau, 0, key.intervals, key.delta, key.substeps, y0.clone(),
+                              *(weight.detach().clone() for weight in weights))
+        self.y0 = torch.zeros_like(y0)
+        self.forward = Replay(lambda: _hidden_forward_loops(self.run, self.y0, key.grad), key.device)
+        if key.grad:
+            stages = len(tableau.b)
+            self.kept = y0.new_zeros(self.run.steps, stages, key.rows * key.hidden)
+            self.grad_states = y0.new_zeros(key.intervals + 1, key.rows, key.dim)
+            # with the relus kept, the backward loops take only the shape of the states
+            shape_only = y0.new_zeros(key.intervals + 1, key.rows, key.dim)
+            self.backward = Replay(lambda: _hidden_backward_loops(self.run, shape_only, self.grad_states, self.kept,
+                                                                  reduce_kept=False), key.device)
+
+    def fits(self, key: GraphKey) -> bool:
+        """Whether the static buffers are the ones `key` needs (a graph is never replayed for another)."""
+        return (self.key == key and self.y0.shape == (key.rows, key.dim) and self.y0.dtype == key.dtype
+                and self.y0.device == key.device and self.run.m.shape == (key.hidden, key.hidden))
+
+    def load(self, run: _HiddenRun):
+        """The solve's pieces into the static run (its tableau constants and dt are the key's already)."""
+        static = self.run
+        for name in ("w1b", "w1b_t", "w2h", "w2h_t", "m", "m_t"):
+            getattr(static, name).copy_(getattr(run, name))
+        static.bias1[:run.steps].copy_(run.bias1)
+        static.cz[:run.steps].copy_(run.cz)
+        static.b2_sums[:run.intervals].copy_(run.b2_sums)
+
+    def solve(self, run: _HiddenRun, y0: Tensor):
+        """States (intervals + 1, N, d) and, for a solve with gradient, every stage's relu output."""
+        self.load(run)
+        self.y0.copy_(y0)
+        with single_thread(y0):
+            states, relus = self.forward()
+        return states[:run.intervals + 1].clone(), relus[:run.steps].clone() if self.key.grad else None
+
+    def adjoint(self, run: _HiddenRun, grad_states: Tensor, relus: Tensor) -> tuple:
+        """What `_hidden_backward_loops` returns for the solve (the padded intervals left out)."""
+        self.load(run)
+        self.kept[:run.steps].copy_(relus)
+        self.grad_states[:run.intervals + 1].copy_(grad_states)
+        self.grad_states[run.intervals + 1:].zero_()  # the padded intervals pass on zeros
+        with single_thread(grad_states):  # (as the eager backward: the reductions too, whose bits the threads may change)
+            gy, grad_bias1, sums, after, starts, stage_grads, _ = self.backward()
+            grad_m, grad_cz = kept_reductions(stage_grads[:run.steps], relus)
+        intervals = slice(0, run.intervals)
+        return (gy.clone(), grad_bias1[:run.steps], sums[intervals], after[intervals], starts[intervals],
+                grad_m, grad_cz)
+
+
+_graphs: "OrderedDict[GraphKey, SolveGraph]" = OrderedDict()
+
+
+def graph_for(key: GraphKey, tableau, y0: Tensor, weights) -> SolveGraph:
+    """The graphs of `key`: kept ones if their buffers fit it, else captured anew."""
+    entry = _graphs.pop(key, None)
+    if entry is None or not entry.fits(key):
+        entry = SolveGraph(key, tableau, y0, weights)
+    _graphs[key] = entry
+    while len(_graphs) > CACHE_SIZE:
+        _graphs.popitem(last=False)
+    return entry
+
+
+def clear():
+    """Drop every graph (and with them their buffers and memory pools)."""
+    _graphs.clear()
+
+
+class GraphedSolve(torch.autograd.Function):
+    """`HiddenSpaceSolve` with its loops replayed from the graphs of the solve's `GraphKey` (`grad`:
+    whether the solve is differentiated, which the graph key needs: inside forward grad mode is off)."""
+
+    @staticmethod
+    def forward(ctx, grad: bool, tableau, first: int, last: int, delta: float, substeps: int,
+                y0: Tensor, w1: Tensor, c1: Tensor, w2: Tensor, c2: Tensor) -> Tensor:
+        run = _HiddenRun(tableau, first, last, delta, substeps, y0, w1, c1, w2, c2)
+        entry = graph_for(key_of(tableau, first, last, delta, substeps, y0, w1, grad), tableau, y0, (w1, c1, w2, c2))
+        states, relus = entry.solve(run, y0)
+        ctx.save_for_backward(states, w1, c1, w2, c2, *([relus] if grad else []))
+        ctx.settings, ctx.entry = (tableau, first, last, delta, substeps), entry
+        return states
+
+    @staticmethod
+    @without_autocast
+    def backward(ctx, grad_states: Tensor):
+        states, w1, c1, w2, c2, relus = ctx.saved_tensors
+        run = _HiddenRun(*ctx.settings, states[0], w1, c1, w2, c2)
+        return (None, *hidden_gradients(run, [(states, ctx.entry.adjoint(run, grad_states, relus))]))
+
+
+def graphed_solve(tableau, first, last, delta, substeps, y0: Tensor, *weights: Tensor) -> Tensor:
+    """`HiddenSpaceSolve`'s states, from the graphs: a solve with gradient whose stages would not be
+    kept (more than KEEP_STAGES_BYTES, where the eager backward recomputes them) runs eagerly."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (y0, *weights))
+    steps, stages = (last - first) * substeps, len(tableau.b)
+    if grad and steps * stages * y0.size(0) * weights[0].size(0) * y0.element_size() > KEEP_STAGES_BYTES:
+        return HiddenSpaceSolve.apply(tableau, first, last, delta, substeps, y0, *weights)
+    return GraphedSolve.apply(grad, tableau, first, last, delta, substeps, y0, *weights)
