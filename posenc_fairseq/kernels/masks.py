@@ -32,3 +32,17 @@ def only_blocks(attn_mask: Tensor, made_by_stack: bool = False) -> bool:
     """Whether the float `attn_mask` holds nothing but 0 and -inf (fairseq's future mask): its
     finite part adds nothing to the logits. `made_by_stack`: as in `blocks_future`."""
     return made_by_stack or bool((torch.isneginf(attn_mask) | (attn_mask == 0)).all())
+
+
+def is_future_mask(attn_mask: Optional[Tensor], made_by_stack: bool = False) -> bool:
+    """Whether `attn_mask` is exactly fairseq's future mask over a square of queries and keys: -inf
+    (or True) above the diagonal, 0 (or False) on and below it; what SDPA's `is_causal` stands for.
+    `made_by_stack`: as in `blocks_future`. A layer recomputed under checkpointing gets the same
+    answer from reading the mask as its first run got from the stack, so it takes the same kernel."""
+    if attn_mask is None or attn_mask.dim() != 2 or attn_mask.size(0) != attn_mask.size(1):
+        return False
+    if made_by_stack:
+        return True
+    blocked = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
+    future = torch.ones_like(blocked, dtype=torch.bool).triu(1)
+    return torch.equal(blocked, future) and (attn_mask.dtype == torch.bool or only_blocks(attn_mask))

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ..encodings.distance import DistanceTerm
 from . import biased_cpu, blocks, flex, sdpa
+from .masks import is_future_mask
 
 
 class AttentionCall(NamedTuple):
@@ -159,9 +160,10 @@ def terms_need_gradient(call: AttentionCall, content_folded: bool) -> bool:
 
 def _only_causal(call: AttentionCall) -> bool:
     """Whether all that is added to the call's logits is fairseq's future mask over a square of
-    queries and keys: the decoder stack's own mask, no padding, no position terms."""
-    return (call.stack_mask and call.term is None and call.values is None and call.key_padding_mask is None
-            and not call.source_keys and call.q.size(2) == call.k.size(2))
+    queries and keys: no padding, no position terms. The stack's own mask is known without reading
+    it; any other (a checkpointed layer's recomputation, a user's mask) is read."""
+    return (call.term is None and call.values is None and call.key_padding_mask is None and not call.source_keys
+            and call.q.size(2) == call.k.size(2) and is_future_mask(call.attn_mask, call.stack_mask))
 
 
 def _flex_serves(call: AttentionCall) -> bool:

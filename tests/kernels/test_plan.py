@@ -14,7 +14,7 @@ HEADS, DIM = 2, 4
 def call(queries=5, keys=5, dtype=torch.float32, bias=False, vectors=False, content=False, values=False,
          parameters_grad=True, queries_grad=False, grad_enabled=True, recorded_run=False, flex_mode="off",
          need_weights=False, before_softmax=False, future_blocked=False, logits=None, batch=1,
-         stack_mask=False, padding=False):
+         stack_mask=False, padding=False, future_mask=False):
     """A self-attention call of `queries` queries (the last of `keys` keys) with the chosen terms."""
     q = torch.randn(batch, HEADS, queries, DIM, dtype=dtype, requires_grad=queries_grad)
     k = torch.randn(batch, HEADS, keys, DIM, dtype=dtype)
@@ -29,7 +29,9 @@ def call(queries=5, keys=5, dtype=torch.float32, bias=False, vectors=False, cont
                             vectors=parameter(HEADS, columns, DIM) if vectors else None,
                             content=parameter(HEADS, 1, DIM) if content else None)
     value_term = DistanceTerm(low, high, vectors=parameter(HEADS, columns, DIM)) if values else None
-    attn_mask = torch.zeros(queries, keys).masked_fill(future(queries, keys), float("-inf")) if stack_mask else None
+    attn_mask = None
+    if stack_mask or future_mask:
+        attn_mask = torch.zeros(queries, keys).masked_fill(future(queries, keys), float("-inf"))
     key_padding_mask = torch.zeros(batch, keys, dtype=torch.bool) if padding else None
     return AttentionCall(q=q, k=k, v=k, k_target=k, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
                          source_keys=0, stack_mask=stack_mask,
@@ -99,6 +101,8 @@ def test_content_is_folded_into_the_queries_except_on_flex():
     (dict(stack_mask=True, bias=True, grad_enabled=False), False),  # position terms: given with the mask
     (dict(stack_mask=True, need_weights=True), False),  # weights asked for: EXPLICIT
     (dict(), False),  # no mask
+    (dict(future_mask=True), True),  # the same mask, not the stack's (a checkpointed layer's recomputation): read
+    (dict(future_mask=True, queries=4, keys=6), False),  # not square (cached keys)
 ])
 def test_sdpa_is_told_the_mask_is_causal_only_where_it_is_all_there_is(case, causal):
     assert plan(call(**case)).causal is causal
@@ -122,3 +126,15 @@ def test_query_dependent_terms_with_a_gradient_take_sdpa_where_it_fuses_the_mask
     monkeypatch.setattr(sdpa, "fused_mask_gradient", lambda q: True)
     assert plan(call(vectors=True)).kernel is Kernel.SDPA
     assert plan(call(values=True)).kernel is Kernel.EXPLICIT  # the value term needs the probabilities
+
+
+@pytest.mark.parametrize("mask,causal", [
+    (torch.zeros(4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), float("-inf")), True),
+    (torch.ones(4, 4, dtype=torch.bool).triu(1), True),
+    (torch.zeros(4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(2), float("-inf")), False),  # sees one ahead
+    (torch.zeros(4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), -1e4), False),  # finite: a term
+    (torch.full((4, 4), float("-inf")).triu(1) + torch.eye(4), False),  # a finite term on the diagonal
+])
+def test_a_mask_not_made_by_the_stack_is_causal_only_if_it_is_the_future_mask(mask, causal):
+    from posenc_fairseq.kernels.masks import is_future_mask
+    assert is_future_mask(mask) is causal
