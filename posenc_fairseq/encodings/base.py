@@ -187,7 +187,7 @@ def hook_use(encoding: PositionalEncoding) -> HookUse:
         use = _CLASS_HOOK_USE[kind] = HookUse(overrides(kind, PROJECTION_HOOKS), overrides(kind, ("distance_term",)),
                                               overrides(kind, ("value_term",)))
     own = encoding.__dict__
-    if not _HOOKS.isdisjoint(own):
+    if own.keys() & _HOOKS:  # (looks up the few hook names: the object's dict may hold dozens of attributes)
         use = HookUse(use.projects or any(name in own for name in PROJECTION_HOOKS),
                       use.logits or "distance_term" in own, use.values or "value_term" in own)
     return use

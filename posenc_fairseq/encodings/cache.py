@@ -31,6 +31,7 @@ graphs that cannot be copied.
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Hashable, Iterable, List, NamedTuple, Optional, Tuple
 
+import numpy
 import torch
 from torch import Tensor, nn
 
@@ -203,7 +204,24 @@ def same_values(copies: Optional[List[Tensor]], tensors: Iterable[Tensor]) -> bo
     tensors = list(tensors)
     return copies is not None and len(copies) == len(tensors) and all(
         copy.dtype == tensor.dtype and copy.device == tensor.device and copy.shape == tensor.shape
-        and torch.equal(copy, tensor) for copy, tensor in zip(copies, tensors))
+        and equal_values(copy, tensor) for copy, tensor in zip(copies, tensors))
+
+
+#: dtypes whose CPU tensors `equal_values` compares through numpy, and from how many elements on
+_NUMPY_DTYPES = frozenset((torch.float64, torch.float32, torch.float16))
+_NUMPY_FROM = 16384
+
+
+def equal_values(copy: Tensor, tensor: Tensor) -> bool:
+    """torch.equal of two tensors of one dtype, device and shape: a large CPU tensor through numpy's
+    vectorised comparison where numpy has the dtype (torch.equal's CPU kernel compares one element
+    at a time; numpy's call costs more for small tensors: docs/benchmarks.md). The same answer
+    (NaN unequal, -0.0 == 0.0)."""
+    if (tensor.device.type == "cpu" and tensor.numel() >= _NUMPY_FROM and tensor.dtype in _NUMPY_DTYPES
+            and type(tensor) in (Tensor, nn.Parameter) and type(copy) is Tensor
+            and not (tensor.is_neg() or copy.is_neg())):
+        return bool((copy.detach().numpy() == tensor.detach().numpy()).all())
+    return torch.equal(copy, tensor)
 
 
 def range_values(cache: Dict, key, depends_on: tuple, low: int, high: int,

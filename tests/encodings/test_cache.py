@@ -6,7 +6,7 @@ import pickle
 import torch
 
 from posenc_fairseq.encodings import ModelDims, build_encoding
-from posenc_fairseq.encodings.cache import use_kept_values
+from posenc_fairseq.encodings.cache import equal_values, same_values, use_kept_values, value_copies
 from posenc_fairseq.encodings.positions import bounds, shared_range, tensor_of
 from position_terms import position_range
 from util import encoding_options
@@ -85,6 +85,29 @@ def test_inference_scope_is_emptied_by_a_write_through_data_and_kept_otherwise()
         assert encoding.cache.inference(encoding) == {"value": 1}  # checked once per pass
         encoding.begin("encoder")
         assert encoding.cache.inference(encoding) == {}
+
+
+def test_the_check_by_value_answers_as_torch_equal():
+    """`equal_values` (numpy's comparison for large CPU tensors) answers as torch.equal: a change in one
+    element of a large tensor, NaN, -0.0, strided views, bf16 (torch's own comparison), parameters."""
+    large = torch.randn(200, 200)
+    pairs = [(large, large.clone()), (large.t(), large.t().clone()), (large[:, ::2], large[:, ::2].clone())]
+    changed = large.clone()
+    changed[123, 45] += 1e-6
+    nan = large.clone()
+    nan[7, 7] = float("nan")
+    zero = torch.zeros(200, 200)
+    pairs += [(large, changed), (nan, nan.clone()), (zero, -zero), (large.double(), large.double().clone()),
+              (large.half(), large.half().clone()), (large.bfloat16(), large.bfloat16().clone()),
+              (large.clone(), torch.nn.Parameter(large.clone())), (torch.randn(5), torch.randn(5))]
+    for copy_, tensor in pairs:
+        assert equal_values(copy_, tensor) == torch.equal(copy_, tensor)
+    parameter = torch.nn.Parameter(large.clone())
+    copies = value_copies([parameter])
+    assert same_values(copies, [parameter])
+    with torch.no_grad():
+        parameter.data[199, 99] += 1.0  # as fairseq's optimizers: through .data
+    assert not same_values(copies, [parameter])
 
 
 def test_copies_of_an_encoding_start_with_an_empty_cache_of_their_own():

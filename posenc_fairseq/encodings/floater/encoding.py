@@ -9,7 +9,6 @@ gathered at the tokens' positions (`GatherSlots`); the stacks' `begin` computes 
 before the layers run. Which table a pass reads: table.py; how it is solved: solver.py.
 """
 import math
-from itertools import repeat
 from typing import List, Optional
 
 import torch
@@ -38,7 +37,7 @@ class PassState:
     """FLOATER's state of one forward pass of the model (an entry of the cache's model-pass scope,
     which spans both stacks: its table covers the positions of either). Plain attributes: made
     once per decoding step, where nn.Module's __setattr__ would cost."""
-    __slots__ = ("tables", "group_tables", "gathered", "biases", "needed")
+    __slots__ = ("tables", "group_tables", "gathered", "biases", "needed", "step_positions", "step_biases")
 
     def __init__(self):
         self.tables = PassTables()  # the tables solved in this pass
@@ -46,6 +45,9 @@ class PassState:
         self.gathered = {}  # (group, dtype, shared range or None) -> (table values, positions, biases there)
         self.biases = {}  # (role, layer, which) -> (positions, that slot's biases there)
         self.needed = 0  # positions 0..needed-1 occur in this pass
+        # a later decoding step in inference: its target tokens' positions (the pass context's, as
+        # given) and their biases, {(role, layer, which): (d,) bias} of the target group's slots
+        self.step_positions, self.step_biases = None, None
 
 
 class GatherSlots(torch.autograd.Function):
@@ -313,16 +315,18 @@ class Floater(PositionalEncoding):
 
     def begin(self, role, positions=None, source_positions=None, earlier=0):
         context = super().begin(role, positions, source_positions, earlier)
-        state = self.cache.model_pass.get(self.pass_key)
+        model_pass = self.cache.model_pass
+        state = model_pass.get(self.pass_key)
         if state is None:  # a new forward pass of the model (the cache's model-pass scope)
-            state = self.pass_state()
+            state = model_pass[self.pass_key] = PassState()
             if self.training and self.recompute_every > 1:
                 self.tables.start_window_pass(self, self._num_updates // self.recompute_every, state.tables)
         if earlier > 0:
             # a later decoding step: its pass's first step checked the table and saw the source
             # positions (cross-attention keys are cached); its own are below earlier + length,
             # known without reading them (a host sync per step costs more than FLOATER's step)
-            state.needed = max(state.needed, earlier + tensor_of(positions).size(-1))
+            length = positions.stop - positions.start if isinstance(positions, Positions) else positions.size(-1)
+            state.needed = max(state.needed, earlier + length)
             self._fill_step_biases(positions, state)
             return context
         for given in (positions, source_positions):
@@ -351,21 +355,29 @@ class Floater(PositionalEncoding):
         """A later decoding step in inference: the target tokens' biases (decoder q/k/v, cross q) are
         one row of the group table the decode's first step used (the inference scope's step rows),
         handed to every projection of the step at once (Python work per projection is most of
-        FLOATER's step)."""
-        if (self.step_ready_key not in self.cache.decode_values or self.training or torch.is_grad_enabled()
+        FLOATER's step): the step's positions and that row's biases per slot, which
+        `projection_bias` finds with one lookup."""
+        cache = self.cache
+        if (self.step_ready_key not in cache.decode_values or self.training or torch.is_grad_enabled()
                 or not is_shared_range(positions)):
             return
-        group_table, usable, rows = self.cache.inference_values[self.step_rows_key]
+        group_table, usable, rows = cache.inference_values[self.step_rows_key]
         first, last = positions.start, positions.stop - 1
         if first == last < usable:  # beyond: the full path extends the table or names the overflow
             biases = rows.get(last)
             if biases is None:  # (each position's views made once: the next decode reads them again)
-                biases = rows[last] = group_table[last].unbind(0)
-            state.biases.update(zip(self._target_keys, zip(repeat(positions), biases)))
+                biases = rows[last] = dict(zip(self._target_keys, group_table[last].unbind(0)))
+            state.step_positions, state.step_biases = positions, biases
 
     def projection_bias(self, role, layer, which, positions):
         """b(t_i) = b(0) + table[i] for each token of the call, (T, B, E): the projection's bias."""
-        state = self.pass_state()
+        state = self.cache.model_pass.get(self.pass_key)
+        if state is None:
+            state = self.pass_state()
+        elif state.step_biases is not None and positions is state.step_positions:  # (`_fill_step_biases`)
+            bias = state.step_biases.get((role, layer, which))
+            if bias is not None:
+                return bias
         hit = state.biases.get((role, layer, which))  # gathered with its group earlier in the pass
         if hit is not None and hit[0] is positions:
             return hit[1]
