@@ -6,7 +6,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
-PYTEST_ARGS ?= -n 2 --dist worksteal
+PYTEST_ARGS ?= -n 2
+# Work stealing whatever PYTEST_ARGS says (CI gives its own -n 2): with xdist's default (load) the last
+# tests were already queued to one worker while the other sat idle. Without -n it does nothing.
+PYTEST_DIST := --dist worksteal
 
 .PHONY: venv demo test test-fast test-cuda clean
 venv: $(STAMP)
@@ -31,11 +34,11 @@ demo: $(STAMP)
 	$(VENV)/bin/python examples/demo/run_demo.py $(DEMO_ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests $(PYTEST_DIST) $(PYTEST_ARGS)
 
 # the same suite without the tests marked @pytest.mark.slow (the long end-to-end runs; see tests/conftest.py)
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests -m "not slow" $(PYTEST_DIST) $(PYTEST_ARGS)
 
 # On a GPU machine: only the tests a GPU changes (marker `device`), on CUDA (tests/devices.py), after
 # scripts/gpu_device_setup.sh has made fairseq importable where there is no venv (it needs pytest there).

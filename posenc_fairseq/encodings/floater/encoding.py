@@ -289,7 +289,8 @@ class Floater(PositionalEncoding):
         """Table b(t_i) - b(0) for positions 0..rows-1 (in the autograd graph of `parameters`,
         default the live ones), in the solve dtype."""
         weights, b0 = parameters if parameters is not None else self._live_parameters()
-        return solver.solve(self.dynamics, self.solver_options(), b0, 0, max(rows, 2) - 1, weights) - b0
+        return solver.solve(self.dynamics, self.solver_options(), b0, 0, max(rows, 2) - 1, weights,
+                            self.cache.constant) - b0
 
     def extend(self, table: Tensor, rows: int, parameters=None) -> Tensor:
         """`table` continued to `rows` positions by integrating onward from its last point
@@ -300,7 +301,8 @@ class Floater(PositionalEncoding):
             return self.solve(rows, parameters)
         weights, b0 = parameters if parameters is not None else self._live_parameters()
         last = table.size(0) - 1
-        states = solver.solve(self.dynamics, self.solver_options(), b0 + table[-1], last, rows - 1, weights)
+        states = solver.solve(self.dynamics, self.solver_options(), b0 + table[-1], last, rows - 1, weights,
+                              self.cache.constant)
         return torch.cat([table, states[1:] - b0], dim=0)
 
     def table(self, rows: int) -> Tensor:

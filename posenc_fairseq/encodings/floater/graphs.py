@@ -16,18 +16,20 @@ loops.py (`_hidden_forward_loops`, and `_hidden_backward_loops` for a solve with
     parameters are never baked in), and its outputs copied out (the next replay overwrites them).
   - Nothing waits on the host: the grid's constants are made once and copied without blocking
     (`loops.grid_constants`), and the solve checks nothing (the overflow check is table.py's).
+  - The graphs and constants live where the solve's `memo` keeps them: the encoding's cache (its
+    constants scope), so they go with the model and are never shared between models.
 On the CPU (no graphs) the same buffers, padding and copies run with the loops called eagerly instead
 of replayed: the fallback, which the CPU tests hold to the eager solve exactly.
 """
 import math
 import os
-from collections import OrderedDict
 from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from .loops import _hidden_backward_loops, _hidden_forward_loops, _HiddenRun, kept_reductions, tableau_key
+from .loops import (Memo, _hidden_backward_loops, _hidden_forward_loops, _HiddenRun, kept_recent, kept_reductions,
+                    tableau_key)
 from .solver import KEEP_STAGES_BYTES, HiddenSpaceSolve, hidden_gradients, single_thread, without_autocast
 
 ENABLE = "POSENC_FLOATER_CUDA_GRAPHS"  # "1": fixed-grid solves run through this module (CUDA models on the GPU)
@@ -37,7 +39,7 @@ MIN_WORK = "POSENC_FLOATER_CUDA_GRAPHS_MIN_WORK"  # a CUDA solve stays on the GP
 # is, turning the graphs on keeps every CUDA solve on the GPU unless MIN_WORK says otherwise.
 DEFAULT_MIN_WORK = 0
 BUCKET = 8  # intervals rounded up to a multiple of this: lengths that differ by less share a graph
-CACHE_SIZE = 16  # graphs kept (least recently used dropped): each holds its buffers and its memory pool
+KEPT_GRAPHS = 16  # graphs kept per encoding (least recently used dropped): each holds its buffers and memory pool
 
 
 def enabled() -> bool:
@@ -100,10 +102,10 @@ class SolveGraph:
     """The graphs of one `GraphKey`, their static buffers (`run`: the pieces of a bucket-long solve;
     `y0`; for backward the kept relus and the states' gradients) and how a solve goes in and out."""
 
-    def __init__(self, key: GraphKey, tableau, y0: Tensor, weights):
+    def __init__(self, key: GraphKey, tableau, memo: Memo, y0: Tensor, weights):
         self.key = key
         # built from copies: no static buffer may share memory with the caller's tensors
-        self.run = _HiddenRun(tableau, 0, key.intervals, key.delta, key.substeps, y0.clone(),
+        self.run = _HiddenRun(tableau, 0, key.intervals, key.delta, key.substeps, memo, y0.clone(),
                               *(weight.detach().clone() for weight in weights))
         self.y0 = torch.zeros_like(y0)
         self.forward = Replay(lambda: _hidden_forward_loops(self.run, self.y0, key.grad), key.device)
@@ -152,23 +154,11 @@ class SolveGraph:
                 grad_m, grad_cz)
 
 
-_graphs: "OrderedDict[GraphKey, SolveGraph]" = OrderedDict()
-
-
-def graph_for(key: GraphKey, tableau, y0: Tensor, weights) -> SolveGraph:
-    """The graphs of `key`: kept ones if their buffers fit it, else captured anew."""
-    entry = _graphs.pop(key, None)
-    if entry is None or not entry.fits(key):
-        entry = SolveGraph(key, tableau, y0, weights)
-    _graphs[key] = entry
-    while len(_graphs) > CACHE_SIZE:
-        _graphs.popitem(last=False)
-    return entry
-
-
-def clear():
-    """Drop every graph (and with them their buffers and memory pools)."""
-    _graphs.clear()
+def graph_for(key: GraphKey, tableau, memo: Memo, y0: Tensor, weights) -> SolveGraph:
+    """The graphs of `key`: kept ones (`memo`'s, the last KEPT_GRAPHS used) if their buffers fit it,
+    else captured anew."""
+    return kept_recent(memo, "cuda graphs", KEPT_GRAPHS, key, lambda: SolveGraph(key, tableau, memo, y0, weights),
+                       fits=lambda entry: entry.fits(key))
 
 
 class GraphedSolve(torch.autograd.Function):
@@ -176,13 +166,14 @@ class GraphedSolve(torch.autograd.Function):
     whether the solve is differentiated, which the graph key needs: inside forward grad mode is off)."""
 
     @staticmethod
-    def forward(ctx, grad: bool, tableau, first: int, last: int, delta: float, substeps: int,
+    def forward(ctx, grad: bool, tableau, first: int, last: int, delta: float, substeps: int, memo: Memo,
                 y0: Tensor, w1: Tensor, c1: Tensor, w2: Tensor, c2: Tensor) -> Tensor:
-        run = _HiddenRun(tableau, first, last, delta, substeps, y0, w1, c1, w2, c2)
-        entry = graph_for(key_of(tableau, first, last, delta, substeps, y0, w1, grad), tableau, y0, (w1, c1, w2, c2))
+        run = _HiddenRun(tableau, first, last, delta, substeps, memo, y0, w1, c1, w2, c2)
+        key = key_of(tableau, first, last, delta, substeps, y0, w1, grad)
+        entry = graph_for(key, tableau, memo, y0, (w1, c1, w2, c2))
         states, relus = entry.solve(run, y0)
         ctx.save_for_backward(states, w1, c1, w2, c2, *([relus] if grad else []))
-        ctx.settings, ctx.entry = (tableau, first, last, delta, substeps), entry
+        ctx.settings, ctx.entry = (tableau, first, last, delta, substeps, memo), entry
         return states
 
     @staticmethod
@@ -193,11 +184,11 @@ class GraphedSolve(torch.autograd.Function):
         return (None, *hidden_gradients(run, [(states, ctx.entry.adjoint(run, grad_states, relus))]))
 
 
-def graphed_solve(tableau, first, last, delta, substeps, y0: Tensor, *weights: Tensor) -> Tensor:
+def graphed_solve(tableau, first, last, delta, substeps, memo: Memo, y0: Tensor, *weights: Tensor) -> Tensor:
     """`HiddenSpaceSolve`'s states, from the graphs: a solve with gradient whose stages would not be
     kept (more than KEEP_STAGES_BYTES, where the eager backward recomputes them) runs eagerly."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (y0, *weights))
     steps, stages = (last - first) * substeps, len(tableau.b)
     if grad and steps * stages * y0.size(0) * weights[0].size(0) * y0.element_size() > KEEP_STAGES_BYTES:
-        return HiddenSpaceSolve.apply(tableau, first, last, delta, substeps, y0, *weights)
-    return GraphedSolve.apply(grad, tableau, first, last, delta, substeps, y0, *weights)
+        return HiddenSpaceSolve.apply(tableau, first, last, delta, substeps, memo, y0, *weights)
+    return GraphedSolve.apply(grad, tableau, first, last, delta, substeps, memo, y0, *weights)

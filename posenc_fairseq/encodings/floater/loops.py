@@ -6,21 +6,51 @@ serve where the compiled loops of csrc/floater_solve.cpp do not run) and compile
 (`_HiddenRun.pieces`); the tests hold the compiled loops to the Python ones.
 """
 import functools
-from typing import List, Optional
+from collections import OrderedDict
+from typing import Any, Callable, Hashable, List, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 
+#: how a solve keeps values of their key alone across solves: `memo(key, compute)` returns compute()'s
+#: value for `key` (the encoding passes its cache's constants scope, `EncodingCache.constant`)
+Memo = Callable[[Hashable, Callable[[], Any]], Any]
+
+
+KEPT_GRIDS = 256  # grids whose constants a memo keeps (the most recently used)
+
+
+def computed_now(key: Hashable, compute: Callable[[], Any]) -> Any:
+    """The `Memo` that keeps nothing (a solve called without one)."""
+    return compute()
+
+
+def kept_recent(memo: Memo, kind: str, size: int, key: Hashable, compute: Callable[[], Any],
+                fits: Callable[[Any], bool] = lambda value: True) -> Any:
+    """compute() for `key`, kept among `memo`'s `size` most recently used values of `kind` (the
+    least recently used dropped); a kept value that does not `fit` is computed anew."""
+    kept: OrderedDict = memo(kind, OrderedDict)
+    value = kept.pop(key, None)
+    if value is None or not fits(value):
+        value = compute()
+    kept[key] = value
+    while len(kept) > size:
+        kept.popitem(last=False)
+    return value
+
+
 class _Run:
     """One solve's precomputed pieces: the time of every stage of every step, the folded biases,
-    the weights split into state and time parts, the tableau as tensors."""
+    the weights split into state and time parts, the tableau as tensors (their constants kept by
+    `memo`)."""
 
-    def __init__(self, tableau, first, last, delta, substeps, y0, w1, c1, w2, c2):
+    def __init__(self, tableau, first, last, delta, substeps, memo: Memo, y0, w1, c1, w2, c2):
         dim = y0.size(-1)
         self.tableau, self.dt, self.count = tableau, delta / substeps, y0.size(0)
         self.steps = (last - first) * substeps
-        constants = grid_constants(tableau_key(tableau), first, last, delta, substeps, y0.dtype, y0.device)
+        grid = (tableau_key(tableau), first, last, delta, substeps, y0.dtype, y0.device)
+        constants = kept_recent(memo, "grid constants", KEPT_GRIDS, grid, lambda: grid_constants(*grid))
         self.tau, self.a, self.b, self.later = constants  # tau: (steps, stages)
         # the state and time parts of the weights, contiguous (BLAS on strided slices copies them per call)
         self.w1b, self.w2h = w1[:, :dim].contiguous(), w2[:, :-1].contiguous()
@@ -51,8 +81,8 @@ class _HiddenRun:
     """`HiddenSpaceSolve`'s precomputed pieces (see `_Run`): also M = W1_b W2_b, the stages'
     W1_b bias2, each interval's sum of dt b_i bias2, and the views the loop indexes."""
 
-    def __init__(self, tableau, first, last, delta, substeps, y0, w1, c1, w2, c2):
-        base = _Run(tableau, first, last, delta, substeps, y0, w1, c1, w2, c2)
+    def __init__(self, tableau, first, last, delta, substeps, memo: Memo, y0, w1, c1, w2, c2):
+        base = _Run(tableau, first, last, delta, substeps, memo, y0, w1, c1, w2, c2)
         self.tableau, self.intervals = tableau, last - first
         self.dt, self.steps, self.tau, self.substeps = base.dt, base.steps, base.tau, substeps
         self.a, self.b, self.later = base.a, base.b, base.later
@@ -134,19 +164,18 @@ def _hidden_backward_loops(run: "_HiddenRun", states: Tensor, grad_states: Tenso
     stand for the last two (`kept_reductions` makes them): the CUDA graphs (graphs.py) run these loops
     over a padded length and reduce over the real steps only."""
     count, dim, hidden = states.size(1), states.size(2), run.m.size(0)
-    tableau, stages, substeps, dt, intervals = run.tableau, run.stages, run.substeps, run.dt, run.intervals
+    stages, substeps, dt, intervals = run.stages, run.substeps, run.dt, run.intervals
     # relu outputs and d loss / d kz of every stage (when the forward kept the relus; else of one
     # interval at a time), d loss / d pre of one interval's stages
     steps = run.steps if kept is not None else substeps
     R = kept if kept is not None else states.new_empty(substeps, stages, count * hidden)
     GK = states.new_empty(steps, stages, count, hidden)
     GP = states.new_empty(substeps, stages, count, hidden)
-    relu_mats = R.view(-1, count, hidden).unbind(0)
-    gk_rows, gk_mats = GK.view(-1, 1, count * hidden).unbind(0), GK.view(-1, count, hidden).unbind(0)
-    gp_mats, gp_steps = GP.view(-1, count, hidden).unbind(0), GP.view(substeps, stages, -1).unbind(0)
+    views = _AdjointViews(R.view(-1, count, hidden).unbind(0), GK.view(-1, 1, count * hidden).unbind(0),
+                          GK.view(-1, count, hidden).unbind(0), GP.view(-1, count, hidden).unbind(0),
+                          GP.view(substeps, stages, -1).unbind(0), states.new_ones(1, stages),
+                          [dt * b for b in run.tableau.b])
     grad_bias1 = states.new_empty(run.steps, stages, hidden)
-    later = run.later
-    ones, beta = states.new_ones(1, stages), [dt * b for b in tableau.b]
     sums = states.new_empty(intervals, count, hidden)  # per interval: sum of b_j r_j over its stages
     after = states.new_empty(intervals, count, dim)  # d loss / d b(t_i+1)
     starts = states.new_empty(intervals, count, hidden)  # d loss / d z at each interval's start
@@ -163,20 +192,7 @@ def _hidden_backward_loops(run: "_HiddenRun", states: Tensor, grad_states: Tenso
         after[interval] = gy
         # d loss / d relu through b(t_i+1): the same for every stage of the interval (times b_j)
         through_b = (dt * gy) @ run.w2h  # (count, hidden)
-        a.zero_()  # z at the interval's end is not used (the next interval starts from b)
-        for j in reversed(range(substeps)):
-            step = interval * substeps + j
-            pre_grads = gp_steps[j]  # (stages, count * hidden)
-            for i in reversed(range(stages)):
-                at = (step if kept is not None else j) * stages + i  # in R and GK
-                if i + 1 < stages:
-                    torch.addmm(a, later[i], pre_grads[i + 1:], beta=beta[i], alpha=dt, out=gk_rows[at])
-                else:
-                    torch.mul(a, beta[i], out=gk_rows[at])
-                g_relu = torch.addmm(through_b, gk_mats[at], run.m, beta=tableau.b[i])
-                torch.ops.aten.threshold_backward.grad_input(g_relu, relu_mats[at], 0,
-                                                            grad_input=gp_mats[j * stages + i])
-            a.addmm_(ones, pre_grads)
+        _interval_adjoint(run, views, a, through_b, interval * substeps if kept is not None else 0)
         torch.sum(GP, dim=2, out=grad_bias1[interval_steps])
         starts[interval] = a.view(count, hidden)
         # b(t_i) reaches the loss directly, through b(t_i+1) and through z = W1_b b(t_i)
@@ -191,6 +207,37 @@ def _hidden_backward_loops(run: "_HiddenRun", states: Tensor, grad_states: Tenso
     return gy, grad_bias1, sums, after, starts, grad_m, grad_cz
 
 
+class _AdjointViews(NamedTuple):
+    """The per-stage views `_hidden_backward_loops` writes through (row `at` = step * stages + stage)."""
+    relu_mats: tuple  # relu outputs (N, hidden)
+    gk_rows: tuple  # d loss / d kz as (1, N * hidden)
+    gk_mats: tuple  # d loss / d kz as (N, hidden)
+    gp_mats: tuple  # d loss / d pre of one interval's stages (N, hidden)
+    gp_steps: tuple  # d loss / d pre of each step of one interval (stages, N * hidden)
+    ones: Tensor  # (1, stages)
+    beta: list  # dt b_i per stage
+
+
+def _interval_adjoint(run: "_HiddenRun", views: _AdjointViews, a: Tensor, through_b: Tensor, first_step: int):
+    """One interval's stages in reverse order: d loss / d kz and d loss / d pre of each (from
+    `through_b`, the gradient reaching every relu through b(t_i+1)), leaving d loss / d z at the
+    interval's start in `a`. `first_step`: the interval's first step in the relu and kz rows."""
+    stages, dt, later = run.stages, run.dt, run.later
+    a.zero_()  # z at the interval's end is not used (the next interval starts from b)
+    for j in reversed(range(run.substeps)):
+        pre_grads = views.gp_steps[j]  # (stages, count * hidden)
+        for i in reversed(range(stages)):
+            at = (first_step + j) * stages + i  # in the relu and kz rows
+            if i + 1 < stages:
+                torch.addmm(a, later[i], pre_grads[i + 1:], beta=views.beta[i], alpha=dt, out=views.gk_rows[at])
+            else:
+                torch.mul(a, views.beta[i], out=views.gk_rows[at])
+            g_relu = torch.addmm(through_b, views.gk_mats[at], run.m, beta=run.tableau.b[i])
+            torch.ops.aten.threshold_backward.grad_input(g_relu, views.relu_mats[at], 0,
+                                                        grad_input=views.gp_mats[j * stages + i])
+        a.addmm_(views.ones, pre_grads)
+
+
 def kept_reductions(stage_grads: Tensor, relus: Tensor):
     """d loss / d M and d loss / d cz from d loss / d kz (steps, stages, N, hidden) and the relu outputs
     of every stage (the same steps): each a reduction over every step at once."""
@@ -199,16 +246,15 @@ def kept_reductions(stage_grads: Tensor, relus: Tensor):
 
 
 def tableau_key(tableau) -> tuple:
-    """A Runge-Kutta tableau as nested tuples (hashable: a key of the memoised constants and the graphs)."""
+    """A Runge-Kutta tableau as nested tuples (hashable: a key of the kept constants and the graphs)."""
     return tuple(tuple(map(tuple, part)) if part and isinstance(part[0], list) else tuple(part) for part in tableau)
 
 
-@functools.lru_cache(maxsize=256)
 def grid_constants(tableau: tuple, first: int, last: int, delta: float, substeps: int, dtype: torch.dtype,
                    device: torch.device):
     """A solve's constants on its device: the time of every stage of every step (steps, stages), the
-    tableau's a rows and b as (1, n) rows, and per stage i the a_li of the later stages l. Memoised
-    (they are only read): on CUDA, made on the CPU and copied once from pinned memory without
+    tableau's a rows and b as (1, n) rows, and per stage i the a_li of the later stages l. Only read,
+    so kept across solves (`Memo`): on CUDA, made on the CPU and copied once from pinned memory without
     blocking, so a solve neither waits on the host nor copies from the host inside a graph capture."""
     a_rows, b_row, c_nodes = tableau
     dt = delta / substeps

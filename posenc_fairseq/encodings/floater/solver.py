@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .dynamics import Dynamics
-from .loops import _HiddenRun, _Run, _hidden_backward_loops, _hidden_forward_loops
+from .loops import Memo, _HiddenRun, _Run, _hidden_backward_loops, _hidden_forward_loops, computed_now
 
 FIXED_GRID = ("rk4", "midpoint", "euler")
 METHODS = (*FIXED_GRID, "dopri5")
@@ -45,14 +45,16 @@ class SolverOptions(NamedTuple):
     adjoint: bool
 
 
-def solve(dynamics: Dynamics, options: SolverOptions, y0: Tensor, first: int, last: int, weights) -> Tensor:
+def solve(dynamics: Dynamics, options: SolverOptions, y0: Tensor, first: int, last: int, weights,
+          memo: Memo = computed_now) -> Tensor:
     """States b(t_i) for positions i = first..last, shape (last - first + 1, N, d), from b(t_first) = y0
     with h = `dynamics` at `weights` (W1, c1, W2, c2), on y0's device and in its dtype (autocast off:
-    the solve stays in float32 under --amp)."""
+    the solve stays in float32 under --amp). `memo` keeps what the fixed-grid solves make once and
+    only read (the grid's constants, the CUDA graphs): the encoding's cache."""
     with autocast_off(y0.device):
         if options.method in FIXED_GRID and not options.adjoint and dynamics.is_paper_form:
             fixed = functools.partial(fixed_grid_solve, TABLEAUS[options.method], first, last, options.delta,
-                                      options.substeps)
+                                      options.substeps, memo)
             work = y0.size(0) * weights[0].size(0) * (last - first) * options.substeps  # rows x hidden x steps
             return solved_on(solve_device(y0.device, options.method, options.adjoint, work), fixed, y0, *weights)
         return torchdiffeq_solve(dynamics, options, y0, first, last, weights)
@@ -160,10 +162,10 @@ class FixedGridSolve(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, tableau: Tableau, first: int, last: int, delta: float, substeps: int,
+    def forward(ctx, tableau: Tableau, first: int, last: int, delta: float, substeps: int, memo: Memo,
                 y0: Tensor, w1: Tensor, c1: Tensor, w2: Tensor, c2: Tensor) -> Tensor:
         with single_thread(y0):
-            run = _Run(tableau, first, last, delta, substeps, y0, w1, c1, w2, c2)
+            run = _Run(tableau, first, last, delta, substeps, memo, y0, w1, c1, w2, c2)
             states = y0.new_empty(last - first + 1, *y0.shape)
             states[0] = y0
             # what backward needs of every stage: kept when it is small, else recomputed per interval
@@ -179,7 +181,7 @@ class FixedGridSolve(torch.autograd.Function):
                     y = run.step(step, y, inputs[step] if keep else None, relus[step] if keep else None)
                 states[interval + 1] = y.view_as(y0)
             ctx.save_for_backward(states, w1, c1, w2, c2, *((inputs, relus) if keep else ()))
-            ctx.settings = (tableau, first, last, delta, substeps)
+            ctx.settings = (tableau, first, last, delta, substeps, memo)
         return states
 
     @staticmethod
@@ -187,8 +189,8 @@ class FixedGridSolve(torch.autograd.Function):
     def backward(ctx, grad_states: Tensor):
         with single_thread(grad_states):
             states, w1, c1, w2, c2, *kept = ctx.saved_tensors
-            tableau, first, last, delta, substeps = ctx.settings
-            run = _Run(tableau, first, last, delta, substeps, states[0], w1, c1, w2, c2)
+            run = _Run(*ctx.settings, states[0], w1, c1, w2, c2)
+            tableau, substeps = run.tableau, ctx.settings[4]
             rows, (count, dim), hidden = states.size(0), states.shape[1:], w1.size(0)
             stages, dt = len(tableau.b), run.dt
             # per interval: each stage's input (Y) and relu output (R), and their gradients (G, GP)
@@ -230,7 +232,7 @@ class FixedGridSolve(torch.autograd.Function):
             tau = run.tau.reshape(-1)
             grad_w1 = torch.cat([grad_w1b, (tau @ grad_bias1.view(-1, hidden))[:, None]], dim=1)
             grad_w2 = torch.cat([grad_w2h, (tau @ grad_bias2.view(-1, dim))[:, None]], dim=1)
-            return (None, None, None, None, None, a.view_as(states[0]),
+            return (None, None, None, None, None, None, a.view_as(states[0]),
                     grad_w1, grad_bias1.sum((0, 1)), grad_w2, grad_bias2.sum((0, 1)))
 
 
@@ -258,9 +260,9 @@ class HiddenSpaceSolve(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, tableau: Tableau, first: int, last: int, delta: float, substeps: int,
+    def forward(ctx, tableau: Tableau, first: int, last: int, delta: float, substeps: int, memo: Memo,
                 y0: Tensor, w1: Tensor, c1: Tensor, w2: Tensor, c2: Tensor) -> Tensor:
-        run = _HiddenRun(tableau, first, last, delta, substeps, y0, w1, c1, w2, c2)
+        run = _HiddenRun(tableau, first, last, delta, substeps, memo, y0, w1, c1, w2, c2)
         count, hidden, stages = y0.size(0), w1.size(0), len(tableau.b)
         keep = any(ctx.needs_input_grad) and run.steps * stages * count * hidden * y0.element_size() <= KEEP_STAGES_BYTES
         parts = compiled_parts(y0, hidden)  # (read before the loops take one thread)
@@ -274,16 +276,15 @@ class HiddenSpaceSolve(torch.autograd.Function):
                 states = torch.cat([result[0] for result in results], dim=1)
                 relus = [result[1] for result in results] if keep else []
         ctx.save_for_backward(states, w1, c1, w2, c2, *relus)
-        ctx.settings, ctx.parts = (tableau, first, last, delta, substeps), parts
+        ctx.settings, ctx.parts = (tableau, first, last, delta, substeps, memo), parts
         return states
 
     @staticmethod
     @without_autocast
     def backward(ctx, grad_states: Tensor):
         states, w1, c1, w2, c2, *kept = ctx.saved_tensors
-        tableau, first, last, delta, substeps = ctx.settings
-        run = _HiddenRun(tableau, first, last, delta, substeps, states[0], w1, c1, w2, c2)
-        dt = run.dt
+        run = _HiddenRun(*ctx.settings, states[0], w1, c1, w2, c2)
+        tableau, substeps, dt = run.tableau, run.substeps, run.dt
         with single_thread(states):
             if ctx.parts is None:
                 parts = [(states, _hidden_backward_loops(run, states, grad_states, kept[0] if kept else None))]
@@ -317,7 +318,7 @@ def hidden_gradients(run: _HiddenRun, parts) -> tuple:
     tau = run.tau.reshape(-1)
     grad_w1 = torch.cat([grad_w1b, (tau @ grad_bias1.view(-1, hidden))[:, None]], dim=1)
     grad_w2 = torch.cat([grad_w2h, (tau @ grad_bias2.view(-1, dim))[:, None]], dim=1)
-    return (None, None, None, None, None, gy, grad_w1, grad_bias1.sum((0, 1)), grad_w2, grad_bias2.sum((0, 1)))
+    return (None, None, None, None, None, None, gy, grad_w1, grad_bias1.sum((0, 1)), grad_w2, grad_bias2.sum((0, 1)))
 
 
 def compiled_parts(y0: Tensor, hidden: int) -> Optional[List[slice]]:
@@ -363,12 +364,12 @@ def solved_on(device: torch.device, function, y0: Tensor, *weights: Tensor) -> T
     return function(y0.to(device), *(weight.to(device) for weight in weights)).to(y0.device)
 
 
-def fixed_grid_solve(tableau, first, last, delta, substeps, y0, *weights) -> Tensor:
+def fixed_grid_solve(tableau, first, last, delta, substeps, memo: Memo, y0, *weights) -> Tensor:
     """States b(t_i), i = first..last (see `FixedGridSolve`): in h's hidden space when that is
     cheaper (one (N, hidden) x (hidden, hidden) product per stage instead of two with (hidden, d))."""
     if weights[0].size(0) > 2 * y0.size(-1):
-        return FixedGridSolve.apply(tableau, first, last, delta, substeps, y0, *weights)
+        return FixedGridSolve.apply(tableau, first, last, delta, substeps, memo, y0, *weights)
     from . import graphs  # (graphs.py builds on this module)
     if graphs.enabled():  # the CUDA graphs, or on the CPU their fallback: the same loops
-        return graphs.graphed_solve(tableau, first, last, delta, substeps, y0, *weights)
-    return HiddenSpaceSolve.apply(tableau, first, last, delta, substeps, y0, *weights)
+        return graphs.graphed_solve(tableau, first, last, delta, substeps, memo, y0, *weights)
+    return HiddenSpaceSolve.apply(tableau, first, last, delta, substeps, memo, y0, *weights)

@@ -4,10 +4,12 @@ share a graph and changes that need another, without the host waiting per solve.
 fallback runs (the same buffers, padding and copies, the loops called instead of replayed); `pytest -m device
 --device cuda` runs the tests that take the `device` fixture on the GPU (tests/devices.py)."""
 import contextlib
+import copy
 
 import pytest
 import torch
 
+from posenc_fairseq.encodings.cache import EncodingCache
 from posenc_fairseq.encodings.floater import graphs, solver
 from posenc_fairseq.encodings.floater.solver import TABLEAUS, HiddenSpaceSolve
 
@@ -15,13 +17,20 @@ from floater_util import floater_model, perturb
 
 
 @pytest.fixture(autouse=True)
-def fresh_graphs(monkeypatch):
-    """Each test starts without graphs, and its eager solves run the Python loops (on the CPU the
-    compiled loops would otherwise serve the eager solve: close to the loops, not equal)."""
-    graphs.clear()
+def python_loops(monkeypatch):
+    """The eager solves run the Python loops (on the CPU the compiled loops would otherwise serve the
+    eager solve: close to the loops, not equal)."""
     monkeypatch.setattr(solver, "floater_solve", None)
-    yield
-    graphs.clear()
+
+
+@pytest.fixture
+def cache():
+    """Where the solves keep their graphs and constants (an encoding's cache): each test starts empty."""
+    return EncodingCache()
+
+
+def kept_graphs(cache: EncodingCache) -> dict:
+    return cache.constants.get("cuda graphs", {})
 
 
 def inputs(device, dtype=torch.float32, rows=6, dim=8, hidden=8, seed=0):
@@ -52,42 +61,43 @@ def assert_graphed_equals_eager(settings, tensors, grad=True):
         assert torch.equal(got, expected), name
 
 
-def test_the_graphed_solve_equals_the_eager_solve_exactly(device):
+def test_the_graphed_solve_equals_the_eager_solve_exactly(device, cache):
     """Forward and every gradient, for two lengths in one bucket (one graph), a later start (an
     extended table), a solve without gradient, then another dtype and other options: each of those
     a graph of its own, captured for it."""
     tensors = inputs(device)
-    rk4 = TABLEAUS["rk4"]
+    rk4, memo = TABLEAUS["rk4"], cache.constant
     for first, last in [(0, 13), (0, 11), (5, 14)]:  # 13, 11 and 9 intervals: the bucket of 16
-        assert_graphed_equals_eager((rk4, first, last, 0.1, 3), tensors)
-    assert len(graphs._graphs) == 1
+        assert_graphed_equals_eager((rk4, first, last, 0.1, 3, memo), tensors)
+    assert len(kept_graphs(cache)) == 1
     with torch.no_grad():
-        assert_graphed_equals_eager((rk4, 0, 13, 0.1, 3), tensors, grad=False)
-    assert len(graphs._graphs) == 2  # without gradient: no backward graph, no relus kept
-    for settings, dtype in [((rk4, 0, 13, 0.1, 3), torch.float64), ((TABLEAUS["midpoint"], 0, 13, 0.1, 3), torch.float32),
-                            ((rk4, 0, 13, 0.1, 2), torch.float32), ((rk4, 0, 13, 0.05, 3), torch.float32)]:
-        before = len(graphs._graphs)
+        assert_graphed_equals_eager((rk4, 0, 13, 0.1, 3, memo), tensors, grad=False)
+    assert len(kept_graphs(cache)) == 2  # without gradient: no backward graph, no relus kept
+    for settings, dtype in [((rk4, 0, 13, 0.1, 3, memo), torch.float64),
+                            ((TABLEAUS["midpoint"], 0, 13, 0.1, 3, memo), torch.float32),
+                            ((rk4, 0, 13, 0.1, 2, memo), torch.float32), ((rk4, 0, 13, 0.05, 3, memo), torch.float32)]:
+        before = len(kept_graphs(cache))
         assert_graphed_equals_eager(settings, inputs(device, dtype))
-        assert len(graphs._graphs) == before + 1
-    assert {key.device for key in graphs._graphs} == {tensors[0].device}
+        assert len(kept_graphs(cache)) == before + 1
+    assert {key.device for key in kept_graphs(cache)} == {tensors[0].device}
 
 
-def test_a_training_solve_does_not_wait_on_the_host(device):
+def test_a_training_solve_does_not_wait_on_the_host(device, cache):
     """Once a bucket's graphs are captured, a solve of another length in it and its backward never
     synchronise with the host (torch.cuda.set_sync_debug_mode("error") raises at any implicit sync).
     On the CPU the fallback runs, where there is nothing to wait for."""
     tensors = inputs(device)
-    rk4 = TABLEAUS["rk4"]
-    solved(graphs.graphed_solve, (rk4, 0, 13, 0.1, 3), tensors, torch.ones(14, 6, 8, device=device))  # captures
+    rk4, memo = TABLEAUS["rk4"], cache.constant
+    solved(graphs.graphed_solve, (rk4, 0, 13, 0.1, 3, memo), tensors, torch.ones(14, 6, 8, device=device))  # captures
     upstream = torch.ones(12, 6, 8, device=device)
     guard = contextlib.nullcontext()
     if device.type == "cuda":
         torch.cuda.synchronize()
         guard = sync_errors()
     with guard:
-        states, grads = solved(graphs.graphed_solve, (rk4, 0, 11, 0.1, 3), tensors, upstream)
-    assert len(graphs._graphs) == 1
-    eager, eager_grads = solved(HiddenSpaceSolve.apply, (rk4, 0, 11, 0.1, 3), tensors, upstream)
+        states, grads = solved(graphs.graphed_solve, (rk4, 0, 11, 0.1, 3, memo), tensors, upstream)
+    assert len(kept_graphs(cache)) == 1
+    eager, eager_grads = solved(HiddenSpaceSolve.apply, (rk4, 0, 11, 0.1, 3, memo), tensors, upstream)
     assert torch.equal(states, eager) and all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
 
 
@@ -103,7 +113,8 @@ def sync_errors():
 def test_the_model_table_and_its_gradients_equal_the_eager_ones_with_the_graphs_on(translation_data, device,
                                                                                   monkeypatch):
     """A FLOATER model's table and the gradients of h and every b(0) with POSENC_FLOATER_CUDA_GRAPHS=1
-    (a CUDA model's solve then stays on the GPU) equal the eager Python loops on the same device."""
+    (a CUDA model's solve then stays on the GPU) equal the eager Python loops on the same device. The
+    graphs are the encoding's own (its cache): a copy of the model starts without them."""
     model, _, encoding = floater_model(translation_data)
     perturb(model)
     model.to(device)
@@ -118,7 +129,9 @@ def test_the_model_table_and_its_gradients_equal_the_eager_ones_with_the_graphs_
     monkeypatch.setenv(graphs.ENABLE, "1")
     table = encoding.extend(encoding.solve(13), 21)  # two graphs: 12 and 8 intervals, with gradient
     grads = torch.autograd.grad(table, parameters, upstream)
-    assert len(graphs._graphs) == 2 and {key.device for key in graphs._graphs} == {torch.device(device)}
+    assert len(kept_graphs(encoding.cache)) == 2
+    assert {key.device for key in kept_graphs(encoding.cache)} == {torch.device(device)}
+    assert kept_graphs(copy.deepcopy(model).positional_encoding.cache) == {}
     assert torch.equal(table, reference)
     for got, expected in zip(grads, reference_grads):
         assert torch.equal(got, expected)
@@ -139,19 +152,20 @@ def test_where_a_cuda_solve_runs_with_the_graphs(setting, min_work, work, expect
     assert solver.solve_device(torch.device("cuda"), "dopri5", False, work) == torch.device("cuda")
 
 
-def test_a_graph_is_only_replayed_for_what_it_was_made_for():
+def test_a_graph_is_only_replayed_for_what_it_was_made_for(cache):
     """Each graph keeps the key it was captured for; one whose buffers do not fit a key is made anew
-    (never replayed), and the least recently used graphs are dropped beyond CACHE_SIZE."""
+    (never replayed), and the least recently used graphs are dropped beyond KEPT_GRAPHS."""
     tensors = inputs("cpu")
-    rk4 = TABLEAUS["rk4"]
+    rk4, memo = TABLEAUS["rk4"], cache.constant
     key = graphs.key_of(rk4, 0, 13, 0.1, 3, tensors[0], tensors[1], True)
     assert key.intervals == 16 and key.rows == 6 and key.hidden == 8 and key.grad
-    entry = graphs.graph_for(key, rk4, tensors[0].detach(), [t.detach() for t in tensors[1:]])
-    assert entry.fits(key) and graphs.graph_for(key, rk4, tensors[0], tensors[1:]) is entry
+    entry = graphs.graph_for(key, rk4, memo, tensors[0].detach(), [t.detach() for t in tensors[1:]])
+    assert entry.fits(key) and graphs.graph_for(key, rk4, memo, tensors[0], tensors[1:]) is entry
+    assert graphs.graph_for(key, rk4, EncodingCache().constant, tensors[0], tensors[1:]) is not entry  # another encoding's
     other = key._replace(dtype=torch.float64)
     assert not entry.fits(other)
-    graphs._graphs[other] = entry  # a stale entry under another key is not replayed for it
-    assert graphs.graph_for(other, rk4, tensors[0].double(), [t.double() for t in tensors[1:]]) is not entry
-    for substeps in range(1, graphs.CACHE_SIZE + 2):
-        graphs.graph_for(key._replace(substeps=substeps), rk4, tensors[0], tensors[1:])
-    assert len(graphs._graphs) == graphs.CACHE_SIZE
+    kept_graphs(cache)[other] = entry  # a stale entry under another key is not replayed for it
+    assert graphs.graph_for(other, rk4, memo, tensors[0].double(), [t.double() for t in tensors[1:]]) is not entry
+    for substeps in range(1, graphs.KEPT_GRAPHS + 2):
+        graphs.graph_for(key._replace(substeps=substeps), rk4, memo, tensors[0], tensors[1:])
+    assert len(kept_graphs(cache)) == graphs.KEPT_GRAPHS

@@ -10,6 +10,7 @@ from floater_util import floater_model, perturb
 from posenc_fairseq.encodings.floater import (TABLEAUS, Dynamics, FixedGridSolve, HiddenSpaceSolve, dynamics_function,
                                               grid_times, solver, subdivided_grid)
 from posenc_fairseq.encodings.floater import graphs
+from posenc_fairseq.encodings.floater.loops import computed_now
 from util import random_batch
 
 
@@ -32,7 +33,7 @@ def test_fast_solve_equals_torchdiffeq_on_the_same_grid(method, dtype, tolerance
     weights = [w.detach().requires_grad_() for w in random_dynamics(8, 6, dtype)]
     y0 = torch.randn(5, 8, dtype=dtype, requires_grad=True)
     first, last, delta, substeps = 3, 11, 0.1, 4  # starting beyond 0: how tables are extended
-    ours = solve.apply(TABLEAUS[method], first, last, delta, substeps, y0, *weights)
+    ours = solve.apply(TABLEAUS[method], first, last, delta, substeps, computed_now, y0, *weights)
     reference = torchdiffeq.odeint(dynamics_function(*weights), y0, grid_times(first, last, delta), method=method,
                                    options=dict(grid_constructor=subdivided_grid(substeps)))
     scale = reference.abs().max()
@@ -49,7 +50,7 @@ def test_fast_solve_equals_torchdiffeq_on_the_same_grid(method, dtype, tolerance
 def test_fast_solve_gradients_match_finite_differences(solve):
     weights = [w.detach().requires_grad_() for w in random_dynamics(4, 3, torch.float64, seed=2)]
     y0 = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda y, *w: solve.apply(TABLEAUS["rk4"], 0, 4, 0.3, 2, y, *w), (y0, *weights))
+    torch.autograd.gradcheck(lambda y, *w: solve.apply(TABLEAUS["rk4"], 0, 4, 0.3, 2, computed_now, y, *w), (y0, *weights))
 
 
 @pytest.mark.parametrize("hidden,expected", [(6, HiddenSpaceSolve), (16, HiddenSpaceSolve), (17, FixedGridSolve)])
@@ -60,7 +61,7 @@ def test_the_solve_in_hidden_space_where_it_is_cheaper(hidden, expected, monkeyp
     used = []
     for solve in (FixedGridSolve, HiddenSpaceSolve):
         monkeypatch.setattr(solve, "apply", lambda *args, solve=solve: used.append(solve))
-    solver.fixed_grid_solve(TABLEAUS["rk4"], 0, 3, 0.1, 2, torch.zeros(2, 8), *random_dynamics(8, hidden, torch.float32))
+    solver.fixed_grid_solve(TABLEAUS["rk4"], 0, 3, 0.1, 2, computed_now, torch.zeros(2, 8), *random_dynamics(8, hidden, torch.float32))
     assert used == [expected]
 
 
@@ -80,7 +81,7 @@ def test_compiled_loops_in_parts_equal_the_python_loops(parts, keep_stages, dtyp
         monkeypatch.setattr(solver, "KEEP_STAGES_BYTES", 0)
     weights = [w.detach().requires_grad_() for w in random_dynamics(8, 6, dtype)]
     y0 = torch.randn(9, 8, dtype=dtype, requires_grad=True)
-    settings = (TABLEAUS["rk4"], 2, 9, 0.1, 3)
+    settings = (TABLEAUS["rk4"], 2, 9, 0.1, 3, computed_now)
     upstream = torch.randn(8, 9, 8, dtype=dtype)
     monkeypatch.setattr(solver, "floater_solve", None)
     python = HiddenSpaceSolve.apply(*settings, y0, *weights)
@@ -99,7 +100,7 @@ def test_compiled_loops_in_parts_equal_the_python_loops(parts, keep_stages, dtyp
         assert (got - expected).abs().max() <= tolerance * expected.abs().max(), name
     if dtype == torch.float64:
         small = [w.detach().requires_grad_() for w in random_dynamics(4, 3, torch.float64, seed=3)]
-        torch.autograd.gradcheck(lambda y, *w: HiddenSpaceSolve.apply(TABLEAUS["rk4"], 0, 4, 0.3, 2, y, *w),
+        torch.autograd.gradcheck(lambda y, *w: HiddenSpaceSolve.apply(TABLEAUS["rk4"], 0, 4, 0.3, 2, computed_now, y, *w),
                                  (torch.randn(9, 4, dtype=torch.float64, requires_grad=True), *small))
 
 
