@@ -1,0 +1,257 @@
+#!/usr/bin/env python
+"""How robust is each encoding's Process-50 result to the training set-up? A grid of ordinary settings.
+
+Each axis takes one or more values; the grid is every combination (a cell), and every encoding
+trains in every cell with every seed (process50.py's task and model, runner.py's commands):
+
+    python examples/claims/sweep.py --out work/sweep --lr 2e-4 5e-4 1e-3 --betas 0.9,0.98 0.9,0.999 \
+        --seeds 1 2 3 --jobs 2 --keep docs/data/process50_sweep.jsonl
+
+An axis left out keeps runner.py's setting (the first value listed below); `--issue-grid` takes every
+value below on every axis (192 cells, 768 runs per seed: spread them over several runs with `--shard I/K`).
+
+    --lr         2e-4 5e-4 1e-3            --betas      0.9,0.98 0.9,0.999 (fairseq's default)
+    --schedule   inverse_sqrt polynomial_decay (linear to 0 at the last update; both warm up 100 updates)
+    --batch      64 32                     --clip       1.0 0 (0: no --clip-norm)
+    --ffn        256 128 (d 64, 2 layers)  --dropout    0.1 0 (--dropout and --attention-dropout)
+    --data-seeds 1 (each a fresh draw of the data)
+
+A run counts as leaving the plateau when its test accuracy reaches SUCCESS (0.75; chance is 0.5,
+the Bayes rate 0.839). Every finished run is one JSON line in OUT/results.jsonl and, with `--keep`,
+in that file too (appended as it finishes); a run already recorded in either (the same encoding, cell,
+seed, device and budget) is not run again, so an interrupted or sharded sweep resumes. The table
+gives per cell and encoding the fraction of runs that left the plateau and their mean test accuracy,
+and marks the cells where T5 left it in more runs than AT5 did, or AT5's mean is more than 0.01 below
+T5's (`decides`).
+"""
+import argparse
+import copy
+import itertools
+import json
+import math
+import os
+import random
+import shlex
+import statistics
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List, NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import process50  # noqa: E402
+from runner import preprocess, train_and_test  # noqa: E402
+
+SUCCESS = 0.75  # test accuracy from which a run has left the plateau (chance 0.5)
+ENCODINGS = ["roberta_at5", "roberta_at5_nob", "roberta_t5", "roberta_nope"]
+#: every axis with runner.py's setting first, then the issue's other values (`--issue-grid`)
+AXES = {"lr": [1e-3, 5e-4, 2e-4], "betas": ["0.9,0.98", "0.9,0.999"],
+        "schedule": ["inverse_sqrt", "polynomial_decay"], "batch": [64, 32], "clip": [1.0, 0.0],
+        "ffn": [256, 128], "dropout": [0.1, 0.0], "data_seed": [1]}
+WARMUP = 100
+
+
+class Cell(NamedTuple):
+    """One training set-up (everything but the encoding and the seed)."""
+    lr: float
+    betas: str
+    schedule: str
+    batch: int
+    clip: float
+    ffn: int
+    dropout: float
+    data_seed: int
+
+
+def cells(axes: Dict[str, list]) -> List[Cell]:
+    return [Cell(*values) for values in itertools.product(*(axes[name] for name in Cell._fields))]
+
+
+def shard(items: list, which: str) -> list:
+    """Part I of K (`which` = "I/K", I from 0) of `items`, every K-th from the I-th."""
+    index, count = (int(part) for part in which.split("/"))
+    if not 0 <= index < count:
+        raise SystemExit(f"--shard {which}: expected I/K with 0 <= I < K")
+    return items[index::count]
+
+
+def updates(cell: Cell, args) -> int:
+    return args.epochs * math.ceil(args.train / cell.batch)
+
+
+def fairseq_options(cell: Cell, args) -> List[str]:
+    """What the cell sets in runner.py's fairseq-train command (its --lr and --batch-size aside)."""
+    options = ["--adam-betas", f"({cell.betas})", "--clip-norm", f"{cell.clip:g}",
+               "--encoder-ffn-embed-dim", str(cell.ffn), "--dropout", f"{cell.dropout:g}",
+               "--attention-dropout", f"{cell.dropout:g}", "--lr-scheduler", cell.schedule,
+               "--warmup-updates", str(WARMUP)]
+    if cell.schedule == "polynomial_decay":
+        options += ["--total-num-update", str(updates(cell, args)), "--end-learning-rate", "0"]
+    return options
+
+
+def run_key(record: dict) -> tuple:
+    """What makes two runs the same run (a recorded one is not run again)."""
+    return (record["arch"], tuple(record["cell"][name] for name in Cell._fields), record["seed"], record["device"],
+            record["epochs"], tuple(record["sizes"]))
+
+
+def recorded(*files: Path) -> set:
+    keys = set()
+    for file in files:
+        if file is not None and file.exists():
+            for line in file.read_text().splitlines():
+                if line.strip():
+                    record = json.loads(line)
+                    if record.get("test") is not None:
+                        keys.add(run_key(record))
+    return keys
+
+
+def data_for(out: Path, data_seed: int, args, env) -> Path:
+    """Process-50 drawn with `data_seed`, binarised once per sweep folder."""
+    folder = out / f"data_seed{data_seed}"
+    data = folder / "bin"
+    if not (data / "label" / "dict.txt").exists():
+        raw = folder / "raw"
+        raw.mkdir(parents=True, exist_ok=True)
+        rng = random.Random(data_seed)
+        for split, count in zip(("train", "valid", "test"), (args.train, args.valid, args.test)):
+            process50.write_split(raw, split, count, rng)
+        preprocess(raw, data, ("input0", "label"), folder / "preprocess.log", env)
+    return data
+
+
+def sweep(args) -> List[dict]:
+    """Every (cell, encoding, seed) not recorded yet, `args.jobs` at a time; the records of this sweep's
+    grid (found or made)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
+    device = "cuda" if args.cuda else "cpu"
+    sizes = [args.train, args.valid, args.test]
+    grid = shard(cells(args.axes), args.shard)
+    done = recorded(args.out / "results.jsonl", args.keep)
+    jobs = [(cell, arch, seed) for seed in args.seeds for cell in grid for arch in args.encodings]
+    base = {"device": device, "epochs": args.epochs, "sizes": sizes}
+    todo = [job for job in jobs
+            if run_key({**base, "arch": job[1], "cell": job[0]._asdict(), "seed": job[2]}) not in done]
+    print(f"{len(grid)} cells x {len(args.encodings)} encodings x {len(args.seeds)} seeds: "
+          f"{len(jobs) - len(todo)} recorded, {len(todo)} to run", file=sys.stderr, flush=True)
+    data = {seed: data_for(args.out, seed, args, env) for seed in sorted({cell.data_seed for cell in grid})}
+    lock = threading.Lock()
+
+    def one(job):
+        cell, arch, seed = job
+        run_args = copy.copy(args)
+        run_args.lr, run_args.batch_size = cell.lr, cell.batch
+        index = cells(args.axes).index(cell)
+        work = args.out / f"cell{index}" / f"{arch}_seed{seed}"
+        try:
+            # the cell's options as the run's extra options: given after runner.py's settings, they win
+            result = train_and_test(f"{arch}:{shlex.join(fairseq_options(cell, args))}", seed, data[cell.data_seed],
+                                    work, process50.MODEL, run_args, env)
+        except RuntimeError as error:
+            print(error, file=sys.stderr)
+            result = {"arch": arch, "seed": seed, "test": None}
+        record = {**base, "arch": arch, "cell": cell._asdict(), "seed": seed, "test": result.get("test"),
+                  "valid": result.get("valid"), "minutes": result.get("minutes"), "commit": args.commit}
+        with lock:
+            for file in (args.out / "results.jsonl", args.keep):
+                if file is not None:
+                    with open(file, "a") as out:
+                        out.write(json.dumps(record) + "\n")
+        print(f"cell {index} {arch} seed {seed}: test accuracy {record['test']}", file=sys.stderr, flush=True)
+        return record
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(one, todo))
+    wanted = {run_key({**base, "arch": arch, "cell": cell._asdict(), "seed": seed}) for cell, arch, seed in jobs}
+    found = {}
+    for file in (args.keep, args.out / "results.jsonl"):
+        if file is not None and file.exists():
+            for line in file.read_text().splitlines():
+                if line.strip():
+                    record = json.loads(line)
+                    if run_key(record) in wanted and record.get("test") is not None:
+                        found[run_key(record)] = record
+    return list(found.values())
+
+
+def summary(records: List[dict]) -> Dict[tuple, Dict[str, dict]]:
+    """Per cell (its settings as a tuple) and encoding: runs, the fraction that left the plateau
+    (test accuracy >= SUCCESS), the mean test accuracy."""
+    table: Dict[tuple, Dict[str, list]] = {}
+    for record in records:
+        cell = tuple(record["cell"][name] for name in Cell._fields)
+        table.setdefault(cell, {}).setdefault(record["arch"], []).append(record["test"])
+    return {cell: {arch: {"runs": len(tests), "rate": sum(test >= SUCCESS for test in tests) / len(tests),
+                          "mean": statistics.mean(tests)} for arch, tests in by_arch.items()}
+            for cell, by_arch in table.items()}
+
+
+def decides(by_arch: Dict[str, dict]) -> bool:
+    """Whether AT5 falls short of T5 in the cell: left the plateau in fewer runs, or a mean more than
+    0.01 below."""
+    at5, t5 = by_arch.get("roberta_at5"), by_arch.get("roberta_t5")
+    if at5 is None or t5 is None:
+        return False
+    return at5["rate"] < t5["rate"] or at5["mean"] < t5["mean"] - 0.01
+
+
+def markdown(records: List[dict], encodings: List[str]) -> str:
+    columns = [*Cell._fields, *encodings, "AT5 < T5"]
+    lines = [f"Process-50 sweep: per cell and encoding, runs leaving the plateau (test accuracy >= {SUCCESS:g}) / runs,"
+             " and the mean test accuracy", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for cell, by_arch in sorted(summary(records).items()):
+        marks = [f"{round(by_arch[arch]['rate'] * by_arch[arch]['runs'])}/{by_arch[arch]['runs']} "
+                 f"({by_arch[arch]['mean']:.3f})" if arch in by_arch else "" for arch in encodings]
+        lines.append("| " + " | ".join([*(f"{value:g}" if isinstance(value, float) else str(value) for value in cell),
+                                        *marks, "yes" if decides(by_arch) else ""]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="sweep folder (data, runs, results.jsonl, results.md)")
+    parser.add_argument("--keep", type=Path, help="also append every finished run here (e.g. docs/data/process50_sweep.jsonl)")
+    parser.add_argument("--encodings", nargs="+", default=ENCODINGS)
+    parser.add_argument("--issue-grid", action="store_true", help="every value listed above on every axis")
+    parser.add_argument("--lr", type=float, nargs="+")
+    parser.add_argument("--betas", nargs="+", help="Adam's betas as B1,B2")
+    parser.add_argument("--schedule", nargs="+", choices=AXES["schedule"])
+    parser.add_argument("--batch", type=int, nargs="+")
+    parser.add_argument("--clip", type=float, nargs="+", help="--clip-norm (0: none)")
+    parser.add_argument("--ffn", type=int, nargs="+")
+    parser.add_argument("--dropout", type=float, nargs="+")
+    parser.add_argument("--data-seeds", dest="data_seed", type=int, nargs="+")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--shard", default="0/1", help="I/K: run every K-th cell from the I-th")
+    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--train", type=int, default=5000)
+    parser.add_argument("--valid", type=int, default=1000)
+    parser.add_argument("--test", type=int, default=5000)
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each command")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at the same time")
+    parser.add_argument("--cuda", action="store_true", help="train and test on the GPU (default: --cpu)")
+    parser.add_argument("--commit", default="", help="recorded with each run (the package's commit)")
+    args = parser.parse_args(argv)
+    args.axes = {name: (values if args.issue_grid else values[:1]) if getattr(args, name) is None
+                 else getattr(args, name) for name, values in AXES.items()}
+    for betas in args.axes["betas"]:
+        if len(betas.split(",")) != 2:
+            parser.error(f"--betas {betas}: expected B1,B2")
+    return args
+
+
+def main(argv=None):
+    args = parse(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    records = sweep(args)
+    text = markdown(records, args.encodings)
+    (args.out / "results.md").write_text(text)
+    print(text)
+    return 0 if len(records) == len(args.seeds) * len(args.encodings) * len(shard(cells(args.axes), args.shard)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""examples/claims/sweep.py: the Process-50 robustness grid. Its cells and options against hand-written
+ones, its per-cell rates against hand-counted records, and a toy sweep through fairseq's commands whose
+every run reached fairseq with its cell's settings and is not run again when the sweep is repeated."""
+import json
+import re
+import sys
+
+import pytest
+
+from test_claims import logged_accuracies
+from util import BIN, REPO, load_script, run
+
+SWEEP = REPO / "examples" / "claims" / "sweep.py"
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    return load_script(SWEEP)
+
+
+def test_the_grid_is_every_combination_and_shards_split_it(sweep):
+    args = sweep.parse(["--out", "x", "--lr", "1e-3", "2e-4", "--batch", "32", "64", "--dropout", "0"])
+    grid = sweep.cells(args.axes)
+    assert len(grid) == 4 and {(cell.lr, cell.batch) for cell in grid} == {(1e-3, 32), (1e-3, 64), (2e-4, 32), (2e-4, 64)}
+    # the axes not given keep runner.py's settings; a given 0 stays 0
+    assert {(c.betas, c.schedule, c.clip, c.ffn, c.dropout, c.data_seed) for c in grid} == {
+        ("0.9,0.98", "inverse_sqrt", 1.0, 256, 0.0, 1)}
+    parts = [sweep.shard(grid, f"{i}/3") for i in range(3)]
+    assert sorted(sum(parts, []), key=grid.index) == grid and all(parts)
+    assert len(sweep.cells(sweep.parse(["--out", "x", "--issue-grid"]).axes)) == 3 * 2 ** 6  # lr x six axes of two values, one data draw
+    with pytest.raises(SystemExit):
+        sweep.shard(grid, "3/3")
+    with pytest.raises(SystemExit):
+        sweep.parse(["--out", "x", "--betas", "0.9"])
+
+
+def test_a_cells_options_as_fairseq_reads_them(sweep):
+    args = sweep.parse(["--out", "x", "--train", "100", "--epochs", "3"])
+    cell = sweep.Cell(5e-4, "0.9,0.999", "polynomial_decay", 32, 0.0, 128, 0.0, 1)
+    options = sweep.fairseq_options(cell, args)
+    pairs = dict(zip(options[::2], options[1::2]))
+    assert pairs == {"--adam-betas": "(0.9,0.999)", "--clip-norm": "0", "--encoder-ffn-embed-dim": "128",
+                     "--dropout": "0", "--attention-dropout": "0", "--lr-scheduler": "polynomial_decay",
+                     "--warmup-updates": "100", "--total-num-update": "12", "--end-learning-rate": "0"}  # 3 x ceil(100/32)
+
+
+def record(arch, test, lr=1e-3, seed=1):
+    cell = dict(lr=lr, betas="0.9,0.98", schedule="inverse_sqrt", batch=64, clip=1.0, ffn=256, dropout=0.1, data_seed=1)
+    return {"arch": arch, "cell": cell, "seed": seed, "test": test, "device": "cpu", "epochs": 40,
+            "sizes": [5000, 1000, 5000]}
+
+
+def test_rates_and_the_cells_that_decide(sweep):
+    records = [record("roberta_at5", 0.55, seed=1), record("roberta_at5", 0.83, seed=2), record("roberta_at5", 0.80, seed=3),
+               record("roberta_t5", 0.81, seed=1), record("roberta_t5", 0.76, seed=2), record("roberta_t5", 0.74, seed=3),
+               record("roberta_at5", 0.82, lr=2e-4), record("roberta_t5", 0.56, lr=2e-4)]
+    table = sweep.summary(records)
+    at_1e3 = table[(1e-3, "0.9,0.98", "inverse_sqrt", 64, 1.0, 256, 0.1, 1)]
+    assert at_1e3["roberta_at5"] == {"runs": 3, "rate": pytest.approx(2 / 3), "mean": pytest.approx(0.726666, abs=1e-5)}
+    assert at_1e3["roberta_t5"] == {"runs": 3, "rate": pytest.approx(2 / 3), "mean": pytest.approx(0.77)}
+    assert sweep.decides(at_1e3)  # the same rate, but AT5's mean 0.727 < T5's 0.770 - 0.01
+    assert not sweep.decides(table[(2e-4, "0.9,0.98", "inverse_sqrt", 64, 1.0, 256, 0.1, 1)])
+    text = sweep.markdown(records, ["roberta_at5", "roberta_t5"])
+    assert "| 0.001 | 0.9,0.98 | inverse_sqrt | 64 | 1 | 256 | 0.1 | 1 | 2/3 (0.727) | 2/3 (0.770) | yes |" in text
+    assert "| 0.0002 | 0.9,0.98 | inverse_sqrt | 64 | 1 | 256 | 0.1 | 1 | 1/1 (0.820) | 0/1 (0.560) |  |" in text
+
+
+@pytest.mark.slow
+def test_a_toy_sweep_runs_every_cell_through_fairseq_and_resumes(tmp_path, sweep):
+    keep = tmp_path / "kept.jsonl"
+    command = [sys.executable, SWEEP, "--out", tmp_path / "sweep", "--keep", keep, "--encodings", "roberta_t5",
+               "roberta_nope", "--lr", "1e-3", "5e-4", "--schedule", "polynomial_decay", "--batch", "32",
+               "--seeds", "1", "--train", "96", "--valid", "32", "--test", "32", "--epochs", "1", "--jobs", "2"]
+    out = run(command, env={"PATH": str(BIN)})
+    records = [json.loads(line) for line in keep.read_text().splitlines()]
+    assert sorted((r["arch"], r["cell"]["lr"]) for r in records) == [
+        ("roberta_nope", 5e-4), ("roberta_nope", 1e-3), ("roberta_t5", 5e-4), ("roberta_t5", 1e-3)]
+    for r in records:
+        work = tmp_path / "sweep" / f"cell{[1e-3, 5e-4].index(r['cell']['lr'])}" / f"{r['arch']}_seed1"
+        log = (work / "train.log").read_text()
+        # the cell's settings reached fairseq (its logged configuration), after runner.py's own
+        assert re.search(rf"'lr': \[{r['cell']['lr']}\]", log) and "'batch_size': 32" in log
+        assert re.search(r"'_name': 'polynomial_decay'.*'total_num_update': 3", log)  # 1 epoch x ceil(96/32)
+        assert "'clip_norm': 1.0" in log and "'adam_betas': '(0.9,0.98)'" in log
+        assert re.search(r"[ (]dropout=0\.1,", log) and re.search(r"[ (]attention_dropout=0\.1,", log)
+        assert "encoder_ffn_embed_dim=256," in log
+        assert r["test"] == pytest.approx(logged_accuracies((work / "test.log").read_text(), "test")[0], abs=1e-9)
+    table = (tmp_path / "sweep" / "results.md").read_text()
+    assert table in out and table.count("/1 (") == 4  # 2 cells x 2 encodings, one run each
+    again = run(command, env={"PATH": str(BIN)})  # every run recorded: nothing trains again
+    assert "4 recorded, 0 to run" in again and len(keep.read_text().splitlines()) == 4
+    assert (tmp_path / "sweep" / "results.md").read_text() == table
