@@ -210,8 +210,10 @@ def markdown(records: List[dict], encodings: List[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse(argv=None, parser=None):
+    """The options (`parser`: another script's, which these are added to); `axes`: each axis's values."""
+    if parser is None:
+        parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="sweep folder (data, runs, results.jsonl, results.md)")
     parser.add_argument("--keep", type=Path, help="also append every finished run here (e.g. docs/data/process50_sweep.jsonl)")
     parser.add_argument("--encodings", nargs="+", default=ENCODINGS)

@@ -70,7 +70,7 @@ def test_a_toy_sweep_runs_every_cell_through_fairseq_and_resumes(tmp_path, sweep
     keep = tmp_path / "kept.jsonl"
     command = [sys.executable, SWEEP, "--out", tmp_path / "sweep", "--keep", keep, "--encodings", "roberta_t5",
                "roberta_nope", "--lr", "1e-3", "5e-4", "--schedule", "polynomial_decay", "--batch", "32",
-               "--seeds", "1", "--train", "96", "--valid", "32", "--test", "32", "--epochs", "1", "--jobs", "2"]
+               "--seeds", "1", "--train", "96", "--valid", "32", "--test", "32", "--epochs", "2", "--jobs", "2"]
     out = run(command, env={"PATH": str(BIN)})
     records = [json.loads(line) for line in keep.read_text().splitlines()]
     assert sorted((r["arch"], r["cell"]["lr"]) for r in records) == [
@@ -80,7 +80,7 @@ def test_a_toy_sweep_runs_every_cell_through_fairseq_and_resumes(tmp_path, sweep
         log = (work / "train.log").read_text()
         # the cell's settings reached fairseq (its logged configuration), after runner.py's own
         assert re.search(rf"'lr': \[{r['cell']['lr']}\]", log) and "'batch_size': 32" in log
-        assert re.search(r"'_name': 'polynomial_decay'.*'total_num_update': 3", log)  # 1 epoch x ceil(96/32)
+        assert re.search(r"'_name': 'polynomial_decay'.*'total_num_update': 6", log)  # 2 epochs x ceil(96/32)
         assert "'clip_norm': 1.0" in log and "'adam_betas': '(0.9,0.98)'" in log
         assert re.search(r"[ (]dropout=0\.1,", log) and re.search(r"[ (]attention_dropout=0\.1,", log)
         assert "encoder_ffn_embed_dim=256," in log
@@ -90,3 +90,29 @@ def test_a_toy_sweep_runs_every_cell_through_fairseq_and_resumes(tmp_path, sweep
     again = run(command, env={"PATH": str(BIN)})  # every run recorded: nothing trains again
     assert "4 recorded, 0 to run" in again and len(keep.read_text().splitlines()) == 4
     assert (tmp_path / "sweep" / "results.md").read_text() == table
+
+
+@pytest.mark.slow
+def test_the_traced_run_is_the_sweeps_run(tmp_path):
+    """at5_dynamics.py trains one cell through fairseq's Trainer in its own process: the validation
+    losses it records are the ones fairseq-train logged for the same cell and seed in a sweep (to the
+    log's 3 decimals), and every update's record has T5's table, the attention and the rest."""
+    settings = ["--lr", "5e-4", "--schedule", "polynomial_decay", "--batch", "32", "--train", "96", "--valid", "32",
+                "--test", "32", "--epochs", "2"]
+    run([sys.executable, SWEEP, "--out", tmp_path / "sweep", "--encodings", "roberta_t5", "--seeds", "2", *settings],
+        env={"PATH": str(BIN)})
+    logged = [float(loss) for loss in re.findall(r"valid on 'valid' subset \| loss ([0-9.]+)",
+                                                 (tmp_path / "sweep" / "cell0" / "roberta_t5_seed2" / "train.log").read_text())]
+    out = run([sys.executable, REPO / "examples" / "claims" / "at5_dynamics.py", "--out", tmp_path / "trace",
+               "--arch", "roberta_t5", "--seed", "2", "--every", "1", *settings], env={"PATH": str(BIN)})
+    records = [json.loads(line) for line in (tmp_path / "trace" / "roberta_t5_seed2.jsonl").read_text().splitlines()]
+    traced = [r["valid_loss"] for r in records if "valid_loss" in r and r["epoch"] > 0]
+    assert len(logged) == len(traced) == 2
+    for fairseq_loss, ours in zip(logged, traced):
+        assert f"{ours:.3f}" == f"{fairseq_loss:.3f}"
+    steps = [r for r in records if "groups" in r]
+    assert [r["update"] for r in steps] == list(range(1, 7))  # 2 epochs x 3 batches
+    assert set(steps[0]["groups"]) == {"table", "attention", "other"}
+    assert all(r["groups"]["table"]["update"] > 0 for r in steps)
+    assert len(records[-1]["bias"]) == 4 and len(records[-1]["bias"][0]) == 7  # heads x d = -3..3
+    assert "| table |" in out
