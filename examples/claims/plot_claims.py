@@ -7,7 +7,8 @@ reads process50.jsonl and negation_scope.jsonl (runner.py's results.jsonl lines:
 several files' lines may be concatenated) and short_to_long.json (BLEU per bin and seed), prints
 one markdown table per claim with the paper's numbers beside ours, and writes claim_process50.png,
 claim_negation_scope.png and claim_short_to_long.png: each run as a dot, the mean as a bar, the
-paper's number as a marker.
+paper's number as a marker. Where process50_sweep.jsonl exists (sweep.py --keep), also the sweep's
+table (rates per cell and encoding) and claim_process50_sweep.png.
 """
 import argparse
 import json
@@ -21,6 +22,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import negation_scope  # noqa: E402
 import process50  # noqa: E402
+import sweep  # noqa: E402
 from runner import table  # noqa: E402
 
 
@@ -137,6 +139,13 @@ def main(argv=None):
     paper = {entry: float(value) / 100 for entry, value in negation_scope.PAPER.items()}
     plot_accuracy(runs, order, paper, args.out / "claim_negation_scope.png",
                   "Negation scope (x: the paper's SST-2 accuracy, another task)", ceiling=1.0)
+
+    kept = args.data / "process50_sweep.jsonl"  # sweep.py --keep: every finished run of the robustness sweep
+    if kept.exists():
+        runs = [run for run in load_runs(kept) if run.get("test") is not None]
+        encodings = [arch for arch in sweep.ENCODINGS if any(run["arch"] == arch for run in runs)]
+        tables["process50_sweep"] = sweep.markdown(runs, encodings)
+        sweep.plot(runs, encodings, args.out / "claim_process50_sweep.png")
 
     data = json.loads((args.data / "short_to_long.json").read_text())
     tables["short_to_long"] = "BLEU per source-length bin, seeds 1 / 2 / 3 [mean]\n\n" + short_to_long_table(data)

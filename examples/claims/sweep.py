@@ -210,6 +210,40 @@ def markdown(records: List[dict], encodings: List[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cell_label(cell: tuple) -> str:
+    """A cell's settings in a few characters, for the plot's rows."""
+    lr, betas, schedule, batch, clip, ffn, dropout, data_seed = cell
+    return (f"lr {lr:g}, b2 {betas.split(',')[1]}, {'isqrt' if schedule == 'inverse_sqrt' else 'poly'}, "
+            f"batch {batch}, clip {clip:g}, ffn {ffn}, drop {dropout:g}, data {data_seed}")
+
+
+def plot(records: List[dict], encodings: List[str], path: Path):
+    """Per cell (a row), each encoding's fraction of runs that left the plateau (a bar, its run count
+    written beside it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = sorted(summary(records).items())
+    height = 0.8 / len(encodings)
+    fig, ax = plt.subplots(figsize=(8, 0.25 * len(table) * len(encodings) + 1.8))
+    for index, arch in enumerate(encodings):
+        rows = [(row, by_arch[arch]) for row, (_, by_arch) in enumerate(table) if arch in by_arch]
+        ys = [row + (index - (len(encodings) - 1) / 2) * height for row, _ in rows]
+        ax.barh(ys, [cell["rate"] for _, cell in rows], height, label=arch)
+        for y, (_, cell) in zip(ys, rows):
+            ax.text(cell["rate"] + 0.01, y, f"{cell['runs']} runs, mean {cell['mean']:.3f}", va="center", fontsize=6)
+    ax.set_yticks(range(len(table)), [cell_label(cell) for cell, _ in table], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.45)
+    ax.set_xlabel(f"fraction of runs leaving the plateau (test accuracy >= {SUCCESS:g})", fontsize=8)
+    ax.set_title("Process-50 sweep: robustness per training set-up", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # (the long row labels: the figure grows to fit them)
+    plt.close(fig)
+
+
 def parse(argv=None, parser=None):
     """The options (`parser`: another script's, which these are added to); `axes`: each axis's values."""
     if parser is None:

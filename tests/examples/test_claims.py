@@ -201,3 +201,9 @@ def test_plot_claims_redraws_the_docs_figures_from_docs_data(tmp_path):
     assert re.search(r"^\| `roberta_at5` \| [0-9.]+ ± [0-9.]+ \([0-9., ]+\) \|.*\| 0\.843 \|", out, flags=re.M)
     assert re.search(r"^\| `roberta_gcdf` \| .*\| 84\.63 \|", out, flags=re.M)
     assert "| `transformer_sinusoidal` | 78.1 / 79.5 / 82.3 [80.0] |" in out
+    swept = [json.loads(line) for line in (REPO / "docs" / "data" / "process50_sweep.jsonl").read_text().splitlines()
+             if line.strip()]
+    assert (tmp_path / "claim_process50_sweep.png").stat().st_size > 10_000
+    table = out.split("Process-50 sweep")[1].split("BLEU per source-length bin")[0]
+    counts = [int(runs) for runs in re.findall(r"\d+/(\d+) \([0-9.]+\)", table)]  # "left/runs (mean)" per cell
+    assert sum(counts) == sum(run["test"] is not None for run in swept)
