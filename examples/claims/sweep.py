@@ -31,6 +31,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import statistics
 import sys
@@ -91,6 +92,10 @@ def fairseq_options(cell: Cell, args) -> List[str]:
     return options
 
 
+def work_folder(encoding: str, seed: int) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", encoding).strip("_") + f"_seed{seed}"
+
+
 def run_key(record: dict) -> tuple:
     """What makes two runs the same run (a recorded one is not run again)."""
     return (record["arch"], tuple(record["cell"][name] for name in Cell._fields), record["seed"], record["device"],
@@ -145,11 +150,12 @@ def sweep(args) -> List[dict]:
         run_args = copy.copy(args)
         run_args.lr, run_args.batch_size = cell.lr, cell.batch
         index = cells(args.axes).index(cell)
-        work = args.out / f"cell{index}" / f"{arch}_seed{seed}"
+        work = args.out / f"cell{index}" / work_folder(arch, seed)
+        model, _, extra = arch.partition(":")  # an encoding ARCH:OPTIONS: its own options after the cell's
         try:
             # the cell's options as the run's extra options: given after runner.py's settings, they win
-            result = train_and_test(f"{arch}:{shlex.join(fairseq_options(cell, args))}", seed, data[cell.data_seed],
-                                    work, process50.MODEL, run_args, env)
+            result = train_and_test(f"{model}:{shlex.join(fairseq_options(cell, args))} {extra}", seed,
+                                    data[cell.data_seed], work, process50.MODEL, run_args, env)
         except RuntimeError as error:
             print(error, file=sys.stderr)
             result = {"arch": arch, "seed": seed, "test": None}
@@ -250,7 +256,8 @@ def parse(argv=None, parser=None):
         parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="sweep folder (data, runs, results.jsonl, results.md)")
     parser.add_argument("--keep", type=Path, help="also append every finished run here (e.g. docs/data/process50_sweep.jsonl)")
-    parser.add_argument("--encodings", nargs="+", default=ENCODINGS)
+    parser.add_argument("--encodings", nargs="+", default=ENCODINGS,
+                        help="architectures, each ARCH or ARCH:OPTIONS (its own fairseq-train options, after the cell's)")
     parser.add_argument("--issue-grid", action="store_true", help="every value listed above on every axis")
     parser.add_argument("--lr", type=float, nargs="+")
     parser.add_argument("--betas", nargs="+", help="Adam's betas as B1,B2")

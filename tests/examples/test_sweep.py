@@ -39,6 +39,7 @@ def test_a_cells_options_as_fairseq_reads_them(sweep):
     cell = sweep.Cell(5e-4, "0.9,0.999", "polynomial_decay", 32, 0.0, 128, 0.0, 1)
     options = sweep.fairseq_options(cell, args)
     pairs = dict(zip(options[::2], options[1::2]))
+    assert sweep.work_folder("roberta_at5:--at5-gamma-range 64 256", 3) == "roberta_at5_--at5-gamma-range_64_256_seed3"
     assert pairs == {"--adam-betas": "(0.9,0.999)", "--clip-norm": "0", "--encoder-ffn-embed-dim": "128",
                      "--dropout": "0", "--attention-dropout": "0", "--lr-scheduler": "polynomial_decay",
                      "--warmup-updates": "100", "--total-num-update": "12", "--end-learning-rate": "0"}  # 3 x ceil(100/32)
