@@ -143,7 +143,8 @@ def main(argv=None):
     kept = args.data / "process50_sweep.jsonl"  # sweep.py --keep: every finished run of the robustness sweep
     if kept.exists():
         runs = [run for run in load_runs(kept) if run.get("test") is not None]
-        encodings = [arch for arch in sweep.ENCODINGS if any(run["arch"] == arch for run in runs)]
+        present = list(dict.fromkeys(run["arch"] for run in runs))  # the default four first, then the variants
+        encodings = [arch for arch in sweep.ENCODINGS if arch in present] + [a for a in present if a not in sweep.ENCODINGS]
         tables["process50_sweep"] = sweep.markdown(runs, encodings)
         sweep.plot(runs, encodings, args.out / "claim_process50_sweep.png")
 
