@@ -245,7 +245,7 @@ def plot(records: List[dict], encodings: List[str], path: Path):
     ax.set_xlim(0, 1.45)
     ax.set_xlabel(f"fraction of runs leaving the plateau (test accuracy >= {SUCCESS:g})", fontsize=8)
     ax.set_title("Process-50 sweep: robustness per training set-up", fontsize=10)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper right")
     fig.savefig(path, dpi=110, bbox_inches="tight")  # (the long row labels: the figure grows to fit them)
     plt.close(fig)
 
