@@ -102,16 +102,17 @@ def run_key(record: dict) -> tuple:
             record["epochs"], tuple(record["sizes"]))
 
 
-def recorded(*files: Path) -> set:
-    keys = set()
+def recorded(*files: Path) -> dict:
+    """The finished runs (a test accuracy) kept in `files` (None or missing: none), by `run_key`."""
+    runs = {}
     for file in files:
         if file is not None and file.exists():
             for line in file.read_text().splitlines():
                 if line.strip():
                     record = json.loads(line)
                     if record.get("test") is not None:
-                        keys.add(run_key(record))
-    return keys
+                        runs[run_key(record)] = record
+    return runs
 
 
 def data_for(out: Path, data_seed: int, args, env) -> Path:
@@ -172,15 +173,7 @@ def sweep(args) -> List[dict]:
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(one, todo))
     wanted = {run_key({**base, "arch": arch, "cell": cell._asdict(), "seed": seed}) for cell, arch, seed in jobs}
-    found = {}
-    for file in (args.keep, args.out / "results.jsonl"):
-        if file is not None and file.exists():
-            for line in file.read_text().splitlines():
-                if line.strip():
-                    record = json.loads(line)
-                    if run_key(record) in wanted and record.get("test") is not None:
-                        found[run_key(record)] = record
-    return list(found.values())
+    return [record for key, record in recorded(args.keep, args.out / "results.jsonl").items() if key in wanted]
 
 
 def summary(records: List[dict]) -> Dict[tuple, Dict[str, dict]]:
