@@ -55,8 +55,9 @@ _posenc_setup() {
         return 1
     fi
     # FLOATER's solve loops as a C++ extension (without it FLOATER's CPU solve runs the same loops
-    # in Python: correct, slower). A failed build is reported and the run goes on.
-    if ! compgen -G "$repo/posenc_fairseq/_floater_solve*$("$python" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" >/dev/null; then
+    # in Python: correct, slower). A failed build is reported and the run goes on. POSENC_BUILD_EXTENSION=0
+    # skips it (a caller that builds it meanwhile, in the background, and copies it in later).
+    if [ "${POSENC_BUILD_EXTENSION:-1}" != 0 ] && ! compgen -G "$repo/posenc_fairseq/_floater_solve*$("$python" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" >/dev/null; then
         local log=/tmp/posenc_build_ext.log
         if timeout 300 "$python" setup.py build_ext --inplace >"$log" 2>&1; then
             echo "gpu_device_setup: built $(ls "$repo"/posenc_fairseq/_floater_solve*.so | tr '\n' ' ')" >&2
