@@ -27,13 +27,18 @@ Time budget (about 8 minutes on one H100: --budget, default 420 s, for 16 models
 imports, a CUDA probe and at most GRACE_S for the last model). Each model runs in a process of its own
 (its own CUDA context: peak memory and caches do not carry over), forked where a forked process can use
 CUDA (`start_method`: no re-import of fairseq per model), and may use twice its fair share of the time
-left; a cell that would overrun that share is recorded as not measured instead. No GPU has run this
-yet: the split is an estimate, and each record's `wall_s` says what its cell took. Step counts:
+left; a cell that would overrun that share is recorded as not measured instead. The split is an
+estimate, and each record's `wall_s` says what its cell took (docs/benchmarks.md has the first GPU
+runs, where the explicit-path encodings spent their shares). Every cell of a model starts from the
+weights as built. Step counts:
   - 2 warm-up steps: the first allocates (Adam's state, the allocator's blocks, cuBLAS's choices), the
     second already repeats what every later step does;
-  - 3 timed steps: steps of one fixed shape repeat the same kernels and events time the device alone,
-    so a few suffice; with --floater-recompute-every K > 1 the timed steps are a multiple of K (10), so that
-    they hold exactly one window's solve per K updates, the cost the paper's caching amortises;
+  - timed steps: at least 3 (--steps) and at least --min-seconds (1 s) of them by the warm-up's step
+    time: steps of one fixed shape repeat the same kernels and events time the device alone, but a
+    timing shorter than the GPU's clock ramp measures the ramp (with 3 steps, stock transformer's cells
+    disagreed between two runs on one machine: docs/benchmarks.md); with --floater-recompute-every
+    K > 1 the timed steps are a multiple of K (10), so that they hold exactly one solve per K updates,
+    the cost the paper's caching amortises;
   - 1 profiled step, apart from the timed ones (the profiler slows what it watches);
   - generation: 1 untimed decode, then the median of 2, of 64 tokens; skipped at n = 4096, where a
     beam search of that source costs more of the budget than the n = 512 cell does and says the same
@@ -102,6 +107,13 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def seconds_or_zero(text):
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -125,7 +137,10 @@ def parse_args(argv=None):
                         help="dictionary size (an IWSLT-sized joined BPE vocabulary)")
     parser.add_argument("--warmup", type=benchmark.positive_count, default=2, help="untimed training steps first")
     parser.add_argument("--steps", type=benchmark.positive_count, default=3,
-                        help="timed training steps (FLOATER with --floater-recompute-every K > 1: a multiple of K)")
+                        help="timed training steps at least (FLOATER with --floater-recompute-every K > 1: a multiple of K)")
+    parser.add_argument("--min-seconds", type=seconds_or_zero, default=1.0,
+                        help="timed steps are added until they take this long (by the warm-up's step time): a "
+                             "few short steps time the GPU's clocks ramping up more than the model")
     parser.add_argument("--beam", type=benchmark.positive_count, default=5)
     parser.add_argument("--gen-length", type=benchmark.positive_count, default=64, help="target tokens decoded")
     parser.add_argument("--gen-repeats", type=benchmark.positive_count, default=2,
@@ -144,12 +159,13 @@ def parse_args(argv=None):
 
 
 def models_to_measure(args):
-    """[(arch, options)]: stock first (the reference), sinusoidal next (FLOATER's), the rest sorted,
-    FLOATER last (K = 1, the slowest, at the very end): a budget that runs out loses the least."""
+    """[(arch, options)]: stock first (the reference), sinusoidal next, FLOATER's models after it (the
+    rows of issue 36's goals, against sinusoidal's: measured before the others can spend the budget),
+    the rest sorted."""
     from posenc_fairseq.encodings import ENCODINGS
 
     archs = args.archs or [f"transformer_{name}" for name in sorted(ENCODINGS)]
-    archs = list(dict.fromkeys([REFERENCE, *sorted(archs, key=lambda arch: (arch != SINUSOIDAL, arch == FLOATER, arch))]))
+    archs = list(dict.fromkeys([REFERENCE, *sorted(archs, key=lambda arch: (arch != SINUSOIDAL, arch != FLOATER, arch))]))
     models = []
     for arch in archs:
         if arch == FLOATER:
@@ -219,11 +235,15 @@ def measure_model(arch, options, args, deadline, path):
         for cell in cells(args):
             emit(record(arch, options, cell, f"build: {short(error)}"))
         return
-    steps = math.ceil(args.steps / recompute_window(options)) * recompute_window(options)
+    window = recompute_window(options)
+    # every cell starts from the weights as built: a cell's training steps must not feed the next cell
+    # (FLOATER's dynamics, trained a few steps at n = 512, can overflow at n = 4096)
+    initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     for cell in cells(args):
         started = time.perf_counter()
+        model.load_state_dict(initial)
         try:
-            measured = measure_cell(model, task, args, device, cell, steps, deadline)
+            measured = measure_cell(model, task, args, device, cell, window, deadline)
         except NotMeasured as reason:
             measured = {"error": f"not measured: {reason}"}
         except Exception as error:  # noqa: BLE001 - out of memory or a failure: the next cells go on
@@ -233,7 +253,7 @@ def measure_model(arch, options, args, deadline, path):
         gc.collect()  # the failed cell's tensors, held by its traceback until now
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        emit(record(arch, options, cell, device_name=device_name(device), torch=torch.__version__, train_steps=steps,
+        emit(record(arch, options, cell, device_name=device_name(device), torch=torch.__version__,
                     wall_s=round(time.perf_counter() - started, 1), **measured))
 
 
@@ -245,8 +265,16 @@ def recompute_window(options):
     return parser.parse_known_args(shlex.split(options))[0].floater_recompute_every
 
 
-def measure_cell(model, task, args, device, cell, steps, deadline):
-    """Training speed and memory, the kernels of one step, and beam search speed of one cell."""
+def timed_steps(args, window, step_seconds):
+    """How many training steps to time: at least --steps and --min-seconds (by a warm-up step's
+    `step_seconds`), whole windows of `window` updates (FLOATER's K)."""
+    wanted = max(args.steps, math.ceil(args.min_seconds / max(step_seconds, 1e-9)))
+    return math.ceil(wanted / window) * window
+
+
+def measure_cell(model, task, args, device, cell, window, deadline):
+    """Training speed and memory, the kernels of one step, and beam search speed of one cell;
+    `window`: the timed steps are a multiple of it."""
     import torch
 
     dtype, batch, length = cell
@@ -265,6 +293,7 @@ def measure_cell(model, task, args, device, cell, steps, deadline):
     model.train()
     for _ in range(args.warmup):
         warm = seconds_of(step, device)
+    steps = timed_steps(args, window, warm)
     if warm * (steps + 1) > deadline - time.time():  # the timed steps and the profiled one
         raise NotMeasured(f"a step takes {warm:.1f} s; {max(0.0, deadline - time.time()):.0f} s of the budget left")
     cuda = device.type == "cuda"
@@ -272,7 +301,7 @@ def measure_cell(model, task, args, device, cell, steps, deadline):
         torch.cuda.reset_peak_memory_stats()
         resting = torch.cuda.memory_allocated()
     seconds = seconds_of(step, device, steps)
-    result = {"train_tokens_per_s": round(2 * batch * length * steps / seconds, 1),
+    result = {"train_steps": steps, "train_tokens_per_s": round(2 * batch * length * steps / seconds, 1),
               "peak_memory_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None,
               "resting_memory_mb": round(resting / 2**20, 1) if cuda else None,
               "kernels": attention_kernels(step, device)}
@@ -423,14 +452,19 @@ def touch_cuda():
 
 def add_references(records):
     """Each record's `reference`: stock transformer's figures in the same dtype, batch and length."""
-    stock = {cell_of(item): item for item in records if item["arch"] == REFERENCE and item["options"] == ""}
+    stock = {run_cell(item): item for item in records if item["arch"] == REFERENCE and item["options"] == ""}
     for item in records:
-        reference = stock.get(cell_of(item), {})
+        reference = stock.get(run_cell(item), {})
         item["reference"] = {figure: reference.get(figure) for figure in FIGURES}
 
 
 def cell_of(item):
     return item["dtype"], item["batch"], item["length"]
+
+
+def run_cell(item):
+    """The cell within its run: a file that joins several runs (a `run` field) compares within each."""
+    return item.get("run"), *cell_of(item)
 
 
 def write_atomically(path, records):
@@ -456,7 +490,7 @@ def markdown_table(records):
     """The records as a markdown table: each figure with its ratio to stock `transformer` (tokens/s:
     higher is better; memory: lower), and FLOATER's step time over transformer_sinusoidal's in the
     same dtype, batch and length (issue 36's goals: <= 1.5 with K = 1, <= 1.1 with K = 10)."""
-    sinusoidal = {cell_of(item): item for item in records if item["arch"] == SINUSOIDAL and item["options"] == ""}
+    sinusoidal = {run_cell(item): item for item in records if item["arch"] == SINUSOIDAL and item["options"] == ""}
     first = records[0] if records else {}
     lines = [f"{first.get('device_name')}, torch {first.get('torch')}, commit {first.get('commit')}; "
              "ratios to stock `transformer` in the same run, dtype, batch and length", "",
@@ -471,7 +505,7 @@ def markdown_table(records):
             row += [number(item[figure], ".0f"), ratio(item[figure], reference[figure])]
         floater_vs_sinusoidal = ""
         if item["arch"] == FLOATER:  # step time ratio: the inverse of the tokens/s ratio
-            floater_vs_sinusoidal = ratio(sinusoidal.get(cell_of(item), {}).get("train_tokens_per_s"),
+            floater_vs_sinusoidal = ratio(sinusoidal.get(run_cell(item), {}).get("train_tokens_per_s"),
                                           item["train_tokens_per_s"])
         row += [floater_vs_sinusoidal, ", ".join(f"`{name[:60]}`" for name in (item.get("kernels") or [])[:3]),
                    (item.get("error") or "").replace("|", "/")[:120]]

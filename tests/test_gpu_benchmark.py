@@ -6,12 +6,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from util import REPO, load_script, run
 
 SCRIPT = REPO / "scripts" / "gpu_benchmark.py"
 TINY = ["--device", "cpu", "--layers", "1", "--dim", "16", "--heads", "2", "--vocab", "40", "--warmup", "1",
-        "--steps", "1", "--gen-length", "3", "--gen-repeats", "1"]
+        "--steps", "1", "--min-seconds", "0", "--gen-length", "3", "--gen-repeats", "1"]
 # the second size is past --gen-max-length: its generation is skipped by the rule, not by an error
 SIZES = [(2, 12), (1, 20)]
 ARCHS = ["transformer_sinusoidal", "transformer_floater"]
@@ -49,7 +50,7 @@ def test_one_well_formed_record_per_measurement(measured):
             assert item["dtype"] == "fp16" and item["train_tokens_per_s"] is None
     assert all(item["error"] is None for item in records if item["dtype"] == "bf16")
     # whole windows of FLOATER's cached solve are timed
-    assert {item["train_steps"] for item in records if item["options"] == FLOATER_OPTIONS[0]} == {10}
+    assert {item.get("train_steps") for item in records if item["options"] == FLOATER_OPTIONS[0] and not item["error"]} == {10}
     assert [path.name for path in out.parent.iterdir()] == [out.name]  # no temporary file left
 
 
@@ -115,3 +116,42 @@ def test_a_failed_cell_gives_nulls_and_an_error_and_the_others_go_on(tmp_path, m
     assert failed["dtype"] == "bf16" and failed["error"] == "RuntimeError: out of memory (as CUDA says it)"
     assert all(failed[figure] is None for figure in FIGURES)
     assert measured["dtype"] == "fp16" and (measured["error"] is None) == (measured["train_tokens_per_s"] is not None)
+
+
+def test_every_cell_starts_from_the_weights_as_built(tmp_path, monkeypatch):
+    """A cell's training steps move the weights; the next cell must not start from them (FLOATER's
+    dynamics trained at one length can overflow at a longer one): each cell sees the built weights."""
+    gpu_benchmark = load_script(SCRIPT)
+    measure_cell = gpu_benchmark.measure_cell
+    before, after = [], []
+
+    def weights(model):
+        return {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+    def remember_weights(model, *args):
+        before.append(weights(model))
+        measured = measure_cell(model, *args)
+        after.append(weights(model))
+        return measured
+
+    monkeypatch.setattr(gpu_benchmark, "measure_cell", remember_weights)
+    args = gpu_benchmark.parse_args([*TINY, "--dtypes", "bf16", "--sizes", "1x8", "1x10", "--gen-max-length", "0"])
+    gpu_benchmark.measure_model("transformer_floater", "--floater-recompute-every 2", args,
+                                gpu_benchmark.time.time() + 60, tmp_path / "cells.jsonl")
+    records = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    assert [r["error"] for r in records] == [None, None] and [r["train_steps"] for r in records] == [2, 2]
+    assert len(before) == 2 and before[0].keys() == before[1].keys()
+    # the first cell's Adam steps moved the weights, FLOATER's dynamics among them ...
+    dynamics = "positional_encoding.dynamics.fc2.weight"
+    assert not torch.equal(after[0][dynamics], before[0][dynamics])
+    # ... and the second cell started from the built weights all the same
+    assert all(torch.equal(before[0][name], before[1][name]) for name in before[0])
+
+
+def test_timed_steps_cover_the_minimum_time_in_whole_windows():
+    gpu_benchmark = load_script(SCRIPT)
+    args = gpu_benchmark.parse_args([*TINY, "--steps", "3", "--min-seconds", "1"])
+    assert gpu_benchmark.timed_steps(args, 1, 0.05) == 20  # 1 s of 50 ms steps
+    assert gpu_benchmark.timed_steps(args, 1, 2.0) == 3  # --steps at least
+    assert gpu_benchmark.timed_steps(args, 10, 0.05) == 20  # whole windows of K = 10
+    assert gpu_benchmark.timed_steps(args, 10, 0.3) == 10
