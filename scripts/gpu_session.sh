@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call that does a GPU session's checks, in order of what only a GPU shows, each with its own
+# time limit, its results under $OUT (else docs/data/gpu_session/). From the repository root, .gpu carried
+# (scripts/gpu_carry.sh prepares it):
+#
+#   bash scripts/gpu_session.sh                 # about 8 minutes on one H100/H200
+#
+# 1. FLOATER's C++ extension built in the background (its loops serve the default CUDA solve);
+# 2. the tests a GPU changes on CUDA (make test-cuda's selection, 8 workers), once the extension is in;
+# 3. scripts/gpu_benchmark.py in bf16, FLOATER with and without CUDA graphs.
+# The limits (seconds) may be changed: PYTEST_S, BENCH_BUDGET_S; GPU_BENCH_ARGS adds benchmark options.
+set -uo pipefail
+OUT=${OUT:-docs/data/gpu_session}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
+(timeout 240 python3 setup.py build_ext -b /tmp/posenc_extension -t /tmp/posenc_extension_build >"$OUT/build_ext.log" 2>&1
+ echo "build_ext exit code $?" >>"$OUT/build_ext.log") &
+build=$!
+export POSENC_BUILD_EXTENSION=0  # (built above, beside fairseq's set-up)
+. scripts/gpu_device_setup.sh || exit 1
+wait $build
+tail -1 "$OUT/build_ext.log"
+cp /tmp/posenc_extension/posenc_fairseq/_floater_solve*.so posenc_fairseq/ 2>/dev/null
+timeout "${PYTEST_S:-170}" python3 -m pytest tests -m device --device cuda -p no:cacheprovider -n 8 -q -rfEs \
+    --junitxml="$OUT/pytest_cuda.xml" >"$OUT/pytest_cuda.log" 2>&1
+echo "pytest exit code $?"
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cuda.log" | tail -20
+budget=${BENCH_BUDGET_S:-270}
+timeout $((budget + 60)) python3 scripts/gpu_benchmark.py --device cuda --dtypes bf16 --floater-graphs \
+    --budget "$budget" --out "$OUT/gpu_benchmark.json" ${GPU_BENCH_ARGS:-} >"$OUT/gpu_benchmark.log" 2>&1
+echo "gpu_benchmark exit code $?"
+grep -v USDT "$OUT/gpu_benchmark.log" | tail -45
