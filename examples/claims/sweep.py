@@ -34,6 +34,7 @@ import random
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import process50  # noqa: E402
 from runner import preprocess, train_and_test  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[2]
 SUCCESS = 0.75  # test accuracy from which a run has left the plateau (chance 0.5)
 ENCODINGS = ["roberta_at5", "roberta_at5_nob", "roberta_t5", "roberta_nope"]
 #: every axis with runner.py's setting first, then the issue's other values (`--issue-grid`)
@@ -269,14 +271,25 @@ def parse(argv=None, parser=None):
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each command")
     parser.add_argument("--jobs", type=int, default=1, help="runs at the same time")
     parser.add_argument("--cuda", action="store_true", help="train and test on the GPU (default: --cpu)")
-    parser.add_argument("--commit", default="", help="recorded with each run (the package's commit)")
+    parser.add_argument("--commit", default=None,
+                        help="recorded with each run (default: this tree's commit, -dirty where files differ)")
     args = parser.parse_args(argv)
+    if args.commit is None:
+        args.commit = tree_commit()
     args.axes = {name: (values if args.issue_grid else values[:1]) if getattr(args, name) is None
                  else getattr(args, name) for name, values in AXES.items()}
     for betas in args.axes["betas"]:
         if len(betas.split(",")) != 2:
             parser.error(f"--betas {betas}: expected B1,B2")
     return args
+
+
+def tree_commit() -> str:
+    """The repository's commit, with -dirty where tracked files differ from it ("" outside git)."""
+    def git(*words):
+        return subprocess.run(["git", "-C", str(REPO), *words], capture_output=True, text=True)
+    head = git("rev-parse", "--short", "HEAD").stdout.strip()
+    return head + ("-dirty" if head and git("diff", "--quiet", "HEAD").returncode else "")
 
 
 def main(argv=None):

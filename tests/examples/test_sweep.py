@@ -118,3 +118,11 @@ def test_the_traced_run_is_the_sweeps_run(tmp_path):
     assert steps[0]["groups"]["table"]["update"] == 0 and all(r["groups"]["table"]["update"] > 0 for r in steps[1:])
     assert len(records[-1]["bias"]) == 4 and len(records[-1]["bias"][0]) == 7  # heads x d = -3..3
     assert "| table |" in out
+
+
+def test_each_run_records_the_trees_commit_unless_told(sweep):
+    import subprocess
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert sweep.parse(["--out", "x"]).commit in (head, head + "-dirty")
+    assert sweep.parse(["--out", "x", "--commit", "abc1234"]).commit == "abc1234"
