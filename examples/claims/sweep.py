@@ -26,6 +26,7 @@ T5's (`decides`).
 """
 import argparse
 import copy
+import fcntl
 import itertools
 import json
 import math
@@ -33,9 +34,11 @@ import os
 import random
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -118,16 +121,27 @@ def recorded(*files: Path) -> dict:
 
 
 def data_for(out: Path, data_seed: int, args, env) -> Path:
-    """Process-50 drawn with `data_seed`, binarised once per sweep folder."""
+    """Process-50 drawn with `data_seed`, binarised once per sweep folder: under a lock on the folder
+    (several sweeps may share it), into a temporary folder renamed to `bin` when complete, so that an
+    interrupted binarisation is redone rather than read half-written."""
     folder = out / f"data_seed{data_seed}"
     data = folder / "bin"
-    if not (data / "label" / "dict.txt").exists():
-        raw = folder / "raw"
-        raw.mkdir(parents=True, exist_ok=True)
-        rng = random.Random(data_seed)
-        for split, count in zip(("train", "valid", "test"), (args.train, args.valid, args.test)):
-            process50.write_split(raw, split, count, rng)
-        preprocess(raw, data, ("input0", "label"), folder / "preprocess.log", env)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
+        if not data.exists():
+            raw = folder / "raw"
+            raw.mkdir(exist_ok=True)
+            rng = random.Random(data_seed)
+            for split, count in zip(("train", "valid", "test"), (args.train, args.valid, args.test)):
+                process50.write_split(raw, split, count, rng)
+            partial = Path(tempfile.mkdtemp(prefix="bin.partial.", dir=folder))
+            try:
+                preprocess(raw, partial, ("input0", "label"), folder / "preprocess.log", env)
+            except BaseException:
+                shutil.rmtree(partial, ignore_errors=True)
+                raise
+            partial.rename(data)
     return data
 
 

@@ -3,7 +3,11 @@ ones, its per-cell rates against hand-counted records, and a toy sweep through f
 every run reached fairseq with its cell's settings and is not run again when the sweep is repeated."""
 import json
 import re
+import subprocess
 import sys
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -121,8 +125,44 @@ def test_the_traced_run_is_the_sweeps_run(tmp_path):
 
 
 def test_each_run_records_the_trees_commit_unless_told(sweep):
-    import subprocess
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True, check=True).stdout.strip()
     assert sweep.parse(["--out", "x"]).commit in (head, head + "-dirty")
     assert sweep.parse(["--out", "x", "--commit", "abc1234"]).commit == "abc1234"
+
+
+def test_the_data_is_binarised_once_and_never_left_half_written(sweep, tmp_path, monkeypatch):
+    """Two sweeps sharing a folder binarise its data once (a lock); a binarisation that fails leaves
+    no `bin` behind, so the next sweep redoes it instead of reading a half-written folder."""
+    calls = []
+
+    def slow_preprocess(raw, data, fields, log, env):
+        calls.append(data)
+        time.sleep(0.3)  # long enough for the other thread to arrive while this one holds the lock
+        for field in fields:
+            (data / field).mkdir(parents=True)
+            (data / field / "dict.txt").write_text("x 1\n")
+        return data
+
+    monkeypatch.setattr(sweep, "preprocess", slow_preprocess)
+    args = SimpleNamespace(train=5, valid=2, test=2)
+    found = []
+    threads = [threading.Thread(target=lambda: found.append(sweep.data_for(tmp_path, 1, args, {}))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and found == [tmp_path / "data_seed1" / "bin"] * 2
+    assert (tmp_path / "data_seed1" / "bin" / "label" / "dict.txt").exists()
+
+    def interrupted(raw, data, fields, log, env):
+        (data / fields[0]).mkdir(parents=True)
+        (data / fields[0] / "dict.txt").write_text("x 1\n")
+        raise RuntimeError("fairseq-preprocess failed")
+
+    monkeypatch.setattr(sweep, "preprocess", interrupted)
+    with pytest.raises(RuntimeError):
+        sweep.data_for(tmp_path, 2, args, {})
+    assert sorted(path.name for path in (tmp_path / "data_seed2").iterdir()) == [".lock", "raw"]
+    monkeypatch.setattr(sweep, "preprocess", slow_preprocess)
+    assert (sweep.data_for(tmp_path, 2, args, {}) / "input0" / "dict.txt").exists()
