@@ -184,17 +184,6 @@ def unknown_archs(archs):
     return [arch for arch in archs if arch not in ARCH_MODEL_REGISTRY]
 
 
-def commit():
-    """This tree's commit, `-dirty` where tracked files differ from it."""
-    try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD"], timeout=10).returncode != 0
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (head + ("-dirty" if dirty else "")) if head else None
-
-
 def cells(args):
     return [(dtype, batch, length) for dtype in args.dtypes for batch, length in args.sizes]
 
@@ -384,10 +373,12 @@ def run_all(args):
     """Each model in a process of its own within its share of the budget; returns every cell's record."""
     import torch
 
+    from posenc_fairseq.provenance import source_commit
+
     models = models_to_measure(args)
     end = time.time() + args.budget
     context = multiprocessing.get_context(start_method(args))
-    run_commit, records = commit(), []
+    run_commit, records = source_commit(), []
     with tempfile.TemporaryDirectory(prefix="gpu_benchmark_") as folder:
         for index, (arch, options) in enumerate(models):
             left = end - time.time()

@@ -36,7 +36,6 @@ import re
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,9 +45,9 @@ from typing import Dict, List, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import process50  # noqa: E402
+from posenc_fairseq.provenance import source_commit  # noqa: E402
 from runner import preprocess, train_and_test  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 SUCCESS = 0.75  # test accuracy from which a run has left the plateau (chance 0.5)
 ENCODINGS = ["roberta_at5", "roberta_at5_nob", "roberta_t5", "roberta_nope"]
 #: every axis with runner.py's setting first, then the issue's other values (`--issue-grid`)
@@ -289,21 +288,13 @@ def parse(argv=None, parser=None):
                         help="recorded with each run (default: this tree's commit, -dirty where files differ)")
     args = parser.parse_args(argv)
     if args.commit is None:
-        args.commit = tree_commit()
+        args.commit = source_commit() or ""
     args.axes = {name: (values if args.issue_grid else values[:1]) if getattr(args, name) is None
                  else getattr(args, name) for name, values in AXES.items()}
     for betas in args.axes["betas"]:
         if len(betas.split(",")) != 2:
             parser.error(f"--betas {betas}: expected B1,B2")
     return args
-
-
-def tree_commit() -> str:
-    """The repository's commit, with -dirty where tracked files differ from it ("" outside git)."""
-    def git(*words):
-        return subprocess.run(["git", "-C", str(REPO), *words], capture_output=True, text=True)
-    head = git("rev-parse", "--short", "HEAD").stdout.strip()
-    return head + ("-dirty" if head and git("diff", "--quiet", "HEAD").returncode else "")
 
 
 def main(argv=None):

@@ -125,7 +125,7 @@ def test_the_traced_run_is_the_sweeps_run(tmp_path):
 
 
 def test_each_run_records_the_trees_commit_unless_told(sweep):
-    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                           text=True, check=True).stdout.strip()
     assert sweep.parse(["--out", "x"]).commit in (head, head + "-dirty")
     assert sweep.parse(["--out", "x", "--commit", "abc1234"]).commit == "abc1234"
