@@ -17,7 +17,8 @@ options, dtype, batch, length):
     state included; resting_memory_mb is what was allocated before them);
   - generate_tokens_per_s: target tokens per second of fairseq's SequenceGenerator, beam 5, decoding
     --gen-length tokens for every source of the batch; null above --gen-max-length;
-  - kernels: the attention kernels that ran in one more step (torch.profiler's names);
+  - kernels: the attention kernels that ran in the profiled window (torch.profiler's names), and top_ops:
+    where that window's time went (the 15 operations with the most self time, milliseconds per step);
   - reference: the same three figures of stock `transformer` in the same run, dtype, batch and length.
 A measurement that fails (out of memory, an error, the budget spent) gives nulls and an `error` string;
 the others go on. The file is written once, at the end, atomically; then the table is printed
@@ -39,7 +40,9 @@ weights as built. Step counts:
     disagreed between two runs on one machine: docs/benchmarks.md); with --floater-recompute-every
     K > 1 the timed steps are a multiple of K (10), so that they hold exactly one solve per K updates,
     the cost the paper's caching amortises;
-  - 1 profiled step, apart from the timed ones (the profiler slows what it watches);
+  - 1 profiled window apart from the timed steps (the profiler slows what it watches): one step, K
+    for FLOATER with K > 1 (its solve included); the record keeps the attention kernels that ran
+    (`kernels`) and the 15 operations with the most self time per step (`top_ops`, milliseconds);
   - generation: 1 untimed decode, then the median of 2, of 64 tokens; skipped at n = 4096, where a
     beam search of that source costs more of the budget than the n = 512 cell does and says the same
     about the decoder's steps.
@@ -283,7 +286,7 @@ def measure_cell(model, task, args, device, cell, window, deadline):
     for _ in range(args.warmup):
         warm = seconds_of(step, device)
     steps = timed_steps(args, window, warm)
-    if warm * (steps + 1) > deadline - time.time():  # the timed steps and the profiled one
+    if warm * (steps + window) > deadline - time.time():  # the timed steps and the profiled window
         raise NotMeasured(f"a step takes {warm:.1f} s; {max(0.0, deadline - time.time()):.0f} s of the budget left")
     cuda = device.type == "cuda"
     if cuda:
@@ -293,7 +296,8 @@ def measure_cell(model, task, args, device, cell, window, deadline):
     result = {"train_steps": steps, "train_tokens_per_s": round(2 * batch * length * steps / seconds, 1),
               "peak_memory_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None,
               "resting_memory_mb": round(resting / 2**20, 1) if cuda else None,
-              "kernels": attention_kernels(step, device)}
+              "kernels": None, "top_ops": None}
+    result["kernels"], result["top_ops"] = profiled(step, device, window)
     del step, scaler  # the optimizer's state: generation runs without it
     if length > args.gen_max_length:
         return result
@@ -331,27 +335,33 @@ def seconds_of(run, device, repeats=1):
     return begin.elapsed_time(end) / 1000
 
 
-def attention_kernels(step, device, most=6):
-    """Names of the attention kernels (CUDA) or operators (CPU) that ran in one call of `step`, the
-    longest-running first: what the profiler saw, not what the code meant to call."""
+def profiled(step, device, steps=1, most=6, top=15):
+    """What the profiler saw over `steps` calls of `step` (one K-window for FLOATER: its solve
+    included), not what the code meant to call: (the attention kernels (CUDA) or operators (CPU),
+    the longest-running first; the `top` operations by self time on the device (CUDA kernels) or
+    the CPU (aten operators) as [name, milliseconds per step]). The second says where a slow
+    encoding's step goes."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as profiler:
-        step()
+        for _ in range(steps):
+            step()
         if cuda:
             torch.cuda.synchronize()
     totals = {}
     for event in profiler.key_averages():
         on_device = event.device_type != torch.autograd.DeviceType.CPU
         # on CPU the aten operators only: not autograd's nodes, which name the same work again
-        if on_device != cuda or not ATTENTION_KERNEL.search(event.key) or not (cuda or event.key.startswith("aten::")):
+        if on_device != cuda or not (cuda or event.key.startswith("aten::")):
             continue
         spent = getattr(event, "self_device_time_total", None) if cuda else event.self_cpu_time_total
         totals[event.key] = totals.get(event.key, 0) + (spent or 0)
-    return [name[:120] for name in sorted(totals, key=totals.get, reverse=True)[:most]]
+    longest = sorted(totals, key=totals.get, reverse=True)
+    attention = [name[:120] for name in longest if ATTENTION_KERNEL.search(name)][:most]
+    return attention, [[name[:120], round(totals[name] / steps / 1000, 3)] for name in longest[:top]]
 
 
 def device_name(device):

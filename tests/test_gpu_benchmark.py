@@ -45,6 +45,11 @@ def test_one_well_formed_record_per_measurement(measured):
         assert item["error"] is None or isinstance(item["error"], str)
         if item["error"] is None:  # measured: positive speed, the profiler's operators named
             assert item["train_tokens_per_s"] > 0 and item["kernels"] and all(isinstance(k, str) for k in item["kernels"])
+            # where the step went: operators with their self time per step, the longest first
+            top = item["top_ops"]
+            assert 0 < len(top) <= 15 and all(isinstance(name, str) and ms >= 0 for name, ms in top)
+            assert [ms for _, ms in top] == sorted((ms for _, ms in top), reverse=True)
+            assert any(name == "aten::addmm" or name == "aten::mm" for name, _ in top)  # the projections
             assert (item["generate_tokens_per_s"] is None) == (item["length"] > 16)
         else:  # fp16 training may fail on a CPU: then nothing else is claimed
             assert item["dtype"] == "fp16" and item["train_tokens_per_s"] is None
