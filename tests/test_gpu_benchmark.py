@@ -160,3 +160,11 @@ def test_timed_steps_cover_the_minimum_time_in_whole_windows():
     assert gpu_benchmark.timed_steps(args, 1, 2.0) == 3  # --steps at least
     assert gpu_benchmark.timed_steps(args, 10, 0.05) == 20  # whole windows of K = 10
     assert gpu_benchmark.timed_steps(args, 10, 0.3) == 10
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "x"])
+def test_a_bad_minimum_time_is_refused(value):
+    gpu_benchmark = load_script(SCRIPT)
+    with pytest.raises(SystemExit):
+        gpu_benchmark.parse_args([*TINY, "--min-seconds", value])
+    assert gpu_benchmark.parse_args([*TINY, "--min-seconds", "0"]).min_seconds == 0.0
