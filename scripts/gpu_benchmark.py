@@ -100,21 +100,23 @@ def batch_by_length(text: str):
     return int(match[1]), int(match[2])
 
 
-def positive_seconds(text: str) -> float:
+def seconds(text: str, allow_zero: bool = False) -> float:
+    """A finite number of seconds, > 0 (>= 0 with `allow_zero`)."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    if not (0 <= value if allow_zero else 0 < value) or not value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected seconds {'>=' if allow_zero else '>'} 0, got {text!r}")
     return value
 
 
-def seconds_or_zero(text):
-    value = float(text)
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
-    return value
+def positive_seconds(text: str) -> float:
+    return seconds(text)
+
+
+def seconds_or_zero(text: str) -> float:
+    return seconds(text, allow_zero=True)
 
 
 def parse_args(argv=None):
