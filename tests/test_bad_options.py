@@ -74,6 +74,7 @@ BAD = [
     ("at5", ["--at5-dropout", "-0.1"]),
     ("at5", ["--at5-dropout", "nan"]),
     ("at5", ["--at5-activation", "softmax"]),
+    ("at5", ["--at5-gamma-init", "log"]),
     ("at5_nob", ["--at5-nob-input", "bucket"]),
     ("at5_nob", ["--at5-length-scale", "0"]),
     # rotary, GCDF
@@ -129,6 +130,7 @@ BAD_AT_BUILD = [
     ("t5", {"t5_num_buckets": 64, "t5_max_distance": 0}, "--t5-max-distance 0"),
     ("shaw", {"shaw_k": 65536}, "would take"),  # with a big model (below): figure in bytes
     ("at5_nob", {"at5_nob_input": "learned", "at5_length_scale": 1e9}, "would take"),
+    ("at5", {"at5_gamma_init": "geometric", "at5_gamma_range": [0.0, 10.0]}, "expected MIN > 0"),
     # a step that would take 10^6 solver steps per position (it hung for minutes using 6 GB)
     ("floater", {"floater_step_size": 1e-7}, "--floater-step-size 1e-07: 1000000 solver steps per position"),
     ("floater", {"floater_freeze_dynamics": True, "floater_train_dynamics_only": True}, "exclude each other"),
@@ -255,7 +257,7 @@ def test_every_encoding_option_has_a_checked_type():
         seen += 1
         if action.choices is None and action.nargs != 0:
             assert action.type not in (int, float, None), f"{action.option_strings} has type {action.type}"
-    assert seen == 17  # scalar-bias 2, t5 2, at5 6, shaw 2, lfhc 3, gcdf 1, rotary 1
+    assert seen == 18  # scalar-bias 2, t5 2, at5 7, shaw 2, lfhc 3, gcdf 1, rotary 1
 
 
 # --- the checkers themselves ------------------------------------------------------------------

@@ -41,6 +41,7 @@ from .t5 import ScalarBias, _add_once, add_scalar_bias_args, prior_distribution 
 
 ACTIVATIONS = {"sigmoid": torch.sigmoid, "relu": F.relu, "tanh": torch.tanh, "gelu": F.gelu}
 NOB_INPUTS = ("distance", "learned")
+GAMMA_INITS = ("uniform", "geometric")
 #: gamma beyond this saturates b at every distance (and overflows float32 products); also the cap
 #: of the learned gamma, so that exp never overflows to inf (inf * 0 at d = 0 would give NaN)
 MAX_GAMMA = 1e4
@@ -118,6 +119,18 @@ class HeadMLPs(nn.Module):
                                       unexpected_keys, error_msgs)
 
 
+def initial_gammas(heads: int, gamma_range, how: str) -> Tensor:
+    """(heads,) initial gammas in [MIN, MAX]: uniform draws (the paper), or geometric,
+    gamma_h = MIN * (MAX / MIN) ** (h / (heads - 1)) for h = 0 .. heads - 1 (one head: MAX)."""
+    low, high = gamma_range
+    if how == "uniform":
+        return torch.empty(heads).uniform_(low, high)
+    if heads == 1:
+        return torch.full((1,), float(high))
+    exponents = torch.arange(heads, dtype=torch.float64) / (heads - 1)
+    return (low * (high / low) ** exponents).float()
+
+
 def raw_gamma(gamma: Tensor) -> Tensor:
     """The stored parameter of gamma: log(gamma) / GAMMA_STEP_SCALE; gamma <= 0 (relu's dead zone
     in the old parameterisation) maps to GAMMA_FLOOR, whose bucket is 0 at every distance as relu(gamma)'s."""
@@ -137,6 +150,10 @@ class AT5Bias(ScalarBias):
         if gamma_range[1] == 0:
             raise OptionValueError("--at5-gamma-range 0 0: expected MAX > 0 (gamma = 0 gives "
                                    "b = 0 at every distance and no gradient to gamma)")
+        gamma_init = option(args, "at5_gamma_init", one_of(*GAMMA_INITS), "uniform")
+        if gamma_init == "geometric" and gamma_range[0] == 0:
+            raise OptionValueError(f"--at5-gamma-init geometric --at5-gamma-range {gamma_range[0]:g} "
+                                   f"{gamma_range[1]:g}: expected MIN > 0 (a geometric spread starts above 0)")
         widths = option_pair(args, "at5_mlp_widths", width_type, (32, 4))
         activation = option(args, "at5_activation", one_of(*sorted(ACTIVATIONS)), "sigmoid")
         dropout = option(args, "at5_dropout", probability, 0.0)
@@ -150,8 +167,7 @@ class AT5Bias(ScalarBias):
         for name in names:
             self.mlps[name] = HeadMLPs(dims.heads, widths, activation, dropout)
             if self.uses_gamma:
-                gamma = torch.empty(dims.heads).uniform_(*gamma_range)
-                self.raw_gammas[name] = nn.Parameter(raw_gamma(gamma))
+                self.raw_gammas[name] = nn.Parameter(raw_gamma(initial_gammas(dims.heads, gamma_range, gamma_init)))
 
     @staticmethod
     def add_args(parser):
@@ -160,6 +176,10 @@ class AT5Bias(ScalarBias):
                   action=ordered_pair(gamma_type, positive_max=True),
                   help=f"at5: gamma+- initialised uniformly in [MIN, MAX], 0 <= MIN <= MAX <= {MAX_GAMMA:g}, MAX > 0; "
                        "default 1 10 (the paper's MT run: 1 15)")
+        _add_once(parser, "--at5-gamma-init", choices=GAMMA_INITS,
+                  help="at5: how gamma+- start in --at5-gamma-range: drawn uniformly per head (the paper, default) "
+                       "or geometric, spread over the heads from MIN to MAX (MIN > 0; every layer then has "
+                       "local and long-range heads, as ALiBi's slopes)")
         _add_once(parser, "--at5-length-scale", type=length_scale_type, metavar="L",
                   help="at5/at5_nob: A = 1/L in b = 1 - exp(-A gamma |d|) (at5_nob: input min(|d|/L, 1)); "
                        "a constant length in tokens (>= 1), not the batch length; default 256")

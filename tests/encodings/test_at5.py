@@ -88,6 +88,11 @@ def test_options_and_parameter_layout():
         gamma = encoding.gamma(direction)
         assert gamma.shape == (3,) and (gamma >= 2 - 1e-5).all() and (gamma <= 3 + 1e-5).all()
     assert names["mlps.encoder_plus.w2_raw"].shape == (3, 7, 2)
+    spread = make("at5", heads=4, at5_gamma_range=[2.0, 250.0], at5_gamma_init="geometric")
+    for direction in ("encoder_minus", "encoder_plus", "decoder_minus"):  # 2 * 5 ** k, by hand
+        assert torch.allclose(spread.gamma(direction), torch.tensor([2.0, 10.0, 50.0, 250.0]), rtol=1e-6)
+    assert torch.allclose(make("at5", heads=1, at5_gamma_range=[2.0, 250.0], at5_gamma_init="geometric")
+                          .gamma("encoder_plus"), torch.tensor([250.0]), rtol=1e-6)
     assert "raw_gammas" not in {name.split(".")[0] for name, _ in make("at5_nob").named_parameters()}
     every = make("at5", scalar_bias_layers="all")
     assert {name.split(".")[1] for name, _ in every.named_parameters()} == {
