@@ -35,6 +35,24 @@ def test_process50_data_follow_the_description(tmp_path):
     assert abs(module.bayes_accuracy() - 0.839) < 0.001 and abs(bayes - module.bayes_accuracy()) < 0.02
 
 
+def test_process_at_a_lag_repeats_the_symbol_that_many_places_before(tmp_path):
+    """--lag 6 --length 20: the class shows only in comparisons 6 apart; neighbours say nothing."""
+    module = load_script(SCRIPT)
+    module.write_split(tmp_path, "train", 4000, random.Random(0), (0.75, 0.25), length=20, lag=6)
+    sequences = [list(map(int, line.split())) for line in (tmp_path / "train.input0").read_text().splitlines()]
+    labels = [int(line) for line in (tmp_path / "train.label").read_text().splitlines()]
+    assert all(len(sequence) == 20 for sequence in sequences) and sum(labels) == 2000
+
+    def repeat_rate(label, lag):
+        pairs = [(a, b) for sequence, y in zip(sequences, labels) if y == label for a, b in zip(sequence, sequence[lag:])]
+        return sum(a == b for a, b in pairs) / len(pairs)
+    assert abs(repeat_rate(0, 6) - 0.75) < 0.01 and abs(repeat_rate(1, 6) - 0.25) < 0.01
+    for label in (0, 1):
+        assert abs(repeat_rate(label, 1) - 0.5) < 0.015
+    repeats = [sum(a == b for a, b in zip(sequence, sequence[6:])) for sequence in sequences]
+    right = sum((r > 7) == (y == 0) for r, y in zip(repeats, labels)) + 0.5 * sum(r == 7 for r in repeats)
+    assert abs(right / 4000 - module.bayes_accuracy((0.75, 0.25), length=20, lag=6)) < 0.015
+
 def logged_accuracies(log_text, subset):
     """Every accuracy (a fraction) fairseq logged on `subset` ('valid' during training, 'test' from
     fairseq-validate), in order: read here from the log, not through the runner's parser."""
