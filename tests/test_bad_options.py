@@ -229,7 +229,8 @@ def test_smallest_allowed_values_are_honoured():
     t5 = build_encoding("t5", encoding_options("--t5-num-buckets", "4", "--t5-max-distance", "3"), DIMS)
     assert t5.num_buckets == 4 and t5.max_distance == 3 and t5.tables["encoder"].shape == (4, 4)
     at5 = build_encoding("at5", encoding_options("--at5-length-scale", "1", "--at5-gamma-range", "0", "0.5",
-                                                 "--at5-mlp-widths", "1", "1", "--at5-dropout", "0"), DIMS)
+                                                 "--at5-gamma-init", "uniform", "--at5-mlp-widths", "1", "1",
+                                                 "--at5-dropout", "0"), DIMS)
     assert at5.length_scale == 1.0 and at5.mlps["encoder_minus"].w2.shape == (4, 1, 1)
     gammas = torch.cat([at5.gamma(name) for name in at5.raw_gammas])
     assert (gammas >= 0).all() and (gammas <= 0.5).all()

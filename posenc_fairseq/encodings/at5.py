@@ -8,7 +8,10 @@ For relative position d = j - i (key minus query) and head h, with A = 1 / lengt
 
 and e_h(d) is added to the scaled logits (paper eq. 5). The causal decoder uses only the d <= 0
 branch (as the authors' code; keys after the query, masked anyway, get e_h(0)). gamma is per
-head and direction, initialised uniformly in [Gamma_min, Gamma_max]; A is a constant (default
+head and direction, initialised in [Gamma_min, Gamma_max]: by default spread geometrically over the
+heads from 1 to L (A * gamma from 1/L to 1: every layer starts with heads that tell d = 1 from 2 and
+heads that resolve distances up to about L; issue 37, docs/scalar_bias.md), or drawn uniformly (the
+paper: --at5-gamma-init uniform --at5-gamma-range 1 10); A is a constant (default
 1/256, the authors' MT setting), not the batch's length, so the bucket of a distance never
 depends on the batch and b saturates to 1 at long distances (any length works). Each MLP is
 1 -> h1 -> h2 -> 1 with the chosen activation after both hidden layers and dropout after the
@@ -146,14 +149,16 @@ class AT5Bias(ScalarBias):
     def __init__(self, args, dims):
         super().__init__(args, dims)
         self.length_scale = option(args, "at5_length_scale", length_scale_type, 256.0)
-        gamma_range = option_pair(args, "at5_gamma_range", gamma_type, (1.0, 10.0), ordered=True)
+        gamma_range = option_pair(args, "at5_gamma_range", gamma_type, (1.0, self.length_scale), ordered=True)
         if gamma_range[1] == 0:
             raise OptionValueError("--at5-gamma-range 0 0: expected MAX > 0 (gamma = 0 gives "
                                    "b = 0 at every distance and no gradient to gamma)")
-        gamma_init = option(args, "at5_gamma_init", one_of(*GAMMA_INITS), "uniform")
+        gamma_init = option(args, "at5_gamma_init", one_of(*GAMMA_INITS), "geometric")
         if gamma_init == "geometric" and gamma_range[0] == 0:
             raise OptionValueError(f"--at5-gamma-init geometric --at5-gamma-range {gamma_range[0]:g} "
-                                   f"{gamma_range[1]:g}: expected MIN > 0 (a geometric spread starts above 0)")
+                                   f"{gamma_range[1]:g}: expected MIN > 0 (a geometric spread starts above 0); for "
+                                   "the paper's uniform draws pass --at5-gamma-init uniform (a checkpoint from before "
+                                   "geometric became the default: --model-overrides \"{'at5_gamma_init': 'uniform'}\")")
         widths = option_pair(args, "at5_mlp_widths", width_type, (32, 4))
         activation = option(args, "at5_activation", one_of(*sorted(ACTIVATIONS)), "sigmoid")
         dropout = option(args, "at5_dropout", probability, 0.0)
@@ -174,12 +179,12 @@ class AT5Bias(ScalarBias):
         add_scalar_bias_args(parser)
         _add_once(parser, "--at5-gamma-range", type=gamma_type, nargs=2, metavar=("MIN", "MAX"),
                   action=ordered_pair(gamma_type, positive_max=True),
-                  help=f"at5: gamma+- initialised uniformly in [MIN, MAX], 0 <= MIN <= MAX <= {MAX_GAMMA:g}, MAX > 0; "
-                       "default 1 10 (the paper's MT run: 1 15)")
+                  help=f"at5: gamma+- start in [MIN, MAX] (--at5-gamma-init), 0 <= MIN <= MAX <= {MAX_GAMMA:g}, "
+                       "MAX > 0; default 1 L (L: --at5-length-scale; the paper: 1 10, its MT run 1 15)")
         _add_once(parser, "--at5-gamma-init", choices=GAMMA_INITS,
-                  help="at5: how gamma+- start in --at5-gamma-range: drawn uniformly per head (the paper, default) "
-                       "or geometric, spread over the heads from MIN to MAX (MIN > 0; every layer then has "
-                       "local and long-range heads, as ALiBi's slopes)")
+                  help="at5: how gamma+- start in --at5-gamma-range: geometric (default), spread over the heads "
+                       "from MIN to MAX (MIN > 0), so that every layer has local and long-range heads, as "
+                       "ALiBi's slopes; or uniform, drawn per head (the paper)")
         _add_once(parser, "--at5-length-scale", type=length_scale_type, metavar="L",
                   help="at5/at5_nob: A = 1/L in b = 1 - exp(-A gamma |d|) (at5_nob: input min(|d|/L, 1)); "
                        "a constant length in tokens (>= 1), not the batch length; default 256")

@@ -93,6 +93,13 @@ def test_options_and_parameter_layout():
         assert torch.allclose(spread.gamma(direction), torch.tensor([2.0, 10.0, 50.0, 250.0]), rtol=1e-6)
     assert torch.allclose(make("at5", heads=1, at5_gamma_range=[2.0, 250.0], at5_gamma_init="geometric")
                           .gamma("encoder_plus"), torch.tensor([250.0]), rtol=1e-6)
+    # the default: geometric from 1 to the length scale L (A * gamma from 1/L to 1), L = 256 unless set
+    assert torch.allclose(make("at5", heads=5).gamma("encoder_minus"), torch.tensor([1.0, 4.0, 16.0, 64.0, 256.0]),
+                          rtol=1e-6)
+    assert torch.allclose(make("at5", heads=3, at5_length_scale=49.0).gamma("decoder_minus"),
+                          torch.tensor([1.0, 7.0, 49.0]), rtol=1e-6)
+    uniform = make("at5", heads=64, at5_gamma_init="uniform").gamma("encoder_plus")
+    assert uniform.min() >= 1 and uniform.max() <= 256 and len(set(uniform.tolist())) == 64
     assert "raw_gammas" not in {name.split(".")[0] for name, _ in make("at5_nob").named_parameters()}
     every = make("at5", scalar_bias_layers="all")
     assert {name.split(".")[1] for name, _ in every.named_parameters()} == {
@@ -268,9 +275,10 @@ def assert_bias_is_naive(encoding, gammas, mlps, tolerance, roles=("encoder", "d
 
 
 def test_bias_at_init_is_the_old_parameterisations():
-    """Same seed, same draws: the bias the old relu(gamma) / plain-weight code started from."""
+    """Same seed, same draws: the bias the old relu(gamma) / plain-weight code started from (with the
+    old code's initialisation of gamma, the paper's uniform draws in [1, 10])."""
     gammas, mlps = old_initial_values(seed=0)
-    encoding = make("at5")  # seeds 0 itself
+    encoding = make("at5", at5_gamma_init="uniform", at5_gamma_range=[1.0, 10.0])  # seeds 0 itself
     for name, values in mlps.items():  # the MLP weights: bit for bit (the scale is a power of two)
         for parameter, value in values.items():
             assert torch.equal(getattr(encoding.mlps[name], parameter), value), (name, parameter)
@@ -368,3 +376,29 @@ def test_adam_moves_the_effective_parameters_further(gradient_scale):
         assert (new_relative > 5 * old_relative).all()
         if gradient_scale == 1.0:  # gradients above eps: Adam's first step is lr per stored value
             assert torch.allclose(new_relative, torch.full_like(new_relative, GAMMA_STEP_SCALE * lr), rtol=0.05)
+
+
+def test_a_checkpoint_from_before_the_geometric_default_is_refused_then_loads_with_the_override(
+        translation_data, tmp_path):
+    """A model trained with --at5-gamma-range 0 X (uniform draws, then the only initialisation) and saved
+    before --at5-gamma-init existed: loading it now would build a geometric spread from 0, which is
+    refused with the way out; with that override it loads to the saved parameters."""
+    from fairseq import checkpoint_utils
+
+    run(["fairseq-train", translation_data, "--user-dir", USER_DIR, "--arch", "transformer_at5", *TINY_TRANSFORMER,
+         *QUICK_TRAIN, "--save-dir", tmp_path, "--max-update", "2", "--at5-gamma-range", "0", "10",
+         "--at5-gamma-init", "uniform"])
+    path = tmp_path / "checkpoint_last.pt"
+    state = torch.load(path, weights_only=False)
+    model_cfg = state["cfg"]["model"]
+    if isinstance(model_cfg, dict):
+        del model_cfg["at5_gamma_init"]
+    else:
+        delattr(model_cfg, "at5_gamma_init")
+    old = tmp_path / "old.pt"
+    torch.save(state, old)
+    with pytest.raises(Exception, match="at5_gamma_init': 'uniform'"):
+        checkpoint_utils.load_model_ensemble([str(old)])
+    models, _ = checkpoint_utils.load_model_ensemble([str(old)], arg_overrides={"at5_gamma_init": "uniform"})
+    for name, value in models[0].state_dict().items():
+        assert torch.equal(value, state["model"][name]), name
