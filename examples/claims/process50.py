@@ -96,8 +96,9 @@ def main(argv=None):
     shape = dict(length=args.length, lag=args.lag)
     results = generate_and_run(args, model_options(args.length), lambda folder, split, count, rng:
                                write_split(folder, split, count, rng, tuple(args.repeat), **shape))
-    paper_task = tuple(args.repeat) == REPEAT_PROBABILITY and shape == dict(length=LENGTH, lag=1)
-    name = "Process-50" if shape == dict(length=LENGTH, lag=1) else f"Process at lag {args.lag}, length {args.length}"
+    paper_shape = shape == dict(length=LENGTH, lag=1)
+    paper_task = paper_shape and tuple(args.repeat) == REPEAT_PROBABILITY
+    name = "Process-50" if paper_shape else f"Process at lag {args.lag}, length {args.length}"
     heading = (f"{name} (P(repeat) {args.repeat[0]:g} / {args.repeat[1]:g}): {args.train} training / "
                f"{args.valid} validation / {args.test} test sequences, {args.epochs} epochs, batch {args.batch_size}, "
                f"lr {args.lr}; Bayes rate {bayes_accuracy(args.repeat, **shape):.3f}")

@@ -53,6 +53,7 @@ def test_process_at_a_lag_repeats_the_symbol_that_many_places_before(tmp_path):
     right = sum((r > 7) == (y == 0) for r, y in zip(repeats, labels)) + 0.5 * sum(r == 7 for r in repeats)
     assert abs(right / 4000 - module.bayes_accuracy((0.75, 0.25), length=20, lag=6)) < 0.015
 
+
 def logged_accuracies(log_text, subset):
     """Every accuracy (a fraction) fairseq logged on `subset` ('valid' during training, 'test' from
     fairseq-validate), in order: read here from the log, not through the runner's parser."""
