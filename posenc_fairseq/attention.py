@@ -314,6 +314,7 @@ class PositionalAttention(MultiheadAttention):
             # what the kernels of relative terms use of the encoding and the pass
             recorded_run=relative and encoding.in_recorded_run(),
             flex_mode=context.flex_mode if relative and context is not None else "off",
+            triton_mode=context.triton_mode if relative and context is not None else "off",
             memoize=encoding.memoize if relative else None, recorded=encoding.recorded if relative else None)
 
     def _dropout_probability(self) -> float:

@@ -17,6 +17,11 @@ import torch
 DEVICES = ("cpu", "cuda")
 ENVIRONMENT = "POSENC_TEST_DEVICE"
 
+# The Triton kernels (kernels/triton_kernels.py) run on the CPU in Triton's interpreter, which Triton
+# reads when the kernels are first imported: set before any test imports them, where no GPU is
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_addoption(parser):
     parser.addoption("--device", choices=DEVICES, default=os.environ.get(ENVIRONMENT, "cpu"),
@@ -120,6 +125,20 @@ BOUNDS = {
     # relative to the largest entry (on CUDA: the compiled CPU loops against the loops on the GPU)
     ("floater solve", "cpu", F32): 1e-5,
     ("floater solve", "cuda", F32): 1e-4,
+    # the Triton kernel of a per-distance bias (kernels/triton_kernels.py) against the formula in float64,
+    # output and each gradient, relative to its largest entry: the CPU runs it in Triton's interpreter
+    # (numpy, float64 or float32); CUDA compiled, float32 inputs (not yet run on a GPU)
+    ("triton vs formula", "cpu", torch.float64): 1e-12,
+    ("triton vs formula", "cpu", F32): 1e-5,
+    ("triton vs formula", "cuda", F32): 1e-4,
+    # half precision (the interpreter's bfloat16 is wrong, numpy has none: CUDA only; its fp16 max 7e-4
+    # relative for the gradients, 4e-3 for the output, on the interpreter)
+    ("triton vs formula", "cpu", F16): 1e-2,
+    ("triton vs formula", "cuda", F16): 1e-2,
+    ("triton vs formula", "cuda", BF16): 5e-2,
+    # a model's gradients with POSENC_TRITON_ATTENTION=on against the default paths, relative
+    ("triton vs default paths", "cpu", F32): 1e-5,
+    ("triton vs default paths", "cuda", F32): 1e-4,
 }
 
 
@@ -135,3 +154,12 @@ def bound(device, comparison, dtype=F32):
 def on(device, *tensors):
     """The tensors moved to `device` (a tuple, in order)."""
     return tuple(tensor.to(device) for tensor in tensors)
+
+
+@pytest.fixture
+def kernel_device(device):
+    """Where a Triton kernel runs: --device cuda compiled, the CPU through Triton's interpreter."""
+    pytest.importorskip("triton", reason="the kernels are written in Triton (installed by `make venv`)")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CUDA is present, so Triton's interpreter is off in this process: run with --device cuda")
+    return device

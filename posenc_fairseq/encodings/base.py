@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .cache import EncodingCache, TermKey
-from ..kernels import flex
+from ..kernels import flex, triton_bias
 from .distance import DistanceTerm
 from .positions import AnyPositions
 
@@ -36,18 +36,19 @@ class PassContext:
     source       decoder: the positions of the source tokens (the cross-attention keys)
     earlier      target tokens before this call's (incremental decoding: the cached steps)
     flex_mode    POSENC_FLEX_ATTENTION when the pass started (kernels/flex.py)
+    triton_mode  POSENC_TRITON_ATTENTION when the pass started (kernels/triton_bias.py)
     future_mask  the self-attention mask the decoder stack made last in this pass (fairseq's
                  future mask, `buffered_future_mask`, made before each layer), None until it
                  does: a call given that very mask knows it blocks exactly the future without
                  reading it (any other mask, e.g. in a layer's recomputation, is read)
 
     Plain attributes: made once per decoding step, where nn.Module or a dataclass would cost."""
-    __slots__ = ("stack", "positions", "source", "earlier", "flex_mode", "future_mask")
+    __slots__ = ("stack", "positions", "source", "earlier", "flex_mode", "triton_mode", "future_mask")
 
     def __init__(self, stack: str, positions: Optional[AnyPositions], source: Optional[AnyPositions], earlier: int,
-                 flex_mode: str):
+                 flex_mode: str, triton_mode: str = "off"):
         self.stack, self.positions, self.source, self.earlier = stack, positions, source, earlier
-        self.flex_mode, self.future_mask = flex_mode, None
+        self.flex_mode, self.triton_mode, self.future_mask = flex_mode, triton_mode, None
 
     def key_positions(self, role: str) -> Optional[AnyPositions]:
         """The positions of the keys of an attention in `role` ('cross': the source tokens; the
@@ -91,7 +92,8 @@ class PositionalEncoding(nn.Module):
         self.cache.begin(role, earlier, reads_encoder=role == "decoder" and source_positions is not None)
         if source_positions is None and previous is not None:
             source_positions = previous.source
-        context = self.contexts[role] = PassContext(role, positions, source_positions, earlier, flex.mode())
+        context = self.contexts[role] = PassContext(role, positions, source_positions, earlier, flex.mode(),
+                                                    triton_bias.mode())
         return context
 
     def kept_value_inputs(self) -> Iterable[Tensor]:

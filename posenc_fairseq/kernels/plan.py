@@ -2,6 +2,8 @@
 
     STEP        a decoding step (one query): its terms as additions to q, k, v and the logits
                 (`distance.step_terms`), SDPA of the changed inputs (step.py)
+    TRITON      one Triton kernel reading a per-distance bias inside, with its gradient
+                (triton_bias.py; POSENC_TRITON_ATTENTION=on)
     FLEX        FlexAttention, the encoding's per-distance terms read inside the kernel (flex.py)
     LOGITS      the caller asked for the logits before softmax (explicit.py)
     EXPLICIT    the softmax written out: attention weights asked for, a relative value term, or
@@ -16,7 +18,7 @@ Where the terms depend on the query (a (B, H, Tq, .) product per call: Shaw, LFH
 the call is long, the plan runs the kernel one block of queries at a time (blocks.py).
 
 `plan` is a pure function of the call: everything it reads is a field of the `AttentionCall`
-(the grad mode, whether a checkpointed function is running, the FlexAttention switch) or follows
+(the grad mode, whether a checkpointed function is running, the FlexAttention and Triton switches) or follows
 from its tensors (whether the terms need a gradient, `terms_need_gradient`). The kernels receive
 the call and never the encoding: what they need of it (`memoize`, `recorded`) are fields.
 """
@@ -26,7 +28,7 @@ from typing import Any, Callable, NamedTuple, Optional
 from torch import Tensor
 
 from ..encodings.distance import DistanceTerm
-from . import biased_cpu, blocks, flex, sdpa
+from . import biased_cpu, blocks, flex, sdpa, triton_bias
 from .masks import is_future_mask
 
 
@@ -41,7 +43,8 @@ class AttentionCall(NamedTuple):
     whole call (a block keeps its call's). `stack_mask`: `attn_mask` is (a slice of) the mask the
     decoder stack made in this pass, fairseq's future mask (only 0 and -inf). `grad_enabled`: torch's grad mode at the call;
     `recorded_run`: a checkpointed function (a layer, a block) is running, whose recomputation
-    covers this call; `flex_mode`: POSENC_FLEX_ATTENTION of the pass (flex.py). `memoize(key,
+    covers this call; `flex_mode`: POSENC_FLEX_ATTENTION of the pass (flex.py); `triton_mode`:
+    POSENC_TRITON_ATTENTION of the pass (triton_bias.py). `memoize(key,
     compute)`: the encoding's pass-scope memo (dense bias-only terms shared by the layers);
     `recorded(function)`: `function` for non-reentrant checkpointing (cache.py); both None
     without an encoding."""
@@ -63,6 +66,7 @@ class AttentionCall(NamedTuple):
     stack_mask: bool = False
     recorded_run: bool = False
     flex_mode: str = "off"
+    triton_mode: str = "off"
     memoize: Optional[Callable[[Any, Callable[[], Any]], Any]] = None
     recorded: Optional[Callable[[Callable], Callable]] = None
 
@@ -74,6 +78,7 @@ class AttentionCall(NamedTuple):
 
 class Kernel(enum.Enum):
     STEP = "step"
+    TRITON = "triton"
     FLEX = "flex"
     LOGITS = "logits"
     EXPLICIT = "explicit"
@@ -103,6 +108,8 @@ def plan(call: AttentionCall) -> Plan:
     if (call.relative and call.q.size(2) == 1 and not call.source_keys
             and not (call.need_weights or call.before_softmax)):
         return _WHOLE_CALL[Kernel.STEP, False]
+    if call.relative and triton_bias.available(call.q, call.triton_mode) and triton_bias.serves(call):
+        return _WHOLE_CALL[Kernel.TRITON, False]
     if call.relative and _flex_serves(call):
         kernel = Kernel.FLEX
     elif call.before_softmax:

@@ -4,7 +4,7 @@ from typing import Callable, Optional, Tuple
 from torch import Tensor
 
 from ..encodings.distance import flex_table
-from . import biased_cpu, blocks, explicit, flex, sdpa, step
+from . import biased_cpu, blocks, explicit, flex, sdpa, step, triton_bias
 from .masks import blocked_fill_value
 from .plan import AttentionCall, Kernel, Plan
 from .subnormals import flush_subnormals_in_backward
@@ -17,6 +17,8 @@ def serve(call: AttentionCall, plan: Plan, dropout: Callable[[Tensor], Tensor]) 
     module (EXPLICIT applies it to the probabilities)."""
     if plan.kernel is Kernel.STEP:
         return step.attend(call), None
+    if plan.kernel is Kernel.TRITON:
+        return triton_bias.attend(call), None
     content_query = call.term.content if plan.fold_content else None
     if plan.query_block is None:
         return _serve_piece(call, plan, content_query, dropout)

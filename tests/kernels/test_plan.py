@@ -1,5 +1,5 @@
 """`plan(call)` as a value: a pure function of the `AttentionCall`, whose fields (grad mode,
-recorded run, FlexAttention switch) and tensors decide the kernel, with no encoding and no global
+recorded run, FlexAttention and Triton switches) and tensors decide the kernel, with no encoding and no global
 state read. Each case builds the call by hand and states the kernel the rules of plan.py give."""
 import pytest
 import torch
@@ -13,6 +13,7 @@ HEADS, DIM = 2, 4
 
 def call(queries=5, keys=5, dtype=torch.float32, bias=False, vectors=False, content=False, values=False,
          parameters_grad=True, queries_grad=False, grad_enabled=True, recorded_run=False, flex_mode="off",
+         triton_mode="off",
          need_weights=False, before_softmax=False, future_blocked=False, logits=None, batch=1,
          stack_mask=False, padding=False, future_mask=False):
     """A self-attention call of `queries` queries (the last of `keys` keys) with the chosen terms."""
@@ -38,7 +39,8 @@ def call(queries=5, keys=5, dtype=torch.float32, bias=False, vectors=False, cont
                          need_weights=need_weights, before_softmax=before_softmax, term=term, values=value_term,
                          future_blocked=future_blocked, dropout_p=0.0,
                          logits=logits if logits is not None else batch * HEADS * queries * keys,
-                         grad_enabled=grad_enabled, recorded_run=recorded_run, flex_mode=flex_mode)
+                         grad_enabled=grad_enabled, recorded_run=recorded_run, flex_mode=flex_mode,
+                         triton_mode=triton_mode)
 
 
 def future(queries, keys):
@@ -70,6 +72,18 @@ LARGE = biased_cpu.MIN_LOGITS  # a call the fused CPU kernel serves
     (dict(bias=True, flex_mode="on"), Kernel.SDPA),  # "on": calls without gradient only
     (dict(bias=True, flex_mode="train", grad_enabled=False), Kernel.FLEX),
     (dict(bias=True, flex_mode="off", grad_enabled=False), Kernel.SDPA),
+    # the Triton kernel (kernels/triton_bias.py): bias-only terms, padding and the future mask only
+    (dict(bias=True, triton_mode="interpreted"), Kernel.TRITON),
+    (dict(bias=True, triton_mode="interpreted", padding=True, stack_mask=True, future_blocked=True), Kernel.TRITON),
+    (dict(bias=True, triton_mode="interpreted", future_mask=True, future_blocked=True), Kernel.TRITON),  # read
+    (dict(bias=True, triton_mode="interpreted", grad_enabled=False), Kernel.TRITON),
+    (dict(bias=True, triton_mode="interpreted", queries=1, keys=7), Kernel.STEP),
+    (dict(bias=True, triton_mode="on"), Kernel.SDPA),  # compiled: CUDA tensors only
+    (dict(bias=True, triton_mode="interpreted", need_weights=True), Kernel.EXPLICIT),
+    (dict(bias=True, triton_mode="interpreted", before_softmax=True), Kernel.LOGITS),
+    (dict(bias=True, vectors=True, triton_mode="interpreted"), Kernel.EXPLICIT),  # Shaw/LFHC/XL/GCDF
+    (dict(bias=True, content=True, triton_mode="interpreted"), Kernel.SDPA),
+    (dict(bias=True, values=True, triton_mode="interpreted"), Kernel.EXPLICIT),
 ])
 def test_the_kernel_follows_from_the_call_alone(case, expected):
     """The same call gives the same plan whatever torch's grad mode is when `plan` runs."""
@@ -77,6 +91,13 @@ def test_the_kernel_follows_from_the_call_alone(case, expected):
     for mode in (True, False):
         with torch.set_grad_enabled(mode):
             assert plan(value).kernel is expected
+
+
+def test_the_triton_kernel_leaves_attention_dropout_and_source_keys_to_the_other_paths():
+    served = call(bias=True, triton_mode="interpreted")
+    assert plan(served).kernel is Kernel.TRITON
+    assert plan(served._replace(dropout_p=0.1)).kernel is not Kernel.TRITON
+    assert plan(served._replace(source_keys=2)).kernel is not Kernel.TRITON
 
 
 def test_query_blocks_and_their_recomputation_follow_from_the_call():

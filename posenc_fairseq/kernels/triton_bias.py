@@ -1,0 +1,133 @@
+"""The TRITON path: one fused attention kernel (triton_kernels.py) that reads the per-distance bias
+inside, forward and backward, with O(n) memory and a deterministic fp32 bias gradient.
+
+It serves the bias-only terms: T5, T5-NoB, AT5, AT5-NoB (the layers with a bias) and ALiBi, i.e. a
+`DistanceTerm` with a `bias` and no query- or key-dependent part, spread over the call's Tq + Tk - 1
+distances (`take_runs` over its rows: T5's buckets; the gradient flows back through it to the table).
+Not (yet) served, taking the other paths: Shaw/LFHC (query . vector per distance), XL/GCDF, relative
+value terms, attention dropout, attention weights or logits asked for, --cross-self-attention, and
+masks other than key padding and fairseq's future mask.
+
+Where it is used: the environment variable POSENC_TRITON_ATTENTION, read when a stack starts a forward
+pass (`mode()`; its value travels in the pass context and the `AttentionCall`):
+    "off" (default)   never
+    "on"              on CUDA, in training and inference; on CPU the other paths serve, except
+                      where Triton's interpreter is on (TRITON_INTERPRET=1: the exactness tests),
+                      for which `mode()` gives "interpreted"
+Off by default until a GPU run has shown it equal to the default paths and faster
+(scripts/gpu_benchmark.py; docs/benchmarks.md). It needs the `triton` package, which CUDA builds of
+torch bring; "on" without it is refused with that message. Not yet run on a GPU: its exactness is
+tested in the interpreter and it compiles for sm_80/sm_90 (tests/kernels/test_triton_bias.py); its
+CUDA tests (`make test-cuda`) and speed wait for a GPU session.
+
+A row that sees no key (all its keys padded or blocked) gets what the explicit path gives it, uniform
+weights over all Tk keys (the kernel may skip the future tiles, so it computes that row in torch).
+"""
+import importlib
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..encodings.positions import take_runs
+from .masks import is_future_mask
+
+MODES = ("off", "on")
+#: `mode()` where the switch is on and Triton runs kernels in its CPU interpreter: CPU tensors too
+INTERPRETED = "interpreted"
+#: the environment variable that selects the fused kernel (`mode`)
+SWITCH = "POSENC_TRITON_ATTENTION"
+
+
+def mode() -> str:
+    """POSENC_TRITON_ATTENTION now ("off" where unset; "interpreted" for "on" under Triton's
+    interpreter); an unknown value is refused."""
+    value = os.environ.get(SWITCH, "off")
+    if value not in MODES:
+        raise ValueError(f"{SWITCH}={value!r}: expected one of {', '.join(MODES)}")
+    return INTERPRETED if value == "on" and interpreted() else value
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def available(q: Tensor, triton_mode: str) -> bool:
+    """Whether `triton_mode` (`mode()` of the pass) lets the queries `q` take the kernel on their device."""
+    return triton_mode == INTERPRETED or (triton_mode == "on" and q.is_cuda)
+
+
+def serves(call) -> bool:
+    """Whether the kernel serves the `AttentionCall` `call`: a bias-only logit term, no value term,
+    neither weights nor logits asked for, no attention dropout or source keys, and no mask but key
+    padding and fairseq's future mask over a square (the stack's, known unread; any other is read,
+    so that a checkpointed layer's recomputation takes the kernel its first run took)."""
+    term = call.term
+    if term is None or term.bias is None or term.vectors is not None or term.content is not None:
+        return False
+    if call.values is not None or call.need_weights or call.before_softmax or call.dropout_p > 0 or call.source_keys:
+        return False
+    if call.attn_mask is None:
+        return True
+    return call.future_blocked and is_future_mask(call.attn_mask, call.stack_mask)
+
+
+def attend(call) -> Tensor:
+    """softmax(q k^T + term + masks) v of `call` (served: `serves`), (B, H, Tq, D)."""
+    term = call.term
+    bias = term.bias if term.rows is None else take_runs(term.bias, term.rows)
+    return TritonBiasAttention.apply(call.q, call.k, call.v, bias, call.key_padding_mask,
+                                    call.attn_mask is not None)
+
+
+def _kernels():
+    try:
+        return importlib.import_module(__package__ + ".triton_kernels")
+    except ImportError as error:
+        raise RuntimeError(f"{SWITCH}=on needs the `triton` package ({error}); unset {SWITCH} (off is the "
+                           "default) to use the default attention paths") from error
+
+
+def _non_overlapping(x: Tensor) -> Tensor:
+    """`x` itself where its gradient can be written with its strides (contiguous, or fairseq's
+    (B, T, H, D) layout seen as (B, H, T, D)), else a contiguous copy."""
+    return x if x.is_contiguous() or x.transpose(1, 2).is_contiguous() else x.contiguous()
+
+
+class TritonBiasAttention(torch.autograd.Function):
+    """softmax(q k^T + bias[h, j - i + Tq - 1] + masks) v, q already scaled. `bias` (H, Tq + Tk - 1);
+    `padding` (B, Tk) True at padded keys, or None; `causal`: key j after query i + Tk - Tq blocked."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, padding: Optional[Tensor], causal: bool):
+        kernels = _kernels()
+        q, k, v = (_non_overlapping(x) for x in (q, k, v))
+        accumulate = torch.float64 if q.dtype == torch.float64 else torch.float32
+        fill = torch.full((1,), torch.finfo(q.dtype).min, dtype=accumulate, device=q.device)
+        padding = padding.to(torch.int8).contiguous() if padding is not None else None
+        bias_in = bias.contiguous()
+        out, m, l = kernels.forward(q, k, v, bias_in, padding, causal, fill)  # noqa: E741
+        sees_no_key = (m == fill)[..., None]
+        # the explicit path's answer for such a row: the mean of all values
+        out_fixed = torch.where(sees_no_key, v.to(accumulate).mean(-2, keepdim=True).to(out.dtype), out)
+        ctx.save_for_backward(q, k, v, bias_in, padding, fill, out, m, l)
+        ctx.causal, ctx.sees_no_key = causal, sees_no_key
+        ctx.bias_shape = bias.shape
+        return out_fixed
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, bias, padding, fill, out, m, l = ctx.saved_tensors  # noqa: E741
+        sees_no_key = ctx.sees_no_key
+        grad_out = grad_out.contiguous()
+        # rows that see no key: out = mean(v), so only v gets their gradient, 1/Tk each
+        kernel_grad = grad_out.masked_fill(sees_no_key, 0)
+        dq, dk, dv, dbias = _kernels().backward(q, k, v, bias, padding, ctx.causal, fill, out, m, l, kernel_grad,
+                                                ctx.needs_input_grad[3])
+        mean_grad = (grad_out.to(fill.dtype) * sees_no_key).sum(-2, keepdim=True) / k.size(2)
+        dv = (dv.to(fill.dtype) + mean_grad).to(dv.dtype)
+        if dbias is not None:
+            dbias = dbias.to(bias.dtype)
+        return dq, dk, dv, dbias, None, None

@@ -1,0 +1,53 @@
+"""Compiles the Triton kernels (kernels/triton_kernels.py) ahead of time for NVIDIA GPUs, down to the
+cubin with the wheel's ptxas: no GPU needed. Run by tests/kernels/test_triton_bias.py in a process
+without TRITON_INTERPRET (under the interpreter `triton.jit` gives functions that do not compile).
+
+    python tests/kernels/compile_triton.py CAPABILITY DTYPE...     e.g. 90 bf16 fp32
+Prints one line per kernel: its name, dtype and shared memory in bytes."""
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from posenc_fairseq.kernels import triton_kernels
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: the pointer arguments in the inputs' dtype; the other pointers are float32 (int8: the padding)
+INPUT_POINTERS = ("Q", "K", "V", "Out", "dO", "dQ", "dK", "dV")
+SIZES = ("H", "Tq", "Tk", "D", "blocks")
+
+
+def signature(kernel, dtype_name):
+    """Each argument's type: constexpr, int32 (sizes, strides: lower case), a pointer (the inputs'
+    dtype, int8 for the padding, else float32)."""
+    types = {}
+    for parameter in kernel.params:
+        name = parameter.name
+        if parameter.is_constexpr:
+            types[name] = "constexpr"
+        elif name in SIZES or name.islower():
+            types[name] = "i32"
+        elif name in INPUT_POINTERS:
+            types[name] = f"*{dtype_name}"
+        else:
+            types[name] = "*i8" if name == "Pad" else "*fp32"
+    return types
+
+
+def main(capability, dtype_names):
+    target = GPUTarget("cuda", int(capability), 32)
+    for dtype_name in dtype_names:
+        constants = dict(triton_kernels.settings(DTYPES[dtype_name], 64, on_cuda=True), HAS_BIAS=True,
+                         HAS_PADDING=True, CAUSAL=True)
+        for kernel, extra in ((triton_kernels._forward, {}), (triton_kernels._backward_keys, {"BIAS_GRAD": True}),
+                              (triton_kernels._backward_queries, {})):
+            compiled = triton.compile(ASTSource(kernel, signature(kernel, dtype_name), constexprs={**constants, **extra}),
+                                      target=target)
+            assert compiled.asm["cubin"], kernel.__name__
+            print(kernel.__name__, dtype_name, compiled.metadata.shared)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,101 @@
+"""Whole models with POSENC_TRITON_ATTENTION=on (kernels/triton_bias.py) against the default paths:
+every parameter's gradient, the calls that take the kernel counted (so that a silent fallback cannot
+pass for equality). On CPU the kernel runs in Triton's interpreter (tests/conftest.py)."""
+import pytest
+import torch
+
+from posenc_fairseq.kernels import triton_bias as fused
+from devices import bound
+from test_checkpoint_activations import gradients
+
+CASES = [("t5", []), ("t5", ["--scalar-bias-layers", "all"]), ("t5_nob", []), ("at5", []), ("at5_nob", []),
+         ("alibi", [])]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The calls that take the fused kernel."""
+    calls = []
+    attend = fused.attend
+    monkeypatch.setattr(fused, "attend", lambda call: calls.append(call.q.shape) or attend(call))
+    return calls
+
+
+@pytest.mark.parametrize("encoding,extra", CASES, ids=[" ".join([n, *e]) for n, e in CASES])
+def test_models_train_with_the_same_gradients_as_the_default_paths(translation_data, kernel_device, monkeypatch,
+                                                                    counted, encoding, extra):
+    """Encoder over left-padded sources, decoder under fairseq's future mask: the loss's gradient of
+    every parameter (the encoding's tables and MLPs included) as with the switch off."""
+    monkeypatch.setenv(fused.SWITCH, "on")
+    model, got = gradients(translation_data, encoding, extra, device=kernel_device)
+    per_stack = 2 if encoding == "alibi" or extra else 1  # T5/AT5: the first layer of each stack by default
+    assert len(counted) == 2 * per_stack
+    monkeypatch.setenv(fused.SWITCH, "off")
+    counted.clear()
+    _, expected = gradients(translation_data, encoding, extra, model.state_dict(), device=kernel_device)
+    assert not counted
+    assert sorted(got) == sorted(expected)
+    limit = bound(kernel_device, "triton vs default paths")
+    for name, value in expected.items():
+        assert (got[name] - value).abs().max() <= limit * (1 + value.abs().max()), name
+    if encoding != "alibi":
+        assert any(got[name].abs().max() > 0 for name in got if name.startswith("positional_encoding."))
+
+
+def test_pruned_heads(kernel_device, monkeypatch, counted):
+    """After head pruning the kept heads' bias rows serve the kernel (encoder self-attention over a
+    padded batch whose last sentence is all padding)."""
+    from test_flex_attention import attention_call
+
+    if kernel_device.type != "cpu":
+        pytest.skip("the bound attention of test_flex_attention is built on the CPU")
+    module, call = attention_call("t5", [], "encoder")
+    module._adaptive_prune_heads([(0, module.head_dim), (2 * module.head_dim, 3 * module.head_dim)])
+    monkeypatch.setenv(fused.SWITCH, "off")
+    expected = call()
+    monkeypatch.setenv(fused.SWITCH, "on")
+    got = call()
+    assert len(counted) == 1 and got.shape == expected.shape
+    assert (got - expected).abs().max() <= 1e-5
+
+
+
+
+def test_activation_checkpointing_recomputes_through_the_kernel(translation_data, kernel_device, monkeypatch, counted):
+    """fairseq's --checkpoint-activations: each layer's recomputation in backward takes the kernel
+    again (its mask read, not the stack's), with the same gradients as without checkpointing."""
+    monkeypatch.setenv(fused.SWITCH, "on")
+    extra = ["--scalar-bias-layers", "all"]
+    model, plain = gradients(translation_data, "t5", extra, device=kernel_device)
+    counted.clear()
+    _, checkpointed = gradients(translation_data, "t5", [*extra, "--checkpoint-activations"], model.state_dict(),
+                                device=kernel_device)
+    assert len(counted) == 2 * 4  # 4 self-attention layers, each run and recomputed
+    assert sorted(checkpointed) == sorted(plain)
+    for name, value in plain.items():
+        assert (checkpointed[name] - value).abs().max() <= bound(kernel_device, "checkpointed vs plain") * (
+            1 + value.abs().max()), name
+
+
+def test_decoding_steps_equal_the_full_pass(translation_data, kernel_device, monkeypatch, counted):
+    """Step by step the decoder takes the STEP kernel (its terms folded into q, k, v), the full pass
+    this one: the same logits."""
+    from test_every_encoding import perturb_away_from_identity
+    from util import TINY_TRANSFORMER, build_model, random_batch
+
+    monkeypatch.setenv(fused.SWITCH, "on")
+    torch.manual_seed(0)
+    model, task, _ = build_model(translation_data, "transformer_at5", [*TINY_TRANSFORMER, "--scalar-bias-layers", "all"])
+    perturb_away_from_identity(model)
+    model.eval().to(kernel_device)
+    src, src_lengths, prev = (x.to(kernel_device) for x in random_batch(task.source_dictionary, batch=3, src_len=9,
+                                                                          tgt_len=7))
+    with torch.no_grad():
+        full = model(src, src_lengths, prev)[0]
+        assert len(counted) == 4
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
+        state = {}
+        steps = torch.cat([model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)[0]
+                           for t in range(prev.size(1))], dim=1)
+    assert len(counted) == 4 + 2  # the encoder's two layers once more; no decoding step
+    assert (steps - full).abs().max() <= bound(kernel_device, "steps vs pass")
