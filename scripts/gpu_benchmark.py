@@ -73,6 +73,9 @@ REFERENCE = "transformer"
 SINUSOIDAL = "transformer_sinusoidal"
 FLOATER = "transformer_floater"
 GRAPHS = "POSENC_FLOATER_CUDA_GRAPHS"  # FLOATER's solve in CUDA graphs (posenc_fairseq/encodings/floater/graphs.py)
+TRITON = "POSENC_TRITON_ATTENTION"  # the Triton kernel of a per-distance bias (posenc_fairseq/kernels/triton_bias.py)
+#: the encodings whose terms that kernel serves (a bias alone)
+TRITON_SERVES = ("transformer_t5", "transformer_t5_nob", "transformer_at5", "transformer_at5_nob", "transformer_alibi")
 FIGURES = ("train_tokens_per_s", "peak_memory_mb", "generate_tokens_per_s")
 ORDER = ("arch", "options", "device_name", "torch", "commit", "dtype", "batch", "length", *FIGURES, "reference")
 # profiler names of attention kernels: fused SDPA (flash, cutlass's memory-efficient fmha, cuDNN),
@@ -132,6 +135,9 @@ def parse_args(argv=None):
                         help=f"{FLOATER} also with its solve in CUDA graphs on the GPU ({GRAPHS}=1, "
                              "docs/floater.md), once per --floater-recompute value: against the default solve "
                              "(the CPU's compiled loops) and sinusoidal in the same run")
+    parser.add_argument("--triton", action="store_true",
+                        help=f"the encodings the Triton kernel serves ({', '.join(TRITON_SERVES)}) also with "
+                             f"{TRITON}=on, each right after its default model")
     parser.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16"), default=["bf16", "fp16"])
     parser.add_argument("--sizes", nargs="+", type=batch_by_length, default=[(16, 512), (2, 4096)],
                         metavar="BATCHxLENGTH", help="batch and length (source and target) of each cell")
@@ -180,6 +186,8 @@ def models_to_measure(args):
                 models += [(arch, f"{GRAPHS}=1 --floater-recompute-every {k}") for k in args.floater_recompute]
         else:
             models.append((arch, ""))
+            if args.triton and arch in TRITON_SERVES:
+                models.append((arch, f"{TRITON}=on"))
     return models
 
 

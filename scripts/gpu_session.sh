@@ -7,7 +7,8 @@
 #
 # 1. FLOATER's C++ extension built in the background (its loops serve the default CUDA solve);
 # 2. the tests a GPU changes on CUDA (make test-cuda's selection, 8 workers), once the extension is in;
-# 3. scripts/gpu_benchmark.py in bf16, FLOATER with and without CUDA graphs.
+# 3. scripts/gpu_benchmark.py in bf16, FLOATER with and without CUDA graphs, the bias-only encodings with
+#    and without the Triton kernel (POSENC_TRITON_ATTENTION=on).
 # The limits (seconds) may be changed: PYTEST_S, BENCH_BUDGET_S; GPU_BENCH_ARGS adds benchmark options.
 set -uo pipefail
 OUT=${OUT:-docs/data/gpu_session}
@@ -27,7 +28,7 @@ timeout "${PYTEST_S:-170}" python3 -m pytest tests -m device --device cuda -p no
 echo "pytest exit code $?"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cuda.log" | tail -20
 budget=${BENCH_BUDGET_S:-270}
-timeout $((budget + 60)) python3 scripts/gpu_benchmark.py --device cuda --dtypes bf16 --floater-graphs \
+timeout $((budget + 60)) python3 scripts/gpu_benchmark.py --device cuda --dtypes bf16 --floater-graphs --triton \
     --budget "$budget" --out "$OUT/gpu_benchmark.json" ${GPU_BENCH_ARGS:-} >"$OUT/gpu_benchmark.log" 2>&1
 echo "gpu_benchmark exit code $?"
 grep -v USDT "$OUT/gpu_benchmark.log" | tail -45

@@ -55,7 +55,7 @@ def _load_rows(base, offs, stride_row, stride_d, offs_d, rows, D):
 
 
 @triton.jit
-def _forward(Q, K, V, Bias, Pad, Fill, Out, M, L,
+def _attention_forward(Q, K, V, Bias, Pad, Fill, Out, M, L,
              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, sbh, spb,
              H, Tq, Tk, D,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -94,7 +94,7 @@ def _forward(Q, K, V, Bias, Pad, Fill, Out, M, L,
 
 
 @triton.jit
-def _backward_keys(Q, K, V, Bias, Pad, Fill, dO, M, L, Delta, dK, dV, BiasGrad, Scratch,
+def _attention_backward_keys(Q, K, V, Bias, Pad, Fill, dO, M, L, Delta, dK, dV, BiasGrad, Scratch,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, sbh, spb,
                    H, Tq, Tk, D, blocks,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -156,7 +156,7 @@ def _backward_keys(Q, K, V, Bias, Pad, Fill, dO, M, L, Delta, dK, dV, BiasGrad, 
 
 
 @triton.jit
-def _backward_queries(Q, K, V, Bias, Pad, Fill, dO, M, L, Delta, dQ,
+def _attention_backward_queries(Q, K, V, Bias, Pad, Fill, dO, M, L, Delta, dQ,
                       sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, sbh, spb,
                       H, Tq, Tk, D,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -221,7 +221,7 @@ def forward(q, k, v, bias, padding, causal, fill):
     bias_arg = bias if bias is not None else fill
     pad_arg = padding if padding is not None else fill
     grid = (triton.cdiv(queries, block), batch * heads)
-    _forward[grid](q, k, v, bias_arg, pad_arg, fill, out, m, l, *_strides(q, k, v, out),
+    _attention_forward[grid](q, k, v, bias_arg, pad_arg, fill, out, m, l, *_strides(q, k, v, out),
                    bias.stride(0) if bias is not None else 0, padding.stride(0) if padding is not None else 0,
                    heads, queries, keys, dims, HAS_BIAS=bias is not None, HAS_PADDING=padding is not None,
                    CAUSAL=causal, **config)
@@ -249,10 +249,10 @@ def backward(q, k, v, bias, padding, causal, fill, out, m, l, grad_out, bias_gra
     common = dict(HAS_BIAS=bias is not None, HAS_PADDING=padding is not None, CAUSAL=causal, **config)
     strides = [*_strides(q, k, v, grad_out), bias.stride(0) if bias is not None else 0,
                padding.stride(0) if padding is not None else 0]
-    _backward_keys[(key_blocks, batch * heads)](
+    _attention_backward_keys[(key_blocks, batch * heads)](
         q, k, v, bias_arg, pad_arg, fill, grad_out, m, l, delta, dk, dv, sums, scratch, *strides,
         heads, queries, keys, dims, key_blocks, BIAS_GRAD=with_grad, **common)
-    _backward_queries[(triton.cdiv(queries, block), batch * heads)](
+    _attention_backward_queries[(triton.cdiv(queries, block), batch * heads)](
         q, k, v, bias_arg, pad_arg, fill, grad_out, m, l, delta, dq, *strides, heads, queries, keys, dims, **common)
     dbias = sums.view(batch, heads, key_blocks, queries + keys - 1).sum((0, 2)) if with_grad else None
     return dq, dk, dv, dbias

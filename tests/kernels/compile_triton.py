@@ -41,10 +41,11 @@ def main(capability, dtype_names):
     for dtype_name in dtype_names:
         constants = dict(triton_kernels.settings(DTYPES[dtype_name], 64, on_cuda=True), HAS_BIAS=True,
                          HAS_PADDING=True, CAUSAL=True)
-        for kernel, extra in ((triton_kernels._forward, {}), (triton_kernels._backward_keys, {"BIAS_GRAD": True}),
-                              (triton_kernels._backward_queries, {})):
-            compiled = triton.compile(ASTSource(kernel, signature(kernel, dtype_name), constexprs={**constants, **extra}),
-                                      target=target)
+        kernels = ((triton_kernels._attention_forward, {}), (triton_kernels._attention_backward_keys, {"BIAS_GRAD": True}),
+                   (triton_kernels._attention_backward_queries, {}))
+        for kernel, extra in kernels:
+            source = ASTSource(kernel, signature(kernel, dtype_name), constexprs={**constants, **extra})
+            compiled = triton.compile(source, target=target)
             assert compiled.asm["cubin"], kernel.__name__
             print(kernel.__name__, dtype_name, compiled.metadata.shared)
 
