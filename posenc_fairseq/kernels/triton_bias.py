@@ -107,27 +107,29 @@ class TritonBiasAttention(torch.autograd.Function):
         accumulate = torch.float64 if q.dtype == torch.float64 else torch.float32
         fill = torch.full((1,), torch.finfo(q.dtype).min, dtype=accumulate, device=q.device)
         padding = padding.to(torch.int8).contiguous() if padding is not None else None
-        bias_in = bias.contiguous()
-        out, m, l = kernels.forward(q, k, v, bias_in, padding, causal, fill)  # noqa: E741
-        sees_no_key = (m == fill)[..., None]
-        # the explicit path's answer for such a row: the mean of all values
-        out_fixed = torch.where(sees_no_key, v.to(accumulate).mean(-2, keepdim=True).to(out.dtype), out)
-        ctx.save_for_backward(q, k, v, bias_in, padding, fill, out, m, l)
-        ctx.causal, ctx.sees_no_key = causal, sees_no_key
-        ctx.bias_shape = bias.shape
-        return out_fixed
+        bias = bias.contiguous()
+        out, m, l = kernels.forward(q, k, v, bias, padding, causal, fill)  # noqa: E741
+        # Only padding can leave a row without a key (the queries are the last Tq keys: under the
+        # causal mask query i sees key i + Tk - Tq). Such a row gets the explicit path's answer, the
+        # mean of all values.
+        sees_no_key = (m == fill)[..., None] if padding is not None else None
+        result = out
+        if sees_no_key is not None:
+            result = torch.where(sees_no_key, v.to(accumulate).mean(-2, keepdim=True).to(out.dtype), out)
+        ctx.save_for_backward(q, k, v, bias, padding, fill, out, m, l, sees_no_key)
+        ctx.causal = causal
+        return result
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, k, v, bias, padding, fill, out, m, l = ctx.saved_tensors  # noqa: E741
-        sees_no_key = ctx.sees_no_key
+        q, k, v, bias, padding, fill, out, m, l, sees_no_key = ctx.saved_tensors  # noqa: E741
         grad_out = grad_out.contiguous()
-        # rows that see no key: out = mean(v), so only v gets their gradient, 1/Tk each
-        kernel_grad = grad_out.masked_fill(sees_no_key, 0)
+        kernel_grad = grad_out if sees_no_key is None else grad_out.masked_fill(sees_no_key, 0)
         dq, dk, dv, dbias = _kernels().backward(q, k, v, bias, padding, ctx.causal, fill, out, m, l, kernel_grad,
                                                 ctx.needs_input_grad[3])
-        mean_grad = (grad_out.to(fill.dtype) * sees_no_key).sum(-2, keepdim=True) / k.size(2)
-        dv = (dv.to(fill.dtype) + mean_grad).to(dv.dtype)
+        if sees_no_key is not None:  # out = mean(v) there: only v gets their gradient, 1/Tk each
+            mean_grad = (grad_out.to(fill.dtype) * sees_no_key).sum(-2, keepdim=True) / k.size(2)
+            dv = (dv.to(fill.dtype) + mean_grad).to(dv.dtype)
         if dbias is not None:
             dbias = dbias.to(bias.dtype)
         return dq, dk, dv, dbias, None, None
