@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .cache import EncodingCache, TermKey
-from ..kernels import flex, triton_bias
+from ..kernels import flex, triton_attention
 from .distance import DistanceTerm
 from .positions import AnyPositions
 
@@ -36,7 +36,7 @@ class PassContext:
     source       decoder: the positions of the source tokens (the cross-attention keys)
     earlier      target tokens before this call's (incremental decoding: the cached steps)
     flex_mode    POSENC_FLEX_ATTENTION when the pass started (kernels/flex.py)
-    triton_mode  POSENC_TRITON_ATTENTION when the pass started (kernels/triton_bias.py)
+    triton_mode  POSENC_TRITON_ATTENTION when the pass started (kernels/triton_attention.py)
     future_mask  the self-attention mask the decoder stack made last in this pass (fairseq's
                  future mask, `buffered_future_mask`, made before each layer), None until it
                  does: a call given that very mask knows it blocks exactly the future without
@@ -93,7 +93,7 @@ class PositionalEncoding(nn.Module):
         if source_positions is None and previous is not None:
             source_positions = previous.source
         context = self.contexts[role] = PassContext(role, positions, source_positions, earlier, flex.mode(),
-                                                    triton_bias.mode())
+                                                    triton_attention.mode())
         return context
 
     def kept_value_inputs(self) -> Iterable[Tensor]:

@@ -203,19 +203,19 @@ def step_terms(term: Optional[DistanceTerm], values: Optional[DistanceTerm]) -> 
         if logits is not None and term.rows is not None:
             logits = take_runs(logits, term.rows)  # (H, Tk): each key's row
         if term.vectors is not None:
-            keys = _per_column(term)
+            keys = vectors_per_column(term)
             if term.shift is not None and term.shift is not term.content:
                 difference = term.shift if term.content is None else term.shift - term.content
                 extra = (keys * difference).sum(-1)  # (H, Tk)
                 logits = extra if logits is None else logits + extra
         logits = logits[:, None, :] if logits is not None else None
         query = term.content
-    return StepTerms(query=query, keys=keys, values=_per_column(values) if values is not None else None,
+    return StepTerms(query=query, keys=keys, values=vectors_per_column(values) if values is not None else None,
                      logits=logits)
 
 
-def _per_column(term: DistanceTerm) -> Tensor:
-    """`vectors` of each column, (H or 1, N, D)."""
+def vectors_per_column(term: DistanceTerm) -> Tensor:
+    """`vectors` of each column, (H or 1, N, D) (a decoding step's keys; the Triton kernel's table)."""
     if term.rows is None:
         return term.vectors
     return take_runs(term.vectors.transpose(-1, -2), term.rows).transpose(-1, -2)

@@ -11,6 +11,6 @@ explicit.py    EXPLICIT and LOGITS: the softmax written out
 sdpa.py        SDPA: PyTorch's fused attention with the dense terms as its mask
 biased_cpu.py  BIASED_CPU: fused CPU forward, blockwise backward, for terms with a gradient
 flex.py        FLEX: FlexAttention reading per-distance terms inside the kernel
-triton_bias.py TRITON: one Triton kernel reading a per-distance bias inside, forward and backward
-               (its kernels: triton_kernels.py)
+triton_attention.py  TRITON: one Triton kernel (triton_kernels.py) reading the per-distance terms
+               inside, forward and backward
 """

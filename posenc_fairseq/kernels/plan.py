@@ -3,7 +3,7 @@
     STEP        a decoding step (one query): its terms as additions to q, k, v and the logits
                 (`distance.step_terms`), SDPA of the changed inputs (step.py)
     TRITON      one Triton kernel reading a per-distance bias inside, with its gradient
-                (triton_bias.py; POSENC_TRITON_ATTENTION=on)
+                (triton_attention.py; POSENC_TRITON_ATTENTION=on)
     FLEX        FlexAttention, the encoding's per-distance terms read inside the kernel (flex.py)
     LOGITS      the caller asked for the logits before softmax (explicit.py)
     EXPLICIT    the softmax written out: attention weights asked for, a relative value term, or
@@ -28,7 +28,7 @@ from typing import Any, Callable, NamedTuple, Optional
 from torch import Tensor
 
 from ..encodings.distance import DistanceTerm
-from . import biased_cpu, blocks, flex, sdpa, triton_bias
+from . import biased_cpu, blocks, flex, sdpa, triton_attention
 from .masks import is_future_mask
 
 
@@ -44,7 +44,7 @@ class AttentionCall(NamedTuple):
     decoder stack made in this pass, fairseq's future mask (only 0 and -inf). `grad_enabled`: torch's grad mode at the call;
     `recorded_run`: a checkpointed function (a layer, a block) is running, whose recomputation
     covers this call; `flex_mode`: POSENC_FLEX_ATTENTION of the pass (flex.py); `triton_mode`:
-    POSENC_TRITON_ATTENTION of the pass (triton_bias.py). `memoize(key,
+    POSENC_TRITON_ATTENTION of the pass (triton_attention.py). `memoize(key,
     compute)`: the encoding's pass-scope memo (dense bias-only terms shared by the layers);
     `recorded(function)`: `function` for non-reentrant checkpointing (cache.py); both None
     without an encoding."""
@@ -108,7 +108,7 @@ def plan(call: AttentionCall) -> Plan:
     if (call.relative and call.q.size(2) == 1 and not call.source_keys
             and not (call.need_weights or call.before_softmax)):
         return _WHOLE_CALL[Kernel.STEP, False]
-    if call.relative and triton_bias.available(call.q, call.triton_mode) and triton_bias.serves(call):
+    if call.relative and triton_attention.available(call.q, call.triton_mode) and triton_attention.serves(call):
         return _WHOLE_CALL[Kernel.TRITON, False]
     if call.relative and _flex_serves(call):
         kernel = Kernel.FLEX

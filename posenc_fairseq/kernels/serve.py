@@ -4,7 +4,7 @@ from typing import Callable, Optional, Tuple
 from torch import Tensor
 
 from ..encodings.distance import flex_table
-from . import biased_cpu, blocks, explicit, flex, sdpa, step, triton_bias
+from . import biased_cpu, blocks, explicit, flex, sdpa, step, triton_attention
 from .masks import blocked_fill_value
 from .plan import AttentionCall, Kernel, Plan
 from .subnormals import flush_subnormals_in_backward
@@ -18,7 +18,7 @@ def serve(call: AttentionCall, plan: Plan, dropout: Callable[[Tensor], Tensor]) 
     if plan.kernel is Kernel.STEP:
         return step.attend(call), None
     if plan.kernel is Kernel.TRITON:
-        return triton_bias.attend(call), None
+        return triton_attention.attend(call), None
     content_query = call.term.content if plan.fold_content else None
     if plan.query_block is None:
         return _serve_piece(call, plan, content_query, dropout)

@@ -1,51 +1,42 @@
-"""Triton kernels of the TRITON path (triton_bias.py): attention with a per-distance bias read inside the
-kernel, forward and backward, O(n) memory.
+"""Triton kernels of the TRITON path (triton_attention.py): attention with a position term per key - query
+distance read inside the kernel, forward and backward, O(n) memory.
 
-    s_ij = q_i . k_j + bias[h, j - i + Tq - 1]      (q already scaled; the queries are the last Tq keys)
+    s_ij = qk_i . k_j + bias[h, c] + qr_i . vectors[h, c],    c = j - i + Tq - 1
     out_i = sum_j softmax_j(s_ij) v_j
+
+(qk, qr: the queries, already scaled, plus the encoding's content and shift vectors; the queries are
+the last Tq of the Tk keys.) T5/AT5/ALiBi give `bias`, Shaw/LFHC `vectors` (their table rows spread
+over the distances), XL/GCDF `vectors` (W_r R per distance).
+
+Tiles are square (BLOCK x BLOCK). A tile of queries m0.. and keys n0.. meets the 2 BLOCK - 1 distances
+from column band = n0 - m0 + Tq - 1 - (BLOCK - 1) on: its term is computed for that band, (BLOCK, 2 BLOCK)
+= qr @ vectors[band]^T + bias[band], and each (i, j) takes column j - i + BLOCK - 1 of its row
+(`tl.gather`). The backward reverses it: the tile's dS skewed into the band's columns (a gather again),
+dqr += dS_band @ vectors[band], and the band's gradients, dS_band summed over rows (bias) and
+dS_band^T @ qr (vectors).
 
 Forward: FlashAttention-2's online softmax, one program per (block of queries, batch x head); it keeps
 each row's running maximum m and sum l (not their log-sum-exp m + log l: where a row sees no key, m is
 the fill value, which in float32 absorbs log l, and the backward would get 1 instead of 1/l).
-Backward: P = exp(s - m) / l recomputed; one program per (block of keys, b x h) gives dk, dv and the
-bias gradient, looping over the blocks of queries; one per (block of queries, b x h) gives dq.
-
-The bias gradient, sum over b and (i, j) with j - i fixed of dS_ij, without atomics: each tile's dS is
-stored skewed (row i shifted by -i) into the program's own scratch rows, whose column sums are the
-tile's diagonal sums; the program adds them into its own row of a (B, H, key blocks, Tq + Tk - 1)
-buffer, which torch then sums. Float32 (float64 for float64 inputs) throughout, the same result on
-every run.
+Backward: P = exp(s - m) / l recomputed, in three kernels, none with atomics:
+    per (block of keys, b x h):      dk, dv, looping over the blocks of queries
+    per (block of queries, b x h):   dqk, dqr, looping over the blocks of keys
+    per (diagonal of tiles, b x h):  the bias and vectors gradients of that diagonal's band of
+                                     distances, looping over its tiles; torch then adds the
+                                     diagonals' overlapping bands and sums over b (and heads
+                                     where the vectors are shared): the same result on every run
+Float32 (float64 for float64 inputs) throughout.
 
 Masks: key padding, and the causal mask (key j after query i + Tk - Tq). A blocked logit is `fill`
 (the finite minimum of the inputs' dtype, as the explicit path fills it); tiles wholly in the future
-are skipped. Columns past Tk are -inf (they are not keys). Rows that see no key: triton_bias.py.
+are skipped. Columns past Tk are -inf (they are not keys). Rows that see no key: triton_attention.py.
 
 Runs compiled on CUDA, and on CPU in Triton's interpreter (TRITON_INTERPRET=1 before this module is
-imported) for the exactness tests (tests/kernels/test_triton_bias.py).
+imported) for the exactness tests (tests/kernels/test_triton_attention.py).
 """
 import torch
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def _logits(q, k_t, offs_m, offs_n, bias_row, pad_row, fill, Tq, Tk,
-            HAS_BIAS: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    """A tile's logits (BLOCK_M, BLOCK_N) with the bias and the masks, and where they are blocked."""
-    s = tl.dot(q, k_t, input_precision=PRECISION)
-    inside = (offs_m[:, None] < Tq) & (offs_n[None, :] < Tk)
-    if HAS_BIAS:
-        bias = tl.load(bias_row + (offs_n[None, :] - offs_m[:, None] + (Tq - 1)), mask=inside, other=0.0)
-        s += bias.to(q.dtype).to(s.dtype)  # rounded to the inputs' dtype first, as the explicit path adds it
-    blocked = (offs_m[:, None] < 0) & (offs_n[None, :] < 0)
-    if CAUSAL:
-        blocked = blocked | (offs_n[None, :] > offs_m[:, None] + (Tk - Tq))
-    if HAS_PADDING:
-        padded = tl.load(pad_row + offs_n, mask=offs_n < Tk, other=0) != 0
-        blocked = blocked | padded[None, :]
-    s = tl.where(blocked, fill, s)
-    s = tl.where(offs_n[None, :] < Tk, s, float("-inf"))
-    return s, blocked
 
 
 @triton.jit
@@ -55,30 +46,95 @@ def _load_rows(base, offs, stride_row, stride_d, offs_d, rows, D):
 
 
 @triton.jit
-def _attention_forward(Q, K, V, Bias, Pad, Fill, Out, M, L,
-             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, sbh, spb,
-             H, Tq, Tk, D,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-             HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+def _band(qr, first, bias_row, vec_head, svn, svd, offs_d, columns, D, acc_dtype: tl.constexpr,
+          HAS_BIAS: tl.constexpr, HAS_VECTORS: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    """The term of the band of distances from column `first` on, (BLOCK, 2 BLOCK), and the band's
+    vectors (2 BLOCK, BLOCK_D) (zeros without vectors)."""
+    column = first + tl.arange(0, 2 * BLOCK)
+    inside = (column >= 0) & (column < columns)
+    term = tl.zeros([BLOCK, 2 * BLOCK], dtype=acc_dtype)
+    vectors = tl.zeros([2 * BLOCK, offs_d.shape[0]], dtype=qr.dtype)
+    if HAS_VECTORS:
+        vectors = tl.load(vec_head + column[:, None] * svn + offs_d[None, :] * svd,
+                          mask=inside[:, None] & (offs_d[None, :] < D), other=0.0).to(qr.dtype)
+        term += tl.dot(qr, tl.trans(vectors), input_precision=PRECISION)
+    if HAS_BIAS:
+        term += tl.load(bias_row + column, mask=inside, other=0.0).to(acc_dtype)[None, :]
+    return term, vectors
+
+
+@triton.jit
+def _logits(qk, k_t, qr, m0, n0, bias_row, vec_head, svn, svd, offs_d, pad_row, fill, Tq, Tk, D,
+            HAS_BIAS: tl.constexpr, HAS_VECTORS: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr,
+            BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    """A tile's logits (BLOCK, BLOCK) with the term and the masks, where they are blocked, and the
+    band's vectors."""
+    rows = tl.arange(0, BLOCK)
+    offs_m, offs_n = m0 + rows, n0 + rows
+    s = tl.dot(qk, k_t, input_precision=PRECISION)
+    term, vectors = _band(qr, n0 - m0 + (Tq - 1) - (BLOCK - 1), bias_row, vec_head, svn, svd, offs_d,
+                          Tq + Tk - 1, D, s.dtype, HAS_BIAS, HAS_VECTORS, BLOCK, PRECISION)
+    # column j - i + BLOCK - 1 of row i; the term rounded to the inputs' dtype, as the explicit path adds it
+    s += tl.gather(term, rows[None, :] - rows[:, None] + (BLOCK - 1), axis=1).to(qk.dtype).to(s.dtype)
+    blocked = (offs_m[:, None] < 0) & (offs_n[None, :] < 0)
+    if CAUSAL:
+        blocked = blocked | (offs_n[None, :] > offs_m[:, None] + (Tk - Tq))
+    if HAS_PADDING:
+        padded = tl.load(pad_row + offs_n, mask=offs_n < Tk, other=0) != 0
+        blocked = blocked | padded[None, :]
+    s = tl.where(blocked, fill, s)
+    s = tl.where(offs_n[None, :] < Tk, s, float("-inf"))
+    return s, blocked, vectors
+
+
+@triton.jit
+def _skewed(ds, BLOCK: tl.constexpr):
+    """(BLOCK, 2 BLOCK): row i of `ds` shifted right by BLOCK - 1 - i, so that column w holds the
+    distance column band + w (zeros elsewhere): the adjoint of `_logits`' gather."""
+    rows = tl.arange(0, BLOCK)
+    source = tl.arange(0, 2 * BLOCK)[None, :] + rows[:, None] - (BLOCK - 1)
+    inside = (source >= 0) & (source < BLOCK)
+    return tl.where(inside, tl.gather(ds, tl.minimum(tl.maximum(source, 0), BLOCK - 1), axis=1), 0.0)
+
+
+@triton.jit
+def _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq):
+    """P and dS of a tile (rows past Tq: zeros); dS is zero where the logit is blocked (a constant)."""
+    p = tl.exp(s - m_i[:, None]) / l_i[:, None]
+    p = tl.where(offs_m[:, None] < Tq, p, 0.0)
+    ds = tl.where(blocked, 0.0, p * (dp - delta[:, None]))
+    return p, ds
+
+
+@triton.jit
+def _attention_forward(Q, QR, K, V, Bias, Vec, Pad, Fill, Out, M, L,
+                       sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+                       sbh, swh, swn, swd, spb,
+                       H, Tq, Tk, D,
+                       BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VECTORS: tl.constexpr,
+                       HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    """(Q and QR share strides, as dO and Out do.)"""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    m0 = block * BLOCK
+    offs_m = m0 + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(Q + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
+    qk = _load_rows(Q + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
+    qr = _load_rows(QR + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
     fill = tl.load(Fill)
-    bias_row, pad_row = Bias + h * sbh, Pad + b * spb
-    m_i = tl.zeros([BLOCK_M], dtype=fill.dtype) + float("-inf")
-    l_i = tl.zeros([BLOCK_M], dtype=fill.dtype)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=fill.dtype)
+    bias_row, vec_head, pad_row = Bias + h * sbh, Vec + h * swh, Pad + b * spb
+    m_i = tl.zeros([BLOCK], dtype=fill.dtype) + float("-inf")
+    l_i = tl.zeros([BLOCK], dtype=fill.dtype)
+    acc = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
     end = Tk
     if CAUSAL:
-        end = tl.minimum(Tk, (block + 1) * BLOCK_M + Tk - Tq)
-    for start in range(0, end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
+        end = tl.minimum(Tk, m0 + BLOCK + Tk - Tq)
+    for n0 in range(0, end, BLOCK):
+        offs_n = n0 + tl.arange(0, BLOCK)
         k = _load_rows(K + b * skb + h * skh, offs_n, skn, skd, offs_d, Tk, D)
         v = _load_rows(V + b * svb + h * svh, offs_n, svn, svd, offs_d, Tk, D)
-        s, blocked = _logits(q, tl.trans(k), offs_m, offs_n, bias_row, pad_row, fill, Tq, Tk,
-                             HAS_BIAS, HAS_PADDING, CAUSAL, PRECISION)
+        s, blocked, vectors = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d, pad_row,
+                                      fill, Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -94,61 +150,43 @@ def _attention_forward(Q, K, V, Bias, Pad, Fill, Out, M, L,
 
 
 @triton.jit
-def _attention_backward_keys(Q, K, V, Bias, Pad, Fill, dO, M, L, Delta, dK, dV, BiasGrad, Scratch,
-                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, sbh, spb,
-                   H, Tq, Tk, D, blocks,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BIAS_GRAD: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """dk, dv of a block of keys (dO and dQ share the strides of out and q), and its tiles' bias
-    gradient sums per distance."""
+def _attention_backward_keys(Q, QR, K, V, Bias, Vec, Pad, Fill, dO, M, L, Delta, dK, dV,
+                             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+                             sbh, swh, swn, swd, spb,
+                             H, Tq, Tk, D,
+                             BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             HAS_VECTORS: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr,
+                             PRECISION: tl.constexpr):
+    """dk, dv of a block of keys (dK, dV share the strides of K, V)."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
-    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = block * BLOCK
+    offs_n = n0 + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
     k = _load_rows(K + b * skb + h * skh, offs_n, skn, skd, offs_d, Tk, D)
     v = _load_rows(V + b * svb + h * svh, offs_n, svn, svd, offs_d, Tk, D)
     fill = tl.load(Fill)
-    bias_row, pad_row = Bias + h * sbh, Pad + b * spb
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=fill.dtype)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=fill.dtype)
-    # the bias gradient: this program's scratch (BLOCK_M rows of 2 BLOCK_N) and its row of sums
-    columns = Tq + Tk - 1
-    scratch = Scratch + (bh * blocks + block) * (BLOCK_M * 2 * BLOCK_N)
-    sums_row = BiasGrad + (bh * blocks + block) * columns
-    rows_m = tl.arange(0, BLOCK_M)
-    width = tl.arange(0, 2 * BLOCK_N)
+    bias_row, vec_head, pad_row = Bias + h * sbh, Vec + h * swh, Pad + b * spb
+    dk = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
+    dv = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
     start = 0
     if CAUSAL:  # the first query that sees this block's first key
-        start = tl.maximum(0, block * BLOCK_N - (Tk - Tq)) // BLOCK_M * BLOCK_M
-    for first in range(start, Tq, BLOCK_M):
-        offs_m = first + rows_m
-        q = _load_rows(Q + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
+        start = tl.maximum(0, n0 - (Tk - Tq)) // BLOCK * BLOCK
+    for m0 in range(start, Tq, BLOCK):
+        offs_m = m0 + tl.arange(0, BLOCK)
+        qk = _load_rows(Q + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
+        qr = _load_rows(QR + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
         do = _load_rows(dO + b * sob + h * soh, offs_m, som, sod, offs_d, Tq, D)
         row = bh * Tq + offs_m
         m_i = tl.load(M + row, mask=offs_m < Tq, other=0.0)
         l_i = tl.load(L + row, mask=offs_m < Tq, other=1.0)
         delta = tl.load(Delta + row, mask=offs_m < Tq, other=0.0)
-        s, blocked = _logits(q, tl.trans(k), offs_m, offs_n, bias_row, pad_row, fill, Tq, Tk,
-                             HAS_BIAS, HAS_PADDING, CAUSAL, PRECISION)
-        p = tl.exp(s - m_i[:, None]) / l_i[:, None]
-        p = tl.where(offs_m[:, None] < Tq, p, 0.0)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+        s, blocked, _ = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d, pad_row, fill,
+                                Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = tl.where(blocked, 0.0, p * (dp - delta[:, None]))
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
-        if BIAS_GRAD:
-            # row i of the tile shifted left by i: column w = j - i + BLOCK_M - 1 holds one distance
-            tl.store(scratch + rows_m[:, None] * (2 * BLOCK_N) + (tl.arange(0, BLOCK_N)[None, :] - rows_m[:, None]
-                                                                   + BLOCK_M - 1), ds)
-            tl.debug_barrier()
-            diagonal = tl.sum(tl.load(scratch + rows_m[:, None] * (2 * BLOCK_N) + width[None, :]), 0)
-            column = block * BLOCK_N - first + (Tq - 1) - (BLOCK_M - 1) + width
-            keep = (column >= 0) & (column < columns) & (width < BLOCK_M + BLOCK_N - 1)
-            total = tl.load(sums_row + column, mask=keep, other=0.0) + diagonal
-            tl.debug_barrier()
-            tl.store(sums_row + column, total, mask=keep)
-            tl.debug_barrier()
+        p, ds = _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+        dk += tl.dot(tl.trans(ds.to(qk.dtype)), qk, input_precision=PRECISION)
     tl.store(dK + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, dk.to(dK.dtype.element_ty),
              mask=(offs_n[:, None] < Tk) & (offs_d[None, :] < D))
     tl.store(dV + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, dv.to(dV.dtype.element_ty),
@@ -156,103 +194,220 @@ def _attention_backward_keys(Q, K, V, Bias, Pad, Fill, dO, M, L, Delta, dK, dV, 
 
 
 @triton.jit
-def _attention_backward_queries(Q, K, V, Bias, Pad, Fill, dO, M, L, Delta, dQ,
-                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, sbh, spb,
-                      H, Tq, Tk, D,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    """dq of a block of queries (dq shares the strides of q, dO those of out)."""
+def _attention_backward_queries(Q, QR, K, V, Bias, Vec, Pad, Fill, dO, M, L, Delta, dQ, dQR,
+                                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+                                sbh, swh, swn, swd, spb,
+                                H, Tq, Tk, D,
+                                BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                HAS_VECTORS: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr,
+                                PRECISION: tl.constexpr):
+    """dqk (and dqr with vectors) of a block of queries (dQ, dQR share the strides of Q)."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    m0 = block * BLOCK
+    offs_m = m0 + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(Q + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
+    qk = _load_rows(Q + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
+    qr = _load_rows(QR + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
     do = _load_rows(dO + b * sob + h * soh, offs_m, som, sod, offs_d, Tq, D)
     row = bh * Tq + offs_m
     m_i = tl.load(M + row, mask=offs_m < Tq, other=0.0)
     l_i = tl.load(L + row, mask=offs_m < Tq, other=1.0)
     delta = tl.load(Delta + row, mask=offs_m < Tq, other=0.0)
     fill = tl.load(Fill)
-    bias_row, pad_row = Bias + h * sbh, Pad + b * spb
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=fill.dtype)
+    bias_row, vec_head, pad_row = Bias + h * sbh, Vec + h * swh, Pad + b * spb
+    dqk = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
+    dqr = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
     end = Tk
     if CAUSAL:
-        end = tl.minimum(Tk, (block + 1) * BLOCK_M + Tk - Tq)
-    for start in range(0, end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
+        end = tl.minimum(Tk, m0 + BLOCK + Tk - Tq)
+    for n0 in range(0, end, BLOCK):
+        offs_n = n0 + tl.arange(0, BLOCK)
         k = _load_rows(K + b * skb + h * skh, offs_n, skn, skd, offs_d, Tk, D)
         v = _load_rows(V + b * svb + h * svh, offs_n, svn, svd, offs_d, Tk, D)
-        s, blocked = _logits(q, tl.trans(k), offs_m, offs_n, bias_row, pad_row, fill, Tq, Tk,
-                             HAS_BIAS, HAS_PADDING, CAUSAL, PRECISION)
-        p = tl.exp(s - m_i[:, None]) / l_i[:, None]
+        s, blocked, vectors = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d, pad_row,
+                                      fill, Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = tl.where(blocked, 0.0, p * (dp - delta[:, None]))
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    tl.store(dQ + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, dq.to(dQ.dtype.element_ty),
+        _, ds = _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq)
+        dqk += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        if HAS_VECTORS:
+            dqr += tl.dot(_skewed(ds, BLOCK).to(vectors.dtype), vectors, input_precision=PRECISION)
+    tl.store(dQ + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, dqk.to(dQ.dtype.element_ty),
              mask=(offs_m[:, None] < Tq) & (offs_d[None, :] < D))
+    if HAS_VECTORS:
+        tl.store(dQR + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                 dqr.to(dQR.dtype.element_ty), mask=(offs_m[:, None] < Tq) & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _attention_backward_distances(Q, QR, K, V, Bias, Vec, Pad, Fill, dO, M, L, Delta, BiasPart, VecPart,
+                                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+                                  sbh, swh, swn, swd, spb,
+                                  H, Tq, Tk, D, query_blocks, key_blocks,
+                                  BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                  HAS_VECTORS: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr,
+                                  BIAS_GRAD: tl.constexpr, VECTORS_GRAD: tl.constexpr, PRECISION: tl.constexpr):
+    """The band gradients of diagonal `t` of tiles (key block - query block = t - (query_blocks - 1)):
+    BiasPart[bh, t] (2 BLOCK,) and VecPart[bh, t] (2 BLOCK, BLOCK_D), summed over its tiles."""
+    t, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_d = tl.arange(0, BLOCK_D)
+    fill = tl.load(Fill)
+    bias_row, vec_head, pad_row = Bias + h * sbh, Vec + h * swh, Pad + b * spb
+    bias_grad = tl.zeros([2 * BLOCK], dtype=fill.dtype)
+    vec_grad = tl.zeros([2 * BLOCK, BLOCK_D], dtype=fill.dtype)
+    shift = t - (query_blocks - 1)  # key block - query block
+    first = tl.maximum(0, -shift)
+    last = tl.minimum(query_blocks, key_blocks - shift)
+    if CAUSAL:  # the diagonal's tiles are all wholly in the future, or none is
+        last = tl.where(shift * BLOCK > BLOCK - 1 + Tk - Tq, first, last)
+    for query_block in range(first, last):
+        m0 = query_block * BLOCK
+        n0 = (query_block + shift) * BLOCK
+        offs_m = m0 + tl.arange(0, BLOCK)
+        offs_n = n0 + tl.arange(0, BLOCK)
+        qk = _load_rows(Q + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
+        qr = _load_rows(QR + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
+        do = _load_rows(dO + b * sob + h * soh, offs_m, som, sod, offs_d, Tq, D)
+        k = _load_rows(K + b * skb + h * skh, offs_n, skn, skd, offs_d, Tk, D)
+        v = _load_rows(V + b * svb + h * svh, offs_n, svn, svd, offs_d, Tk, D)
+        row = bh * Tq + offs_m
+        m_i = tl.load(M + row, mask=offs_m < Tq, other=0.0)
+        l_i = tl.load(L + row, mask=offs_m < Tq, other=1.0)
+        delta = tl.load(Delta + row, mask=offs_m < Tq, other=0.0)
+        s, blocked, _ = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d, pad_row,
+                                fill, Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        _, ds = _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq)
+        band = _skewed(ds, BLOCK)
+        if BIAS_GRAD:
+            bias_grad += tl.sum(band, 0)
+        if VECTORS_GRAD:
+            vec_grad += tl.dot(tl.trans(band.to(qr.dtype)), qr, input_precision=PRECISION)
+    part = bh * (query_blocks + key_blocks - 1) + t
+    width = tl.arange(0, 2 * BLOCK)
+    if BIAS_GRAD:
+        tl.store(BiasPart + part * (2 * BLOCK) + width, bias_grad)
+    if VECTORS_GRAD:
+        tl.store(VecPart + (part * (2 * BLOCK) + width[:, None]) * BLOCK_D + offs_d[None, :], vec_grad)
 
 
 def _strides(*tensors):
     return [stride for x in tensors for stride in x.stride()]
 
 
-def settings(dtype: torch.dtype, head_dims: int, on_cuda: bool) -> dict:
-    """The kernels' compile-time settings for inputs of `dtype` with `head_dims` per head: tiles of 64
-    on CUDA (32 for heads over 64 dims), 16 in the interpreter (the smallest tl.dot); float32
-    products in IEEE arithmetic, as torch's default matmul (no TF32; the choice applies to float32
-    operands only)."""
+def settings(dtype: torch.dtype, head_dims: int, on_cuda: bool, vectors: bool) -> dict:
+    """The kernels' compile-time settings for inputs of `dtype` with `head_dims` per head, with or
+    without `vectors`. Tiles: 16 in the interpreter (the smallest tl.dot); on CUDA 64 for a bias
+    alone in fp16/bf16 with heads of at most 64 dims, else 32: with vectors, float32 or wider heads,
+    64 x 64 tiles need 130-270 KB of shared memory (sm_90, tests/kernels/compile_triton.py), more than
+    an A100 or H100 gives one block. Float32 products in IEEE arithmetic, as torch's default matmul
+    (no TF32; the choice applies to float32 operands only)."""
     head_block = max(16, triton.next_power_of_2(head_dims))
-    block = (64 if head_block <= 64 else 32) if on_cuda else 16
-    return dict(BLOCK_M=block, BLOCK_N=block, BLOCK_D=head_block,
+    small = vectors or head_block > 64 or dtype not in (torch.float16, torch.bfloat16)
+    block = (32 if small else 64) if on_cuda else 16
+    return dict(BLOCK=block, BLOCK_D=head_block,
                 PRECISION="ieee" if dtype in (torch.float32, torch.float64) else "tf32")
 
 
-def forward(q, k, v, bias, padding, causal, fill):
-    """(out, m, l): the output (B, H, Tq, D) in q's dtype, each row's maximum and sum (B, H, Tq) in the
-    accumulation dtype (float64 for float64 inputs, else float32). `bias` (H, Tq + Tk - 1) or None,
-    `padding` (B, Tk) int8 (non-zero: padded) or None, `fill` a one-element tensor of that dtype."""
+class Inputs:
+    """What every kernel reads: q (for the keys) and qr (for the vectors; q itself where no vectors),
+    k, v (B, H, T, D); bias (H, N) and vectors (H or 1, N, D) per distance column, N = Tq + Tk - 1, or
+    None; padding (B, Tk) int8 or None; `fill` a one-element tensor of the accumulation dtype."""
+
+    def __init__(self, q, qr, k, v, bias, vectors, padding, causal, fill):
+        self.q, self.k, self.v, self.bias, self.vectors, self.padding = q, k, v, bias, vectors, padding
+        self.qr = qr if qr is not None else q
+        self.causal, self.fill = causal, fill
+        self.config = settings(q.dtype, q.size(-1), q.is_cuda, vectors is not None)
+
+    def pointers(self):
+        fill = self.fill
+        return [self.q, self.qr, self.k, self.v, self.bias if self.bias is not None else fill,
+                self.vectors if self.vectors is not None else fill,
+                self.padding if self.padding is not None else fill, fill]
+
+    def strides(self, out):
+        vectors = self.vectors
+        vector_strides = [0, 0, 0] if vectors is None else [vectors.stride(0) if vectors.size(0) > 1 else 0,
+                                                             vectors.stride(1), vectors.stride(2)]
+        return [*_strides(self.q, self.k, self.v, out), self.bias.stride(0) if self.bias is not None else 0,
+                *vector_strides, self.padding.stride(0) if self.padding is not None else 0]
+
+    def flags(self):
+        return dict(HAS_BIAS=self.bias is not None, HAS_VECTORS=self.vectors is not None,
+                    HAS_PADDING=self.padding is not None, CAUSAL=self.causal, **self.config)
+
+
+def forward(inputs: Inputs):
+    """(out, m, l): the output (B, H, Tq, D) in q's dtype (contiguous), each row's maximum and sum
+    (B, H, Tq) in the accumulation dtype."""
+    q = inputs.q
     batch, heads, queries, dims = q.shape
-    keys = k.size(2)
-    config = settings(q.dtype, dims, q.is_cuda)
-    block = config["BLOCK_M"]
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    m = torch.empty(batch, heads, queries, dtype=fill.dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    m = torch.empty(batch, heads, queries, dtype=inputs.fill.dtype, device=q.device)
     l = torch.empty_like(m)  # noqa: E741
-    bias_arg = bias if bias is not None else fill
-    pad_arg = padding if padding is not None else fill
-    grid = (triton.cdiv(queries, block), batch * heads)
-    _attention_forward[grid](q, k, v, bias_arg, pad_arg, fill, out, m, l, *_strides(q, k, v, out),
-                   bias.stride(0) if bias is not None else 0, padding.stride(0) if padding is not None else 0,
-                   heads, queries, keys, dims, HAS_BIAS=bias is not None, HAS_PADDING=padding is not None,
-                   CAUSAL=causal, **config)
+    grid = (triton.cdiv(queries, inputs.config["BLOCK"]), batch * heads)
+    _attention_forward[grid](*inputs.pointers(), out, m, l, *inputs.strides(out), heads, queries, inputs.k.size(2),
+                             dims, **inputs.flags())
     return out, m, l
 
 
-def backward(q, k, v, bias, padding, causal, fill, out, m, l, grad_out, bias_grad):  # noqa: E741
-    """(dq, dk, dv, dbias): dbias (H, Tq + Tk - 1) in the accumulation dtype where `bias_grad`, else None.
-    `grad_out` must share `out`'s strides."""
+def backward(inputs: Inputs, out, m, l, grad_out, bias_grad: bool, vectors_grad: bool):  # noqa: E741
+    """(dq, dqr, dk, dv, dbias, dvectors): dqr None without vectors; dbias (H, N) and dvectors (H or 1,
+    N, D) in the accumulation dtype where asked, else None. `grad_out` shares `out`'s strides."""
+    q, k = inputs.q, inputs.k
     batch, heads, queries, dims = q.shape
     keys = k.size(2)
-    config = settings(q.dtype, dims, q.is_cuda)
-    block = config["BLOCK_M"]
-    delta = (grad_out.to(fill.dtype) * out.to(fill.dtype)).sum(-1).contiguous()
-    # dq, dk, dv are written with the strides of q, k, v (non-overlapping: triton_bias.py)
-    dq, dk, dv = (torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in (q, k, v))
-    bias_arg = bias if bias is not None else fill
-    pad_arg = padding if padding is not None else fill
-    key_blocks = triton.cdiv(keys, block)
-    with_grad = bias is not None and bias_grad
-    sums = torch.zeros(batch * heads * key_blocks * (queries + keys - 1) if with_grad else 1,
-                       dtype=fill.dtype, device=q.device)
-    scratch = torch.zeros(batch * heads * key_blocks * block * 2 * block if with_grad else 1,
-                          dtype=fill.dtype, device=q.device)
-    common = dict(HAS_BIAS=bias is not None, HAS_PADDING=padding is not None, CAUSAL=causal, **config)
-    strides = [*_strides(q, k, v, grad_out), bias.stride(0) if bias is not None else 0,
-               padding.stride(0) if padding is not None else 0]
-    _attention_backward_keys[(key_blocks, batch * heads)](
-        q, k, v, bias_arg, pad_arg, fill, grad_out, m, l, delta, dk, dv, sums, scratch, *strides,
-        heads, queries, keys, dims, key_blocks, BIAS_GRAD=with_grad, **common)
-    _attention_backward_queries[(triton.cdiv(queries, block), batch * heads)](
-        q, k, v, bias_arg, pad_arg, fill, grad_out, m, l, delta, dq, *strides, heads, queries, keys, dims, **common)
-    dbias = sums.view(batch, heads, key_blocks, queries + keys - 1).sum((0, 2)) if with_grad else None
-    return dq, dk, dv, dbias
+    block = inputs.config["BLOCK"]
+    accumulate = inputs.fill.dtype
+    delta = (grad_out.to(accumulate) * out.to(accumulate)).sum(-1).contiguous()
+    # the gradients are written with the strides of what they are the gradients of (non-overlapping)
+    dq, dk, dv = (torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in (q, k, inputs.v))
+    has_vectors = inputs.vectors is not None
+    dqr = torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device) if has_vectors else None
+    common = [*inputs.pointers(), grad_out, m, l, delta]
+    strides = inputs.strides(grad_out)
+    query_blocks, key_blocks = triton.cdiv(queries, block), triton.cdiv(keys, block)
+    _attention_backward_keys[(key_blocks, batch * heads)](*common, dk, dv, *strides, heads, queries, keys, dims,
+                                                          **inputs.flags())
+    _attention_backward_queries[(query_blocks, batch * heads)](
+        *common, dq, dqr if has_vectors else dq, *strides, heads, queries, keys, dims, **inputs.flags())
+    bias_grad = bias_grad and inputs.bias is not None
+    vectors_grad = vectors_grad and has_vectors
+    dbias = dvectors = None
+    if bias_grad or vectors_grad:
+        diagonals = query_blocks + key_blocks - 1
+        bias_part = torch.zeros(batch * heads * diagonals * 2 * block if bias_grad else 1, dtype=accumulate,
+                                device=q.device)
+        block_d = inputs.config["BLOCK_D"]
+        vec_part = torch.zeros(batch * heads * diagonals * 2 * block * block_d if vectors_grad else 1,
+                               dtype=accumulate, device=q.device)
+        _attention_backward_distances[(diagonals, batch * heads)](
+            *common, bias_part, vec_part, *strides, heads, queries, keys, dims, query_blocks, key_blocks,
+            BIAS_GRAD=bias_grad, VECTORS_GRAD=vectors_grad, **inputs.flags())
+        # the first column of diagonal t's band (t = 0: the lowest key block - query block)
+        first = (1 - query_blocks) * block + queries - block
+        columns = queries + keys - 1
+        if bias_grad:
+            dbias = _bands_to_columns(bias_part.view(batch, heads, diagonals, 2 * block, 1), first, columns)[..., 0]
+            dbias = dbias.sum(0)
+        if vectors_grad:
+            dvectors = _bands_to_columns(vec_part.view(batch, heads, diagonals, 2 * block, block_d), first, columns)
+            dvectors = dvectors[..., :dims].sum(0)
+            if inputs.vectors.size(0) == 1:
+                dvectors = dvectors.sum(0, keepdim=True)
+    return dq, dqr, dk, dv, dbias, dvectors
+
+
+def _bands_to_columns(bands, first, columns):
+    """(..., diagonals, 2 BLOCK, X) bands, diagonal t's starting at column first + t BLOCK, added into
+    (..., columns, X): each band's halves, the second half of t on the first half of t + 1, then the
+    columns 0..columns-1 (those outside hold zeros)."""
+    *lead, diagonals, width, extra = bands.shape
+    block = width // 2
+    low, high = bands[..., :block, :], bands[..., block:, :]
+    spread = torch.zeros(*lead, (diagonals + 1) * block, extra, dtype=bands.dtype, device=bands.device)
+    spread[..., : diagonals * block, :] += low.reshape(*lead, diagonals * block, extra)
+    spread[..., block:, :] += high.reshape(*lead, diagonals * block, extra)
+    return spread[..., -first: -first + columns, :]

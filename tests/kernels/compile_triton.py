@@ -1,9 +1,9 @@
 """Compiles the Triton kernels (kernels/triton_kernels.py) ahead of time for NVIDIA GPUs, down to the
-cubin with the wheel's ptxas: no GPU needed. Run by tests/kernels/test_triton_bias.py in a process
+cubin with the wheel's ptxas: no GPU needed. Run by tests/kernels/test_triton_attention.py in a process
 without TRITON_INTERPRET (under the interpreter `triton.jit` gives functions that do not compile).
 
     python tests/kernels/compile_triton.py CAPABILITY DTYPE...     e.g. 90 bf16 fp32
-Prints one line per kernel: its name, dtype and shared memory in bytes."""
+Prints one line per kernel and term: its name, dtype, term, tile and shared memory in bytes."""
 import sys
 
 import torch
@@ -15,8 +15,8 @@ from posenc_fairseq.kernels import triton_kernels
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: the pointer arguments in the inputs' dtype; the other pointers are float32 (int8: the padding)
-INPUT_POINTERS = ("Q", "K", "V", "Out", "dO", "dQ", "dK", "dV")
-SIZES = ("H", "Tq", "Tk", "D", "blocks")
+INPUT_POINTERS = ("Q", "QR", "K", "V", "Out", "dO", "dQ", "dQR", "dK", "dV")
+SIZES = ("H", "Tq", "Tk", "D")
 
 
 def signature(kernel, dtype_name):
@@ -27,7 +27,7 @@ def signature(kernel, dtype_name):
         name = parameter.name
         if parameter.is_constexpr:
             types[name] = "constexpr"
-        elif name in SIZES or name.islower():
+        elif name in SIZES or name.islower():  # (query_blocks, key_blocks too)
             types[name] = "i32"
         elif name in INPUT_POINTERS:
             types[name] = f"*{dtype_name}"
@@ -39,15 +39,18 @@ def signature(kernel, dtype_name):
 def main(capability, dtype_names):
     target = GPUTarget("cuda", int(capability), 32)
     for dtype_name in dtype_names:
-        constants = dict(triton_kernels.settings(DTYPES[dtype_name], 64, on_cuda=True), HAS_BIAS=True,
-                         HAS_PADDING=True, CAUSAL=True)
-        kernels = ((triton_kernels._attention_forward, {}), (triton_kernels._attention_backward_keys, {"BIAS_GRAD": True}),
-                   (triton_kernels._attention_backward_queries, {}))
-        for kernel, extra in kernels:
-            source = ASTSource(kernel, signature(kernel, dtype_name), constexprs={**constants, **extra})
-            compiled = triton.compile(source, target=target)
-            assert compiled.asm["cubin"], kernel.__name__
-            print(kernel.__name__, dtype_name, compiled.metadata.shared)
+        for vectors in (False, True):  # (their tiles differ: triton_kernels.settings)
+            constants = dict(triton_kernels.settings(DTYPES[dtype_name], 64, on_cuda=True, vectors=vectors),
+                             HAS_BIAS=True, HAS_VECTORS=vectors, HAS_PADDING=True, CAUSAL=True)
+            kernels = ((triton_kernels._attention_forward, {}), (triton_kernels._attention_backward_keys, {}),
+                       (triton_kernels._attention_backward_queries, {}),
+                       (triton_kernels._attention_backward_distances, {"BIAS_GRAD": True, "VECTORS_GRAD": vectors}))
+            for kernel, extra in kernels:
+                source = ASTSource(kernel, signature(kernel, dtype_name), constexprs={**constants, **extra})
+                compiled = triton.compile(source, target=target)
+                assert compiled.asm["cubin"], kernel.__name__
+                print(kernel.__name__, dtype_name, "vectors" if vectors else "bias", constants["BLOCK"],
+                      compiled.metadata.shared)
 
 
 if __name__ == "__main__":

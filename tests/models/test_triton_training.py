@@ -1,15 +1,18 @@
-"""Whole models with POSENC_TRITON_ATTENTION=on (kernels/triton_bias.py) against the default paths:
+"""Whole models with POSENC_TRITON_ATTENTION=on (kernels/triton_attention.py) against the default paths:
 every parameter's gradient, the calls that take the kernel counted (so that a silent fallback cannot
 pass for equality). On CPU the kernel runs in Triton's interpreter (tests/conftest.py)."""
 import pytest
 import torch
 
-from posenc_fairseq.kernels import triton_bias as fused
+from posenc_fairseq.kernels import triton_attention as fused
 from devices import bound
 from test_checkpoint_activations import gradients
 
-CASES = [("t5", []), ("t5", ["--scalar-bias-layers", "all"]), ("t5_nob", []), ("at5", []), ("at5_nob", []),
-         ("alibi", [])]
+#: (encoding, options, self-attention layers with a term per stack): the bias-only terms (T5/AT5: the
+#: first layer by default), Shaw's and LFHC's key terms, XL's and GCDF's (with u and v)
+CASES = [("t5", [], 1), ("t5", ["--scalar-bias-layers", "all"], 2), ("t5_nob", [], 1), ("at5", [], 1),
+         ("at5_nob", [], 1), ("alibi", [], 2), ("shaw", ["--shaw-values", "off"], 2), ("lfhc", [], 2), ("xl", [], 2),
+         ("gcdf", [], 2)]
 
 
 @pytest.fixture
@@ -21,14 +24,13 @@ def counted(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("encoding,extra", CASES, ids=[" ".join([n, *e]) for n, e in CASES])
+@pytest.mark.parametrize("encoding,extra,per_stack", CASES, ids=[" ".join([n, *e]) for n, e, _ in CASES])
 def test_models_train_with_the_same_gradients_as_the_default_paths(translation_data, kernel_device, monkeypatch,
-                                                                    counted, encoding, extra):
+                                                                    counted, encoding, extra, per_stack):
     """Encoder over left-padded sources, decoder under fairseq's future mask: the loss's gradient of
     every parameter (the encoding's tables and MLPs included) as with the switch off."""
     monkeypatch.setenv(fused.SWITCH, "on")
     model, got = gradients(translation_data, encoding, extra, device=kernel_device)
-    per_stack = 2 if encoding == "alibi" or extra else 1  # T5/AT5: the first layer of each stack by default
     assert len(counted) == 2 * per_stack
     monkeypatch.setenv(fused.SWITCH, "off")
     counted.clear()
@@ -61,14 +63,16 @@ def test_pruned_heads(kernel_device, monkeypatch, counted):
 
 
 
-def test_activation_checkpointing_recomputes_through_the_kernel(translation_data, kernel_device, monkeypatch, counted):
+@pytest.mark.parametrize("encoding,extra", [("t5", ["--scalar-bias-layers", "all"]), ("xl", [])])
+def test_activation_checkpointing_recomputes_through_the_kernel(translation_data, kernel_device, monkeypatch, counted,
+                                                               encoding, extra):
     """fairseq's --checkpoint-activations: each layer's recomputation in backward takes the kernel
-    again (its mask read, not the stack's), with the same gradients as without checkpointing."""
+    again (its mask read, not the stack's), with the same gradients as without checkpointing (XL:
+    u and v shared by the layers)."""
     monkeypatch.setenv(fused.SWITCH, "on")
-    extra = ["--scalar-bias-layers", "all"]
-    model, plain = gradients(translation_data, "t5", extra, device=kernel_device)
+    model, plain = gradients(translation_data, encoding, extra, device=kernel_device)
     counted.clear()
-    _, checkpointed = gradients(translation_data, "t5", [*extra, "--checkpoint-activations"], model.state_dict(),
+    _, checkpointed = gradients(translation_data, encoding, [*extra, "--checkpoint-activations"], model.state_dict(),
                                 device=kernel_device)
     assert len(counted) == 2 * 4  # 4 self-attention layers, each run and recomputed
     assert sorted(checkpointed) == sorted(plain)
@@ -77,7 +81,8 @@ def test_activation_checkpointing_recomputes_through_the_kernel(translation_data
             1 + value.abs().max()), name
 
 
-def test_decoding_steps_equal_the_full_pass(translation_data, kernel_device, monkeypatch, counted):
+@pytest.mark.parametrize("encoding", ["at5", "xl"])
+def test_decoding_steps_equal_the_full_pass(translation_data, kernel_device, monkeypatch, counted, encoding):
     """Step by step the decoder takes the STEP kernel (its terms folded into q, k, v), the full pass
     this one: the same logits."""
     from test_every_encoding import perturb_away_from_identity
@@ -85,7 +90,8 @@ def test_decoding_steps_equal_the_full_pass(translation_data, kernel_device, mon
 
     monkeypatch.setenv(fused.SWITCH, "on")
     torch.manual_seed(0)
-    model, task, _ = build_model(translation_data, "transformer_at5", [*TINY_TRANSFORMER, "--scalar-bias-layers", "all"])
+    model, task, _ = build_model(translation_data, f"transformer_{encoding}",
+                                  [*TINY_TRANSFORMER, "--scalar-bias-layers", "all"] if encoding == "at5" else TINY_TRANSFORMER)
     perturb_away_from_identity(model)
     model.eval().to(kernel_device)
     src, src_lengths, prev = (x.to(kernel_device) for x in random_batch(task.source_dictionary, batch=3, src_len=9,

@@ -1,0 +1,157 @@
+"""The TRITON path: one fused attention kernel (triton_kernels.py) that reads the position term per
+key - query distance inside, forward and backward, with O(n) memory and deterministic fp32 gradients
+of the term's tables.
+
+It serves every logit term (`DistanceTerm`) without a value term:
+    T5, T5-NoB, AT5, AT5-NoB, ALiBi   a bias per distance (T5: its bucket table spread over the
+                                      distances by `take_runs`; the gradient flows back through it)
+    Shaw (--shaw-values off), LFHC    q . a_r per distance (the table rows spread over the distances)
+    XL, GCDF                          (q + v) . W_r R per distance, and u . k_j (added to the queries
+                                      of the product with the keys)
+Not served, taking the other paths: relative value terms (Shaw's default, LFHC's --lfhc-values on),
+attention dropout, attention weights or logits asked for, --cross-self-attention, and masks other
+than key padding and fairseq's future mask.
+
+Where it is used: the environment variable POSENC_TRITON_ATTENTION, read when a stack starts a forward
+pass (`mode()`; its value travels in the pass context and the `AttentionCall`):
+    "off" (default)   never
+    "on"              on CUDA, in training and inference; on CPU the other paths serve, except
+                      where Triton's interpreter is on (TRITON_INTERPRET=1: the exactness tests),
+                      for which `mode()` gives "interpreted"
+Off by default until a GPU run has shown it equal to the default paths and faster
+(scripts/gpu_benchmark.py --triton; docs/triton_attention.md). It needs the `triton` package, which
+CUDA builds of torch bring; "on" without it is refused with that message. Not yet run on a GPU: its
+exactness is tested in the interpreter and it compiles for sm_80/sm_90 (tests/kernels/
+test_triton_attention.py); its CUDA tests (`make test-cuda`) and speed wait for a GPU session.
+
+A row that sees no key (all its keys padded) gets what the explicit path gives it, uniform weights
+over all Tk keys (the kernel may skip the future tiles, so it computes that row in torch).
+"""
+import importlib
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..encodings.distance import vectors_per_column
+from ..encodings.positions import take_runs
+from .masks import is_future_mask
+
+MODES = ("off", "on")
+#: `mode()` where the switch is on and Triton runs kernels in its CPU interpreter: CPU tensors too
+INTERPRETED = "interpreted"
+#: the environment variable that selects the fused kernel (`mode`)
+SWITCH = "POSENC_TRITON_ATTENTION"
+
+
+def mode() -> str:
+    """POSENC_TRITON_ATTENTION now ("off" where unset; "interpreted" for "on" under Triton's
+    interpreter); an unknown value is refused."""
+    value = os.environ.get(SWITCH, "off")
+    if value not in MODES:
+        raise ValueError(f"{SWITCH}={value!r}: expected one of {', '.join(MODES)}")
+    return INTERPRETED if value == "on" and interpreted() else value
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def available(q: Tensor, triton_mode: str) -> bool:
+    """Whether `triton_mode` (`mode()` of the pass) lets the queries `q` take the kernel on their device."""
+    return triton_mode == INTERPRETED or (triton_mode == "on" and q.is_cuda)
+
+
+def _kernels():
+    try:
+        return importlib.import_module(__package__ + ".triton_kernels")
+    except ImportError as error:
+        raise RuntimeError(f"{SWITCH}=on needs the `triton` package ({error}); unset {SWITCH} (off is the "
+                           "default) to use the default attention paths") from error
+
+
+def serves(call) -> bool:
+    """Whether the kernel serves the `AttentionCall` `call`: a logit term, no value term, neither
+    weights nor logits asked for, no attention dropout or source keys, and no mask but key padding
+    and fairseq's future mask over a square (the stack's, known unread; any other is read, so that
+    a checkpointed layer's recomputation takes the kernel its first run took)."""
+    if call.term is None or call.values is not None:
+        return False
+    if call.need_weights or call.before_softmax or call.dropout_p > 0 or call.source_keys:
+        return False
+    if call.attn_mask is None:
+        return True
+    return call.future_blocked and is_future_mask(call.attn_mask, call.stack_mask)
+
+
+def attend(call) -> Tensor:
+    """softmax(q k^T + term + masks) v of `call` (served: `serves`), (B, H, Tq, D)."""
+    term = call.term
+    bias = vectors = query_for_vectors = None
+    if term.bias is not None:
+        bias = term.bias if term.rows is None else take_runs(term.bias, term.rows)
+    if term.vectors is not None:
+        vectors = vectors_per_column(term)
+        query_for_vectors = call.q if term.shift is None else call.q + term.shift
+    query = call.q if term.content is None else call.q + term.content
+    return TritonAttention.apply(query, query_for_vectors, call.k, call.v, bias, vectors, call.key_padding_mask,
+                                 call.attn_mask is not None)
+
+
+def _non_overlapping(x: Tensor) -> Tensor:
+    """`x` itself where its gradient can be written with its strides (contiguous, or fairseq's
+    (B, T, H, D) layout seen as (B, H, T, D)), else a contiguous copy."""
+    return x if x.is_contiguous() or x.transpose(1, 2).is_contiguous() else x.contiguous()
+
+
+class TritonAttention(torch.autograd.Function):
+    """softmax(q k^T + bias[h, c] + qr . vectors[h, c] + masks) v, c = j - i + Tq - 1, the queries
+    already scaled (and shifted by the caller). `qr` (B, H, Tq, D) or None (no vectors); `bias` (H, N)
+    or None; `vectors` (H or 1, N, D) or None, N = Tq + Tk - 1; `padding` (B, Tk) True at padded keys,
+    or None; `causal`: key j after query i + Tk - Tq blocked."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, qr: Optional[Tensor], k: Tensor, v: Tensor, bias: Optional[Tensor],
+                vectors: Optional[Tensor], padding: Optional[Tensor], causal: bool):
+        kernels = _kernels()
+        q, k, v = (_non_overlapping(x) for x in (q, k, v))
+        if qr is not None:
+            qr = _non_overlapping(qr)
+            if qr.stride() != q.stride():  # (the kernels read both with one set of strides)
+                q, qr = q.contiguous(), qr.contiguous()
+        accumulate = torch.float64 if q.dtype == torch.float64 else torch.float32
+        fill = torch.full((1,), torch.finfo(q.dtype).min, dtype=accumulate, device=q.device)
+        padding = padding.to(torch.int8).contiguous() if padding is not None else None
+        bias = bias.contiguous() if bias is not None else None
+        vectors = vectors.contiguous() if vectors is not None else None
+        out, m, l = kernels.forward(kernels.Inputs(q, qr, k, v, bias, vectors, padding, causal, fill))  # noqa: E741
+        # Only padding can leave a row without a key (the queries are the last Tq keys: under the
+        # causal mask query i sees key i + Tk - Tq). Such a row gets the explicit path's answer, the
+        # mean of all values.
+        sees_no_key = (m == fill)[..., None] if padding is not None else None
+        result = out
+        if sees_no_key is not None:
+            result = torch.where(sees_no_key, v.to(accumulate).mean(-2, keepdim=True).to(out.dtype), out)
+        ctx.save_for_backward(q, qr, k, v, bias, vectors, padding, fill, out, m, l, sees_no_key)
+        ctx.causal = causal
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, qr, k, v, bias, vectors, padding, fill, out, m, l, sees_no_key = ctx.saved_tensors  # noqa: E741
+        kernels = _kernels()
+        grad_out = grad_out.contiguous()
+        kernel_grad = grad_out if sees_no_key is None else grad_out.masked_fill(sees_no_key, 0)
+        inputs = kernels.Inputs(q, qr, k, v, bias, vectors, padding, ctx.causal, fill)
+        dq, dqr, dk, dv, dbias, dvectors = kernels.backward(inputs, out, m, l, kernel_grad, ctx.needs_input_grad[4],
+                                                            ctx.needs_input_grad[5])
+        if sees_no_key is not None:  # out = mean(v) there: only v gets their gradient, 1/Tk each
+            mean_grad = (grad_out.to(fill.dtype) * sees_no_key).sum(-2, keepdim=True) / k.size(2)
+            dv = (dv.to(fill.dtype) + mean_grad).to(dv.dtype)
+        if dbias is not None:
+            dbias = dbias.to(bias.dtype)
+        if dvectors is not None:
+            dvectors = dvectors.to(vectors.dtype)
+        return dq, dqr, dk, dv, dbias, dvectors, None, None

@@ -1,0 +1,170 @@
+"""kernels/triton_attention.py and its Triton kernels (triton_kernels.py): the output and every gradient,
+the term's tables included, against the formula written out in float64 (a naive softmax over the
+(Tq, Tk) logits). On CPU the kernels run in Triton's interpreter (tests/devices.py sets it); with
+--device cuda, compiled (the `kernel_device` fixture). Whole models: tests/models/test_triton_training.py."""
+import os
+
+import pytest
+import torch
+
+import posenc_fairseq  # noqa: F401
+from posenc_fairseq.kernels import triton_attention as fused
+from posenc_fairseq.kernels.masks import blocked_fill_value
+from devices import bound
+
+#: the kinds of term: a bias per distance (T5, AT5, ALiBi), vectors per distance and head (XL, GCDF),
+#: vectors shared by the heads (Shaw, LFHC), both
+TERMS = ("bias", "vectors", "shared vectors", "bias and vectors")
+
+
+def formula(q, qr, k, v, bias, vectors, padding, causal):
+    """softmax(q k^T + bias[h, c] + qr . vectors[h, c], c = j - i + Tq - 1, blocked logits at the
+    dtype's finite minimum) v."""
+    queries, keys = q.size(2), k.size(2)
+    i, j = torch.arange(queries)[:, None], torch.arange(keys)[None, :]
+    column = j - i + queries - 1
+    logits = q @ k.transpose(-1, -2)
+    if bias is not None:
+        logits = logits + bias[:, column]
+    if vectors is not None:
+        per_column = qr @ vectors.transpose(-1, -2)  # (B, H, Tq, N)
+        logits = logits + per_column.gather(-1, column.expand(*per_column.shape[:2], -1, -1))
+    blocked = torch.zeros(q.size(0), 1, queries, keys, dtype=torch.bool)
+    if causal:
+        blocked = blocked | (j > i + keys - queries)
+    if padding is not None:
+        blocked = blocked | padding[:, None, None, :]
+    return torch.softmax(logits.masked_fill(blocked, blocked_fill_value(q.dtype)), -1) @ v
+
+
+def inputs(batch, heads, queries, keys, dims, dtype, term="bias", seed=0):
+    """q, qr, k, v, bias, vectors, grad_out (qr, bias, vectors None where `term` has none)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=dtype)
+    q, qr = randn(batch, heads, queries, dims), randn(batch, heads, queries, dims)
+    k, v = randn(batch, heads, keys, dims), randn(batch, heads, keys, dims)
+    columns = queries + keys - 1
+    bias = randn(heads, columns) if "bias" in term else None
+    vectors = None
+    if "vectors" in term:
+        vectors = randn(1 if term == "shared vectors" else heads, columns, dims) / dims ** 0.5
+    else:
+        qr = None
+    return q, qr, k, v, bias, vectors, randn(batch, heads, queries, dims)
+
+
+def compare(device, batch, heads, queries, keys, dims, causal, padding, term="bias", table_grad=True,
+            dtype=torch.float64):
+    """The kernel in `dtype` (float64: float32 on CUDA; the tables in float32 for half precision, as a
+    model's) against `formula` in float64: output and gradients within the device's bound."""
+    *values, grad_out = inputs(batch, heads, queries, keys, dims, torch.float64, term)
+    tables = {4, 5}  # bias, vectors
+
+    def prepared(dtype_of, where):
+        return [None if x is None else x.to(where, dtype_of(n)).requires_grad_(n not in tables or table_grad)
+                for n, x in enumerate(values)]
+    expected_inputs = prepared(lambda n: torch.float64, "cpu")
+    expected = formula(*expected_inputs, padding, causal)
+    wanted = [x for x in expected_inputs if x is not None and x.requires_grad]
+    expected_grads = torch.autograd.grad(expected, wanted, grad_out)
+    kernel_dtype = torch.float32 if dtype == torch.float64 and device.type != "cpu" else dtype
+    limit = bound(device, "triton vs formula", kernel_dtype)
+    half = kernel_dtype in (torch.float16, torch.bfloat16)
+    got_inputs = prepared(lambda n: torch.float32 if half and n in tables else kernel_dtype, device)
+    got = fused.TritonAttention.apply(*got_inputs, padding.to(device) if padding is not None else None, causal)
+    got_wanted = [x for x in got_inputs if x is not None and x.requires_grad]
+    got_grads = torch.autograd.grad(got, got_wanted, grad_out.to(device, kernel_dtype))
+    assert (got.cpu().double() - expected).abs().max() <= limit * (1 + expected.abs().max())
+    for a, b in zip(got_grads, expected_grads):
+        assert a.shape == b.shape
+        assert (a.cpu().double() - b).abs().max() <= limit * (1 + b.abs().max())
+    return got
+
+
+SHAPES = [  # (batch, heads, queries, keys, head dims): one tile; several, with ragged ends; fewer queries
+    (2, 2, 5, 5, 8), (2, 3, 37, 37, 16), (1, 2, 7, 40, 24), (2, 1, 33, 33, 64)]
+
+
+@pytest.mark.parametrize("term", TERMS)
+@pytest.mark.parametrize("shape", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_output_and_gradients_equal_the_formula(kernel_device, shape, causal, term):
+    compare(kernel_device, *shape, causal=causal, padding=None, term=term)
+
+
+@pytest.mark.parametrize("term", ["bias", "vectors"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_padding_and_rows_that_see_no_key(kernel_device, causal, term):
+    """Padded keys; a sentence all padding and a left-padded causal row's first queries see no key:
+    uniform weights over all Tk keys there (the explicit path's answer, though the kernel skips the
+    future tiles), and q, k and the tables get no gradient from such rows."""
+    batch, queries = 3, 35
+    padding = torch.zeros(batch, queries, dtype=torch.bool)
+    padding[0, -4:] = True
+    padding[1, :] = True
+    padding[2, :20] = True  # left padding: under the causal mask queries 0..19 see only padding
+    got = compare(kernel_device, batch, 2, queries, queries, 16, causal=causal, padding=padding, term=term)
+    assert torch.isfinite(got).all()
+
+
+def test_tables_without_gradient(kernel_device):
+    """ALiBi's slopes are fixed; frozen tables: no gradient asked for them."""
+    padding = torch.zeros(2, 20, dtype=torch.bool)
+    padding[1, 15:] = True
+    compare(kernel_device, 2, 2, 20, 20, 8, causal=True, padding=padding, term="bias and vectors", table_grad=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("term", ["bias", "vectors"])
+def test_float32_and_half_precision(kernel_device, dtype, term):
+    padding = torch.zeros(2, 37, dtype=torch.bool)
+    padding[0, 30:] = True
+    compare(kernel_device, 2, 3, 37, 37, 16, causal=True, padding=padding, term=term, dtype=dtype)
+
+
+def test_the_tables_gradients_are_the_same_on_every_run(kernel_device):
+    """No atomics: the sums per distance are added in a fixed order."""
+    *values, grad_out = (x.to(kernel_device, torch.float32) if x is not None else None
+                         for x in inputs(2, 2, 40, 40, 16, torch.float64, "bias and vectors"))
+    results = []
+    for _ in range(2):
+        q, qr, k, v, bias, vectors = values
+        bias, vectors = bias.clone().requires_grad_(), vectors.clone().requires_grad_()
+        fused.TritonAttention.apply(q, qr, k, v, bias, vectors, None, True).backward(grad_out)
+        results.append((bias.grad, vectors.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("capability,dtypes", [(90, ["bf16", "fp32"]), (80, ["bf16"])])
+def test_the_kernels_compile_for_nvidia_gpus(capability, dtypes):
+    """Down to the cubin (Triton's ptxas, no GPU needed) for the H100 (sm_90) and the A100 (sm_80),
+    with and without vectors: what the interpreter does not check (types, layouts), and shared memory
+    within what one block may have there."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    script = Path(__file__).with_name("compile_triton.py")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script), str(capability), *dtypes], capture_output=True,
+                          text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.split() for line in done.stdout.splitlines()]
+    assert len(lines) == 8 * len(dtypes)
+    shared_limit = {90: 227 * 1024, 80: 163 * 1024}[capability]
+    assert all(int(line[-1]) <= shared_limit for line in lines), lines
+
+
+def test_mode_is_interpreted_under_the_interpreter(monkeypatch):
+    """The plan stays a function of the call: where Triton's interpreter is on, `mode()` says so,
+    and only then do CPU tensors take the kernel."""
+    monkeypatch.setenv(fused.SWITCH, "on")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fused.mode() == fused.INTERPRETED
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert fused.mode() == "on"
+    q = torch.zeros(1, 1, 2, 4)
+    assert not fused.available(q, "on") and fused.available(q, fused.INTERPRETED) and not fused.available(q, "off")
