@@ -74,9 +74,9 @@ SINUSOIDAL = "transformer_sinusoidal"
 FLOATER = "transformer_floater"
 GRAPHS = "POSENC_FLOATER_CUDA_GRAPHS"  # FLOATER's solve in CUDA graphs (posenc_fairseq/encodings/floater/graphs.py)
 TRITON = "POSENC_TRITON_ATTENTION"  # the Triton kernel of the per-distance terms (posenc_fairseq/kernels/triton_attention.py)
-#: the encodings whose terms that kernel serves at their defaults (a logit term, no value term)
+#: the encodings with relative terms, which that kernel serves
 TRITON_SERVES = ("transformer_alibi", "transformer_at5", "transformer_at5_nob", "transformer_gcdf", "transformer_lfhc",
-                 "transformer_t5", "transformer_t5_nob", "transformer_xl")
+                 "transformer_shaw", "transformer_t5", "transformer_t5_nob", "transformer_xl")
 FIGURES = ("train_tokens_per_s", "peak_memory_mb", "generate_tokens_per_s")
 ORDER = ("arch", "options", "device_name", "torch", "commit", "dtype", "batch", "length", *FIGURES, "reference")
 # profiler names of attention kernels: fused SDPA (flash, cutlass's memory-efficient fmha, cuDNN),

@@ -171,9 +171,8 @@ def test_a_bad_minimum_time_is_refused(value):
 
 
 def test_triton_rows_follow_the_encodings_the_kernel_serves():
-    """--triton: each encoding with a logit term and no value term at its defaults (what
-    kernels/triton_attention.py serves, read from the encodings themselves) gets a second model with
-    POSENC_TRITON_ATTENTION=on right after it."""
+    """--triton: each encoding with relative terms (what kernels/triton_attention.py serves, read from
+    the encodings themselves) gets a second model with POSENC_TRITON_ATTENTION=on right after it."""
     from posenc_fairseq.encodings import ENCODINGS, ModelDims
     from util import perturbed_encoding
 
@@ -183,10 +182,10 @@ def test_triton_rows_follow_the_encodings_the_kernel_serves():
         encoding = perturbed_encoding(name, dims=ModelDims(16, 4, 2, 2))
         encoding.begin("encoder")
         term = encoding.distance_term("encoder", 0, -3, 3, 4, torch.float64)
-        if term is not None and encoding.value_term("encoder", 0, -3, 3, 4, torch.float64) is None:
+        if term is not None or encoding.value_term("encoder", 0, -3, 3, 4, torch.float64) is not None:
             served.append(f"transformer_{name}")
     assert sorted(gpu_benchmark.TRITON_SERVES) == served
     models = gpu_benchmark.models_to_measure(gpu_benchmark.parse_args(
         ["--archs", "transformer_shaw", "transformer_alibi", "--triton"]))
     assert models == [("transformer", ""), ("transformer_alibi", ""), ("transformer_alibi", "POSENC_TRITON_ATTENTION=on"),
-                      ("transformer_shaw", "")]
+                      ("transformer_shaw", ""), ("transformer_shaw", "POSENC_TRITON_ATTENTION=on")]

@@ -2,15 +2,15 @@
 key - query distance inside, forward and backward, with O(n) memory and deterministic fp32 gradients
 of the term's tables.
 
-It serves every logit term (`DistanceTerm`) without a value term:
+It serves every encoding's relative terms (`DistanceTerm`s):
     T5, T5-NoB, AT5, AT5-NoB, ALiBi   a bias per distance (T5: its bucket table spread over the
                                       distances by `take_runs`; the gradient flows back through it)
-    Shaw (--shaw-values off), LFHC    q . a_r per distance (the table rows spread over the distances)
+    Shaw, LFHC                        q . a^K_r per distance and the value term sum_j p_ij a^V_r (the
+                                      table rows spread over the distances)
     XL, GCDF                          (q + v) . W_r R per distance, and u . k_j (added to the queries
                                       of the product with the keys)
-Not served, taking the other paths: relative value terms (Shaw's default, LFHC's --lfhc-values on),
-attention dropout, attention weights or logits asked for, --cross-self-attention, and masks other
-than key padding and fairseq's future mask.
+Not served, taking the other paths: attention dropout, attention weights or logits asked for,
+--cross-self-attention, and masks other than key padding and fairseq's future mask.
 
 Where it is used: the environment variable POSENC_TRITON_ATTENTION, read when a stack starts a forward
 pass (`mode()`; its value travels in the pass context and the `AttentionCall`):
@@ -32,6 +32,7 @@ import os
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..encodings.distance import vectors_per_column
@@ -73,11 +74,11 @@ def _kernels():
 
 
 def serves(call) -> bool:
-    """Whether the kernel serves the `AttentionCall` `call`: a logit term, no value term, neither
-    weights nor logits asked for, no attention dropout or source keys, and no mask but key padding
+    """Whether the kernel serves the `AttentionCall` `call`: relative terms, neither weights nor
+    logits asked for, no attention dropout or source keys, and no mask but key padding
     and fairseq's future mask over a square (the stack's, known unread; any other is read, so that
     a checkpointed layer's recomputation takes the kernel its first run took)."""
-    if call.term is None or call.values is not None:
+    if not call.relative:
         return False
     if call.need_weights or call.before_softmax or call.dropout_p > 0 or call.source_keys:
         return False
@@ -90,14 +91,18 @@ def attend(call) -> Tensor:
     """softmax(q k^T + term + masks) v of `call` (served: `serves`), (B, H, Tq, D)."""
     term = call.term
     bias = vectors = query_for_vectors = None
-    if term.bias is not None:
-        bias = term.bias if term.rows is None else take_runs(term.bias, term.rows)
-    if term.vectors is not None:
-        vectors = vectors_per_column(term)
-        query_for_vectors = call.q if term.shift is None else call.q + term.shift
-    query = call.q if term.content is None else call.q + term.content
-    return TritonAttention.apply(query, query_for_vectors, call.k, call.v, bias, vectors, call.key_padding_mask,
-                                 call.attn_mask is not None)
+    query = call.q
+    if term is not None:
+        if term.bias is not None:
+            bias = term.bias if term.rows is None else take_runs(term.bias, term.rows)
+        if term.vectors is not None:
+            vectors = vectors_per_column(term)
+            query_for_vectors = call.q if term.shift is None else call.q + term.shift
+        if term.content is not None:
+            query = call.q + term.content
+    values = vectors_per_column(call.values) if call.values is not None else None
+    return TritonAttention.apply(query, query_for_vectors, call.k, call.v, bias, vectors, values,
+                                 call.key_padding_mask, call.attn_mask is not None)
 
 
 def _non_overlapping(x: Tensor) -> Tensor:
@@ -107,14 +112,14 @@ def _non_overlapping(x: Tensor) -> Tensor:
 
 
 class TritonAttention(torch.autograd.Function):
-    """softmax(q k^T + bias[h, c] + qr . vectors[h, c] + masks) v, c = j - i + Tq - 1, the queries
-    already scaled (and shifted by the caller). `qr` (B, H, Tq, D) or None (no vectors); `bias` (H, N)
-    or None; `vectors` (H or 1, N, D) or None, N = Tq + Tk - 1; `padding` (B, Tk) True at padded keys,
-    or None; `causal`: key j after query i + Tk - Tq blocked."""
+    """softmax_j(q k^T + bias[h, c] + qr . vectors[h, c] + masks) (v_j + values[h, c]), c = j - i + Tq - 1,
+    the queries already scaled (and shifted by the caller). `qr` (B, H, Tq, D) or None (no vectors);
+    per column, N = Tq + Tk - 1, or None: `bias` (H, N), `vectors` and `values` (H or 1, N, D);
+    `padding` (B, Tk) True at padded keys, or None; `causal`: key j after query i + Tk - Tq blocked."""
 
     @staticmethod
     def forward(ctx, q: Tensor, qr: Optional[Tensor], k: Tensor, v: Tensor, bias: Optional[Tensor],
-                vectors: Optional[Tensor], padding: Optional[Tensor], causal: bool):
+                vectors: Optional[Tensor], values: Optional[Tensor], padding: Optional[Tensor], causal: bool):
         kernels = _kernels()
         q, k, v = (_non_overlapping(x) for x in (q, k, v))
         if qr is not None:
@@ -124,34 +129,50 @@ class TritonAttention(torch.autograd.Function):
         accumulate = torch.float64 if q.dtype == torch.float64 else torch.float32
         fill = torch.full((1,), torch.finfo(q.dtype).min, dtype=accumulate, device=q.device)
         padding = padding.to(torch.int8).contiguous() if padding is not None else None
-        bias = bias.contiguous() if bias is not None else None
-        vectors = vectors.contiguous() if vectors is not None else None
-        out, m, l = kernels.forward(kernels.Inputs(q, qr, k, v, bias, vectors, padding, causal, fill))  # noqa: E741
+        bias, vectors, values = (x.contiguous() if x is not None else None for x in (bias, vectors, values))
+        inputs = kernels.Inputs(q, qr, k, v, bias, vectors, values, padding, causal, fill)
+        out, m, l = kernels.forward(inputs)  # noqa: E741
         # Only padding can leave a row without a key (the queries are the last Tq keys: under the
-        # causal mask query i sees key i + Tk - Tq). Such a row gets the explicit path's answer, the
-        # mean of all values.
+        # causal mask query i sees key i + Tk - Tq). Such a row gets the explicit path's answer.
         sees_no_key = (m == fill)[..., None] if padding is not None else None
         result = out
         if sees_no_key is not None:
-            result = torch.where(sees_no_key, v.to(accumulate).mean(-2, keepdim=True).to(out.dtype), out)
-        ctx.save_for_backward(q, qr, k, v, bias, vectors, padding, fill, out, m, l, sees_no_key)
+            result = torch.where(sees_no_key, _uniform_output(v, values, q.size(2), accumulate).to(out.dtype), out)
+        ctx.save_for_backward(q, qr, k, v, bias, vectors, values, padding, fill, out, m, l, sees_no_key)
         ctx.causal = causal
         return result
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, qr, k, v, bias, vectors, padding, fill, out, m, l, sees_no_key = ctx.saved_tensors  # noqa: E741
+        q, qr, k, v, bias, vectors, values, padding, fill, out, m, l, sees_no_key = ctx.saved_tensors  # noqa: E741
         kernels = _kernels()
         grad_out = grad_out.contiguous()
         kernel_grad = grad_out if sees_no_key is None else grad_out.masked_fill(sees_no_key, 0)
-        inputs = kernels.Inputs(q, qr, k, v, bias, vectors, padding, ctx.causal, fill)
-        dq, dqr, dk, dv, dbias, dvectors = kernels.backward(inputs, out, m, l, kernel_grad, ctx.needs_input_grad[4],
-                                                            ctx.needs_input_grad[5])
-        if sees_no_key is not None:  # out = mean(v) there: only v gets their gradient, 1/Tk each
-            mean_grad = (grad_out.to(fill.dtype) * sees_no_key).sum(-2, keepdim=True) / k.size(2)
-            dv = (dv.to(fill.dtype) + mean_grad).to(dv.dtype)
-        if dbias is not None:
-            dbias = dbias.to(bias.dtype)
-        if dvectors is not None:
-            dvectors = dvectors.to(vectors.dtype)
-        return dq, dqr, dk, dv, dbias, dvectors, None, None
+        inputs = kernels.Inputs(q, qr, k, v, bias, vectors, values, padding, ctx.causal, fill)
+        dq, dqr, dk, dv, *tables = kernels.backward(inputs, out, m, l, kernel_grad, ctx.needs_input_grad[4:7])
+        dbias, dvectors, dvalues = (grad.to(table.dtype) if grad is not None else None
+                                    for grad, table in zip(tables, (bias, vectors, values)))
+        if sees_no_key is not None:  # the rows' uniform output: only v (and the values) get their gradient
+            with torch.enable_grad():
+                v_leaf = v.detach().requires_grad_()
+                values_leaf = values.detach().requires_grad_() if values is not None else None
+                uniform = _uniform_output(v_leaf, values_leaf, q.size(2), fill.dtype).expand(grad_out.shape)
+                leaves = [x for x in (v_leaf, values_leaf) if x is not None]
+                extra = torch.autograd.grad(uniform, leaves, grad_out.to(fill.dtype) * sees_no_key)
+            dv = (dv.to(fill.dtype) + extra[0]).to(dv.dtype)
+            if values is not None and dvalues is not None:
+                dvalues = dvalues + extra[1].to(dvalues.dtype)
+        return dq, dqr, dk, dv, dbias, dvectors, dvalues, None, None
+
+
+def _uniform_output(v: Tensor, values: Optional[Tensor], queries: int, dtype: torch.dtype) -> Tensor:
+    """The output of a query that sees no key, every key weighted 1/Tk as the explicit path weights
+    them: the mean of the values, (B, H, 1, D), plus with a value term the mean of values[h, c] over
+    query i's columns Tq - 1 - i .. Tq - 2 - i + Tk, (B or 1, H or 1, Tq, D)."""
+    keys = v.size(2)
+    out = v.to(dtype).mean(-2, keepdim=True)
+    if values is not None:
+        before = F.pad(values.to(dtype).cumsum(-2), (0, 0, 1, 0))  # before[c]: the columns < c summed
+        first = torch.arange(queries - 1, -1, -1, device=v.device)
+        out = out + (before[:, first + keys] - before[:, first]) / keys
+    return out

@@ -2,18 +2,19 @@
 distance read inside the kernel, forward and backward, O(n) memory.
 
     s_ij = qk_i . k_j + bias[h, c] + qr_i . vectors[h, c],    c = j - i + Tq - 1
-    out_i = sum_j softmax_j(s_ij) v_j
+    out_i = sum_j softmax_j(s_ij) (v_j + values[h, c])
 
 (qk, qr: the queries, already scaled, plus the encoding's content and shift vectors; the queries are
 the last Tq of the Tk keys.) T5/AT5/ALiBi give `bias`, Shaw/LFHC `vectors` (their table rows spread
-over the distances), XL/GCDF `vectors` (W_r R per distance).
+over the distances), XL/GCDF `vectors` (W_r R per distance); Shaw/LFHC's value term `values`.
 
 Tiles are square (BLOCK x BLOCK). A tile of queries m0.. and keys n0.. meets the 2 BLOCK - 1 distances
 from column band = n0 - m0 + Tq - 1 - (BLOCK - 1) on: its term is computed for that band, (BLOCK, 2 BLOCK)
 = qr @ vectors[band]^T + bias[band], and each (i, j) takes column j - i + BLOCK - 1 of its row
 (`tl.gather`). The backward reverses it: the tile's dS skewed into the band's columns (a gather again),
 dqr += dS_band @ vectors[band], and the band's gradients, dS_band summed over rows (bias) and
-dS_band^T @ qr (vectors).
+dS_band^T @ qr (vectors). The value term the same way with P: out += P_band @ values[band],
+dP += (dO @ values[band]^T) gathered, and P_band^T @ dO for the values' gradient.
 
 Forward: FlashAttention-2's online softmax, one program per (block of queries, batch x head); it keeps
 each row's running maximum m and sum l (not their log-sum-exp m + log l: where a row sees no key, m is
@@ -21,7 +22,7 @@ the fill value, which in float32 absorbs log l, and the backward would get 1 ins
 Backward: P = exp(s - m) / l recomputed, in three kernels, none with atomics:
     per (block of keys, b x h):      dk, dv, looping over the blocks of queries
     per (block of queries, b x h):   dqk, dqr, looping over the blocks of keys
-    per (diagonal of tiles, b x h):  the bias and vectors gradients of that diagonal's band of
+    per (diagonal of tiles, b x h):  the bias, vectors and values gradients of that diagonal's band of
                                      distances, looping over its tiles; torch then adds the
                                      diagonals' overlapping bands and sums over b (and heads
                                      where the vectors are shared): the same result on every run
@@ -88,6 +89,28 @@ def _logits(qk, k_t, qr, m0, n0, bias_row, vec_head, svn, svd, offs_d, pad_row, 
 
 
 @triton.jit
+def _products(do, v, val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D,
+              HAS_VALUES: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    """dP of a tile: dO_i . (v_j + values[h, c]), the value vectors of the band gathered as the term."""
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    if HAS_VALUES:
+        rows = tl.arange(0, BLOCK)
+        values = _values_band(val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, v.dtype, BLOCK)
+        per_column = tl.dot(do, tl.trans(values), input_precision=PRECISION)
+        dp += tl.gather(per_column, rows[None, :] - rows[:, None] + (BLOCK - 1), axis=1)
+    return dp
+
+
+@triton.jit
+def _values_band(val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, dtype: tl.constexpr, BLOCK: tl.constexpr):
+    """The value vectors of a tile's band of distances, (2 BLOCK, BLOCK_D)."""
+    column = n0 - m0 + (Tq - 1) - (BLOCK - 1) + tl.arange(0, 2 * BLOCK)
+    inside = (column >= 0) & (column < Tq + Tk - 1)
+    return tl.load(val_head + column[:, None] * sun + offs_d[None, :] * sud,
+                   mask=inside[:, None] & (offs_d[None, :] < D), other=0.0).to(dtype)
+
+
+@triton.jit
 def _skewed(ds, BLOCK: tl.constexpr):
     """(BLOCK, 2 BLOCK): row i of `ds` shifted right by BLOCK - 1 - i, so that column w holds the
     distance column band + w (zeros elsewhere): the adjoint of `_logits`' gather."""
@@ -107,11 +130,11 @@ def _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq):
 
 
 @triton.jit
-def _attention_forward(Q, QR, K, V, Bias, Vec, Pad, Fill, Out, M, L,
+def _attention_forward(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, Out, M, L,
                        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-                       sbh, swh, swn, swd, spb,
+                       sbh, swh, swn, swd, suh, sun, sud, spb,
                        H, Tq, Tk, D,
-                       BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VECTORS: tl.constexpr,
+                       BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VECTORS: tl.constexpr, HAS_VALUES: tl.constexpr,
                        HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     """(Q and QR share strides, as dO and Out do.)"""
     block, bh = tl.program_id(0), tl.program_id(1)
@@ -122,7 +145,7 @@ def _attention_forward(Q, QR, K, V, Bias, Vec, Pad, Fill, Out, M, L,
     qk = _load_rows(Q + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
     qr = _load_rows(QR + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
     fill = tl.load(Fill)
-    bias_row, vec_head, pad_row = Bias + h * sbh, Vec + h * swh, Pad + b * spb
+    bias_row, vec_head, val_head, pad_row = Bias + h * sbh, Vec + h * swh, Val + h * suh, Pad + b * spb
     m_i = tl.zeros([BLOCK], dtype=fill.dtype) + float("-inf")
     l_i = tl.zeros([BLOCK], dtype=fill.dtype)
     acc = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
@@ -140,6 +163,9 @@ def _attention_forward(Q, QR, K, V, Bias, Vec, Pad, Fill, Out, M, L,
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if HAS_VALUES:  # sum_j p_ij values[h, c]: the probabilities skewed into the band's columns
+            values = _values_band(val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, v.dtype, BLOCK)
+            acc += tl.dot(_skewed(p, BLOCK).to(v.dtype), values, input_precision=PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out.to(Out.dtype.element_ty),
@@ -150,12 +176,12 @@ def _attention_forward(Q, QR, K, V, Bias, Vec, Pad, Fill, Out, M, L,
 
 
 @triton.jit
-def _attention_backward_keys(Q, QR, K, V, Bias, Vec, Pad, Fill, dO, M, L, Delta, dK, dV,
+def _attention_backward_keys(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, dO, M, L, Delta, dK, dV,
                              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-                             sbh, swh, swn, swd, spb,
+                             sbh, swh, swn, swd, suh, sun, sud, spb,
                              H, Tq, Tk, D,
                              BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             HAS_VECTORS: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr,
+                             HAS_VECTORS: tl.constexpr, HAS_VALUES: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr,
                              PRECISION: tl.constexpr):
     """dk, dv of a block of keys (dK, dV share the strides of K, V)."""
     block, bh = tl.program_id(0), tl.program_id(1)
@@ -166,7 +192,7 @@ def _attention_backward_keys(Q, QR, K, V, Bias, Vec, Pad, Fill, dO, M, L, Delta,
     k = _load_rows(K + b * skb + h * skh, offs_n, skn, skd, offs_d, Tk, D)
     v = _load_rows(V + b * svb + h * svh, offs_n, svn, svd, offs_d, Tk, D)
     fill = tl.load(Fill)
-    bias_row, vec_head, pad_row = Bias + h * sbh, Vec + h * swh, Pad + b * spb
+    bias_row, vec_head, val_head, pad_row = Bias + h * sbh, Vec + h * swh, Val + h * suh, Pad + b * spb
     dk = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
     dv = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
     start = 0
@@ -183,7 +209,7 @@ def _attention_backward_keys(Q, QR, K, V, Bias, Vec, Pad, Fill, dO, M, L, Delta,
         delta = tl.load(Delta + row, mask=offs_m < Tq, other=0.0)
         s, blocked, _ = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d, pad_row, fill,
                                 Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        dp = _products(do, v, val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, HAS_VALUES, BLOCK, PRECISION)
         p, ds = _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
         dk += tl.dot(tl.trans(ds.to(qk.dtype)), qk, input_precision=PRECISION)
@@ -194,12 +220,12 @@ def _attention_backward_keys(Q, QR, K, V, Bias, Vec, Pad, Fill, dO, M, L, Delta,
 
 
 @triton.jit
-def _attention_backward_queries(Q, QR, K, V, Bias, Vec, Pad, Fill, dO, M, L, Delta, dQ, dQR,
+def _attention_backward_queries(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, dO, M, L, Delta, dQ, dQR,
                                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-                                sbh, swh, swn, swd, spb,
+                                sbh, swh, swn, swd, suh, sun, sud, spb,
                                 H, Tq, Tk, D,
                                 BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                HAS_VECTORS: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr,
+                                HAS_VECTORS: tl.constexpr, HAS_VALUES: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr,
                                 PRECISION: tl.constexpr):
     """dqk (and dqr with vectors) of a block of queries (dQ, dQR share the strides of Q)."""
     block, bh = tl.program_id(0), tl.program_id(1)
@@ -215,7 +241,7 @@ def _attention_backward_queries(Q, QR, K, V, Bias, Vec, Pad, Fill, dO, M, L, Del
     l_i = tl.load(L + row, mask=offs_m < Tq, other=1.0)
     delta = tl.load(Delta + row, mask=offs_m < Tq, other=0.0)
     fill = tl.load(Fill)
-    bias_row, vec_head, pad_row = Bias + h * sbh, Vec + h * swh, Pad + b * spb
+    bias_row, vec_head, val_head, pad_row = Bias + h * sbh, Vec + h * swh, Val + h * suh, Pad + b * spb
     dqk = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
     dqr = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
     end = Tk
@@ -227,7 +253,7 @@ def _attention_backward_queries(Q, QR, K, V, Bias, Vec, Pad, Fill, dO, M, L, Del
         v = _load_rows(V + b * svb + h * svh, offs_n, svn, svd, offs_d, Tk, D)
         s, blocked, vectors = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d, pad_row,
                                       fill, Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        dp = _products(do, v, val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, HAS_VALUES, BLOCK, PRECISION)
         _, ds = _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq)
         dqk += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
         if HAS_VECTORS:
@@ -240,22 +266,24 @@ def _attention_backward_queries(Q, QR, K, V, Bias, Vec, Pad, Fill, dO, M, L, Del
 
 
 @triton.jit
-def _attention_backward_distances(Q, QR, K, V, Bias, Vec, Pad, Fill, dO, M, L, Delta, BiasPart, VecPart,
+def _attention_backward_distances(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, dO, M, L, Delta, BiasPart, VecPart, ValPart,
                                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-                                  sbh, swh, swn, swd, spb,
+                                  sbh, swh, swn, swd, suh, sun, sud, spb,
                                   H, Tq, Tk, D, query_blocks, key_blocks,
                                   BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                  HAS_VECTORS: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr,
-                                  BIAS_GRAD: tl.constexpr, VECTORS_GRAD: tl.constexpr, PRECISION: tl.constexpr):
+                                  HAS_VECTORS: tl.constexpr, HAS_VALUES: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr,
+                                  BIAS_GRAD: tl.constexpr, VECTORS_GRAD: tl.constexpr, VALUES_GRAD: tl.constexpr,
+                                  PRECISION: tl.constexpr):
     """The band gradients of diagonal `t` of tiles (key block - query block = t - (query_blocks - 1)):
-    BiasPart[bh, t] (2 BLOCK,) and VecPart[bh, t] (2 BLOCK, BLOCK_D), summed over its tiles."""
+    BiasPart[bh, t] (2 BLOCK,), VecPart and ValPart[bh, t] (2 BLOCK, BLOCK_D), summed over its tiles."""
     t, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     offs_d = tl.arange(0, BLOCK_D)
     fill = tl.load(Fill)
-    bias_row, vec_head, pad_row = Bias + h * sbh, Vec + h * swh, Pad + b * spb
+    bias_row, vec_head, val_head, pad_row = Bias + h * sbh, Vec + h * swh, Val + h * suh, Pad + b * spb
     bias_grad = tl.zeros([2 * BLOCK], dtype=fill.dtype)
     vec_grad = tl.zeros([2 * BLOCK, BLOCK_D], dtype=fill.dtype)
+    val_grad = tl.zeros([2 * BLOCK, BLOCK_D], dtype=fill.dtype)
     shift = t - (query_blocks - 1)  # key block - query block
     first = tl.maximum(0, -shift)
     last = tl.minimum(query_blocks, key_blocks - shift)
@@ -277,9 +305,11 @@ def _attention_backward_distances(Q, QR, K, V, Bias, Vec, Pad, Fill, dO, M, L, D
         delta = tl.load(Delta + row, mask=offs_m < Tq, other=0.0)
         s, blocked, _ = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d, pad_row,
                                 fill, Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        _, ds = _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq)
+        dp = _products(do, v, val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, HAS_VALUES, BLOCK, PRECISION)
+        p, ds = _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq)
         band = _skewed(ds, BLOCK)
+        if VALUES_GRAD:
+            val_grad += tl.dot(tl.trans(_skewed(p, BLOCK).to(do.dtype)), do, input_precision=PRECISION)
         if BIAS_GRAD:
             bias_grad += tl.sum(band, 0)
         if VECTORS_GRAD:
@@ -290,6 +320,8 @@ def _attention_backward_distances(Q, QR, K, V, Bias, Vec, Pad, Fill, dO, M, L, D
         tl.store(BiasPart + part * (2 * BLOCK) + width, bias_grad)
     if VECTORS_GRAD:
         tl.store(VecPart + (part * (2 * BLOCK) + width[:, None]) * BLOCK_D + offs_d[None, :], vec_grad)
+    if VALUES_GRAD:
+        tl.store(ValPart + (part * (2 * BLOCK) + width[:, None]) * BLOCK_D + offs_d[None, :], val_grad)
 
 
 def _strides(*tensors):
@@ -312,31 +344,35 @@ def settings(dtype: torch.dtype, head_dims: int, on_cuda: bool, vectors: bool) -
 
 class Inputs:
     """What every kernel reads: q (for the keys) and qr (for the vectors; q itself where no vectors),
-    k, v (B, H, T, D); bias (H, N) and vectors (H or 1, N, D) per distance column, N = Tq + Tk - 1, or
-    None; padding (B, Tk) int8 or None; `fill` a one-element tensor of the accumulation dtype."""
+    k, v (B, H, T, D); per distance column (N = Tq + Tk - 1), or None: bias (H, N), vectors and the
+    value term's vectors `values` (H or 1, N, D); padding (B, Tk) int8 or None; `fill` a one-element
+    tensor of the accumulation dtype."""
 
-    def __init__(self, q, qr, k, v, bias, vectors, padding, causal, fill):
-        self.q, self.k, self.v, self.bias, self.vectors, self.padding = q, k, v, bias, vectors, padding
+    def __init__(self, q, qr, k, v, bias, vectors, values, padding, causal, fill):
+        self.q, self.k, self.v, self.padding = q, k, v, padding
+        self.bias, self.vectors, self.values = bias, vectors, values
         self.qr = qr if qr is not None else q
         self.causal, self.fill = causal, fill
-        self.config = settings(q.dtype, q.size(-1), q.is_cuda, vectors is not None)
+        self.config = settings(q.dtype, q.size(-1), q.is_cuda, vectors is not None or values is not None)
 
     def pointers(self):
-        fill = self.fill
-        return [self.q, self.qr, self.k, self.v, self.bias if self.bias is not None else fill,
-                self.vectors if self.vectors is not None else fill,
-                self.padding if self.padding is not None else fill, fill]
+        return [self.q, self.qr, self.k, self.v,
+                *(x if x is not None else self.fill for x in (self.bias, self.vectors, self.values, self.padding)),
+                self.fill]
 
     def strides(self, out):
-        vectors = self.vectors
-        vector_strides = [0, 0, 0] if vectors is None else [vectors.stride(0) if vectors.size(0) > 1 else 0,
-                                                             vectors.stride(1), vectors.stride(2)]
+        def per_head(table):  # (a table shared by the heads: head stride 0)
+            if table is None:
+                return [0, 0, 0]
+            return [table.stride(0) if table.size(0) > 1 else 0, table.stride(1), table.stride(2)]
         return [*_strides(self.q, self.k, self.v, out), self.bias.stride(0) if self.bias is not None else 0,
-                *vector_strides, self.padding.stride(0) if self.padding is not None else 0]
+                *per_head(self.vectors), *per_head(self.values),
+                self.padding.stride(0) if self.padding is not None else 0]
 
     def flags(self):
         return dict(HAS_BIAS=self.bias is not None, HAS_VECTORS=self.vectors is not None,
-                    HAS_PADDING=self.padding is not None, CAUSAL=self.causal, **self.config)
+                    HAS_VALUES=self.values is not None, HAS_PADDING=self.padding is not None, CAUSAL=self.causal,
+                    **self.config)
 
 
 def forward(inputs: Inputs):
@@ -353,13 +389,14 @@ def forward(inputs: Inputs):
     return out, m, l
 
 
-def backward(inputs: Inputs, out, m, l, grad_out, bias_grad: bool, vectors_grad: bool):  # noqa: E741
-    """(dq, dqr, dk, dv, dbias, dvectors): dqr None without vectors; dbias (H, N) and dvectors (H or 1,
-    N, D) in the accumulation dtype where asked, else None. `grad_out` shares `out`'s strides."""
+def backward(inputs: Inputs, out, m, l, grad_out, tables_grad):  # noqa: E741
+    """(dq, dqr, dk, dv, dbias, dvectors, dvalues): dqr None without vectors; each table's gradient
+    ((H, N); (H or 1, N, D)) in the accumulation dtype where `tables_grad` (three booleans: bias,
+    vectors, values) asks for it and the table is given, else None. `grad_out` shares `out`'s strides."""
     q, k = inputs.q, inputs.k
     batch, heads, queries, dims = q.shape
     keys = k.size(2)
-    block = inputs.config["BLOCK"]
+    block, block_d = inputs.config["BLOCK"], inputs.config["BLOCK_D"]
     accumulate = inputs.fill.dtype
     delta = (grad_out.to(accumulate) * out.to(accumulate)).sum(-1).contiguous()
     # the gradients are written with the strides of what they are the gradients of (non-overlapping)
@@ -373,31 +410,29 @@ def backward(inputs: Inputs, out, m, l, grad_out, bias_grad: bool, vectors_grad:
                                                           **inputs.flags())
     _attention_backward_queries[(query_blocks, batch * heads)](
         *common, dq, dqr if has_vectors else dq, *strides, heads, queries, keys, dims, **inputs.flags())
-    bias_grad = bias_grad and inputs.bias is not None
-    vectors_grad = vectors_grad and has_vectors
-    dbias = dvectors = None
-    if bias_grad or vectors_grad:
+    tables = (inputs.bias, inputs.vectors, inputs.values)
+    wanted = [asked and table is not None for asked, table in zip(tables_grad, tables)]
+    grads = [None, None, None]
+    if any(wanted):
         diagonals = query_blocks + key_blocks - 1
-        bias_part = torch.zeros(batch * heads * diagonals * 2 * block if bias_grad else 1, dtype=accumulate,
-                                device=q.device)
-        block_d = inputs.config["BLOCK_D"]
-        vec_part = torch.zeros(batch * heads * diagonals * 2 * block * block_d if vectors_grad else 1,
-                               dtype=accumulate, device=q.device)
+        widths = (1, block_d, block_d)
+        parts = [torch.zeros(batch * heads * diagonals * 2 * block * width if want else 1, dtype=accumulate,
+                             device=q.device) for want, width in zip(wanted, widths)]
         _attention_backward_distances[(diagonals, batch * heads)](
-            *common, bias_part, vec_part, *strides, heads, queries, keys, dims, query_blocks, key_blocks,
-            BIAS_GRAD=bias_grad, VECTORS_GRAD=vectors_grad, **inputs.flags())
+            *common, *parts, *strides, heads, queries, keys, dims, query_blocks, key_blocks,
+            BIAS_GRAD=wanted[0], VECTORS_GRAD=wanted[1], VALUES_GRAD=wanted[2], **inputs.flags())
         # the first column of diagonal t's band (t = 0: the lowest key block - query block)
         first = (1 - query_blocks) * block + queries - block
-        columns = queries + keys - 1
-        if bias_grad:
-            dbias = _bands_to_columns(bias_part.view(batch, heads, diagonals, 2 * block, 1), first, columns)[..., 0]
-            dbias = dbias.sum(0)
-        if vectors_grad:
-            dvectors = _bands_to_columns(vec_part.view(batch, heads, diagonals, 2 * block, block_d), first, columns)
-            dvectors = dvectors[..., :dims].sum(0)
-            if inputs.vectors.size(0) == 1:
-                dvectors = dvectors.sum(0, keepdim=True)
-    return dq, dqr, dk, dv, dbias, dvectors
+        for index, (want, part, width, table) in enumerate(zip(wanted, parts, widths, tables)):
+            if not want:
+                continue
+            columns = _bands_to_columns(part.view(batch, heads, diagonals, 2 * block, width), first,
+                                        queries + keys - 1).sum(0)  # (H, N, width)
+            if index == 0:
+                grads[0] = columns[..., 0]
+            else:
+                grads[index] = columns[..., :dims].sum(0, keepdim=True) if table.size(0) == 1 else columns[..., :dims]
+    return (dq, dqr, dk, dv, *grads)
 
 
 def _bands_to_columns(bands, first, columns):

@@ -41,15 +41,16 @@ def main(capability, dtype_names):
     for dtype_name in dtype_names:
         for vectors in (False, True):  # (their tiles differ: triton_kernels.settings)
             constants = dict(triton_kernels.settings(DTYPES[dtype_name], 64, on_cuda=True, vectors=vectors),
-                             HAS_BIAS=True, HAS_VECTORS=vectors, HAS_PADDING=True, CAUSAL=True)
+                             HAS_BIAS=True, HAS_VECTORS=vectors, HAS_VALUES=vectors, HAS_PADDING=True, CAUSAL=True)
             kernels = ((triton_kernels._attention_forward, {}), (triton_kernels._attention_backward_keys, {}),
                        (triton_kernels._attention_backward_queries, {}),
-                       (triton_kernels._attention_backward_distances, {"BIAS_GRAD": True, "VECTORS_GRAD": vectors}))
+                       (triton_kernels._attention_backward_distances,
+                        {"BIAS_GRAD": True, "VECTORS_GRAD": vectors, "VALUES_GRAD": vectors}))
             for kernel, extra in kernels:
                 source = ASTSource(kernel, signature(kernel, dtype_name), constexprs={**constants, **extra})
                 compiled = triton.compile(source, target=target)
                 assert compiled.asm["cubin"], kernel.__name__
-                print(kernel.__name__, dtype_name, "vectors" if vectors else "bias", constants["BLOCK"],
+                print(kernel.__name__, dtype_name, "vectors+values" if vectors else "bias", constants["BLOCK"],
                       compiled.metadata.shared)
 
 

@@ -72,7 +72,7 @@ LARGE = biased_cpu.MIN_LOGITS  # a call the fused CPU kernel serves
     (dict(bias=True, flex_mode="on"), Kernel.SDPA),  # "on": calls without gradient only
     (dict(bias=True, flex_mode="train", grad_enabled=False), Kernel.FLEX),
     (dict(bias=True, flex_mode="off", grad_enabled=False), Kernel.SDPA),
-    # the Triton kernel (kernels/triton_attention.py): logit terms, padding and the future mask only
+    # the Triton kernel (kernels/triton_attention.py): relative terms, padding and the future mask only
     (dict(bias=True, triton_mode="interpreted"), Kernel.TRITON),
     (dict(bias=True, triton_mode="interpreted", padding=True, stack_mask=True, future_blocked=True), Kernel.TRITON),
     (dict(bias=True, triton_mode="interpreted", future_mask=True, future_blocked=True), Kernel.TRITON),  # read
@@ -83,7 +83,8 @@ LARGE = biased_cpu.MIN_LOGITS  # a call the fused CPU kernel serves
     (dict(bias=True, triton_mode="interpreted", before_softmax=True), Kernel.LOGITS),
     (dict(vectors=True, triton_mode="interpreted"), Kernel.TRITON),  # Shaw/LFHC
     (dict(vectors=True, content=True, triton_mode="interpreted"), Kernel.TRITON),  # XL/GCDF
-    (dict(bias=True, values=True, triton_mode="interpreted"), Kernel.EXPLICIT),
+    (dict(vectors=True, values=True, triton_mode="interpreted"), Kernel.TRITON),  # Shaw's value term
+    (dict(vectors=True, values=True, triton_mode="interpreted", need_weights=True), Kernel.EXPLICIT),
 ])
 def test_the_kernel_follows_from_the_call_alone(case, expected):
     """The same call gives the same plan whatever torch's grad mode is when `plan` runs."""

@@ -13,13 +13,13 @@ from posenc_fairseq.kernels.masks import blocked_fill_value
 from devices import bound
 
 #: the kinds of term: a bias per distance (T5, AT5, ALiBi), vectors per distance and head (XL, GCDF),
-#: vectors shared by the heads (Shaw, LFHC), both
-TERMS = ("bias", "vectors", "shared vectors", "bias and vectors")
+#: vectors shared by the heads with and without a value term (Shaw, LFHC), all at once
+TERMS = ("bias", "vectors", "shared vectors", "shared vectors and values", "bias and vectors and values")
 
 
-def formula(q, qr, k, v, bias, vectors, padding, causal):
-    """softmax(q k^T + bias[h, c] + qr . vectors[h, c], c = j - i + Tq - 1, blocked logits at the
-    dtype's finite minimum) v."""
+def formula(q, qr, k, v, bias, vectors, values, padding, causal):
+    """softmax_j(q k^T + bias[h, c] + qr . vectors[h, c], c = j - i + Tq - 1, blocked logits at the
+    dtype's finite minimum) (v_j + values[h, c])."""
     queries, keys = q.size(2), k.size(2)
     i, j = torch.arange(queries)[:, None], torch.arange(keys)[None, :]
     column = j - i + queries - 1
@@ -34,11 +34,15 @@ def formula(q, qr, k, v, bias, vectors, padding, causal):
         blocked = blocked | (j > i + keys - queries)
     if padding is not None:
         blocked = blocked | padding[:, None, None, :]
-    return torch.softmax(logits.masked_fill(blocked, blocked_fill_value(q.dtype)), -1) @ v
+    probs = torch.softmax(logits.masked_fill(blocked, blocked_fill_value(q.dtype)), -1)
+    out = probs @ v
+    if values is not None:
+        out = out + torch.einsum("bhij,hijd->bhid", probs, values[:, column].expand(q.size(1), -1, -1, -1))
+    return out
 
 
 def inputs(batch, heads, queries, keys, dims, dtype, term="bias", seed=0):
-    """q, qr, k, v, bias, vectors, grad_out (qr, bias, vectors None where `term` has none)."""
+    """q, qr, k, v, bias, vectors, values, grad_out (None where `term` has none)."""
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
@@ -47,12 +51,15 @@ def inputs(batch, heads, queries, keys, dims, dtype, term="bias", seed=0):
     k, v = randn(batch, heads, keys, dims), randn(batch, heads, keys, dims)
     columns = queries + keys - 1
     bias = randn(heads, columns) if "bias" in term else None
-    vectors = None
+    vectors = values = None
+    table_heads = 1 if "shared" in term else heads
     if "vectors" in term:
-        vectors = randn(1 if term == "shared vectors" else heads, columns, dims) / dims ** 0.5
+        vectors = randn(table_heads, columns, dims) / dims ** 0.5
     else:
         qr = None
-    return q, qr, k, v, bias, vectors, randn(batch, heads, queries, dims)
+    if "values" in term:
+        values = randn(table_heads, columns, dims)
+    return q, qr, k, v, bias, vectors, values, randn(batch, heads, queries, dims)
 
 
 def compare(device, batch, heads, queries, keys, dims, causal, padding, term="bias", table_grad=True,
@@ -60,7 +67,7 @@ def compare(device, batch, heads, queries, keys, dims, causal, padding, term="bi
     """The kernel in `dtype` (float64: float32 on CUDA; the tables in float32 for half precision, as a
     model's) against `formula` in float64: output and gradients within the device's bound."""
     *values, grad_out = inputs(batch, heads, queries, keys, dims, torch.float64, term)
-    tables = {4, 5}  # bias, vectors
+    tables = {4, 5, 6}  # bias, vectors, values
 
     def prepared(dtype_of, where):
         return [None if x is None else x.to(where, dtype_of(n)).requires_grad_(n not in tables or table_grad)
@@ -94,7 +101,7 @@ def test_output_and_gradients_equal_the_formula(kernel_device, shape, causal, te
     compare(kernel_device, *shape, causal=causal, padding=None, term=term)
 
 
-@pytest.mark.parametrize("term", ["bias", "vectors"])
+@pytest.mark.parametrize("term", ["bias", "vectors", "shared vectors and values"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_padding_and_rows_that_see_no_key(kernel_device, causal, term):
     """Padded keys; a sentence all padding and a left-padded causal row's first queries see no key:
@@ -113,11 +120,12 @@ def test_tables_without_gradient(kernel_device):
     """ALiBi's slopes are fixed; frozen tables: no gradient asked for them."""
     padding = torch.zeros(2, 20, dtype=torch.bool)
     padding[1, 15:] = True
-    compare(kernel_device, 2, 2, 20, 20, 8, causal=True, padding=padding, term="bias and vectors", table_grad=False)
+    compare(kernel_device, 2, 2, 20, 20, 8, causal=True, padding=padding, term="bias and vectors and values",
+            table_grad=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("term", ["bias", "vectors"])
+@pytest.mark.parametrize("term", ["bias", "bias and vectors and values"])
 def test_float32_and_half_precision(kernel_device, dtype, term):
     padding = torch.zeros(2, 37, dtype=torch.bool)
     padding[0, 30:] = True
@@ -127,14 +135,14 @@ def test_float32_and_half_precision(kernel_device, dtype, term):
 def test_the_tables_gradients_are_the_same_on_every_run(kernel_device):
     """No atomics: the sums per distance are added in a fixed order."""
     *values, grad_out = (x.to(kernel_device, torch.float32) if x is not None else None
-                         for x in inputs(2, 2, 40, 40, 16, torch.float64, "bias and vectors"))
+                         for x in inputs(2, 2, 40, 40, 16, torch.float64, "bias and vectors and values"))
     results = []
     for _ in range(2):
-        q, qr, k, v, bias, vectors = values
-        bias, vectors = bias.clone().requires_grad_(), vectors.clone().requires_grad_()
-        fused.TritonAttention.apply(q, qr, k, v, bias, vectors, None, True).backward(grad_out)
-        results.append((bias.grad, vectors.grad))
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+        q, qr, k, v, *tables = values
+        tables = [table.clone().requires_grad_() for table in tables]
+        fused.TritonAttention.apply(q, qr, k, v, *tables, None, True).backward(grad_out)
+        results.append([table.grad for table in tables])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 @pytest.mark.parametrize("capability,dtypes", [(90, ["bf16", "fp32"]), (80, ["bf16"])])
@@ -168,3 +176,23 @@ def test_mode_is_interpreted_under_the_interpreter(monkeypatch):
     assert fused.mode() == "on"
     q = torch.zeros(1, 1, 2, 4)
     assert not fused.available(q, "on") and fused.available(q, fused.INTERPRETED) and not fused.available(q, "off")
+
+
+def test_switch_values(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv(fused.SWITCH, "yes")
+    with pytest.raises(ValueError, match="POSENC_TRITON_ATTENTION='yes'"):
+        fused.mode()
+    monkeypatch.setenv(fused.SWITCH, "on")
+    assert fused.mode() == "on"
+    monkeypatch.delenv(fused.SWITCH)
+    assert fused.mode() == "off"
+
+
+def test_without_triton_the_switch_is_refused_with_the_way_out(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "posenc_fairseq.kernels.triton_kernels", None)  # (import fails)
+    q = torch.zeros(1, 1, 2, 4)
+    with pytest.raises(RuntimeError, match="needs the `triton` package.*unset POSENC_TRITON_ATTENTION"):
+        fused.TritonAttention.apply(q, None, q, q, torch.zeros(1, 3), None, None, None, False)

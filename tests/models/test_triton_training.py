@@ -9,9 +9,11 @@ from devices import bound
 from test_checkpoint_activations import gradients
 
 #: (encoding, options, self-attention layers with a term per stack): the bias-only terms (T5/AT5: the
-#: first layer by default), Shaw's and LFHC's key terms, XL's and GCDF's (with u and v)
+#: first layer by default), Shaw's and LFHC's key terms with and without their value terms, XL's and
+#: GCDF's (with u and v)
 CASES = [("t5", [], 1), ("t5", ["--scalar-bias-layers", "all"], 2), ("t5_nob", [], 1), ("at5", [], 1),
-         ("at5_nob", [], 1), ("alibi", [], 2), ("shaw", ["--shaw-values", "off"], 2), ("lfhc", [], 2), ("xl", [], 2),
+         ("at5_nob", [], 1), ("alibi", [], 2), ("shaw", [], 2), ("shaw", ["--shaw-values", "off"], 2), ("lfhc", [], 2),
+         ("lfhc", ["--lfhc-values", "on"], 2), ("xl", [], 2),
          ("gcdf", [], 2)]
 
 
