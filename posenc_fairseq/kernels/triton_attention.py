@@ -97,9 +97,10 @@ def attend(call) -> Tensor:
             bias = term.bias if term.rows is None else take_runs(term.bias, term.rows)
         if term.vectors is not None:
             vectors = vectors_per_column(term)
-            query_for_vectors = call.q if term.shift is None else call.q + term.shift
+            # (in the queries' dtype: under autocast the encoding's vectors may be float32)
+            query_for_vectors = call.q if term.shift is None else (call.q + term.shift).to(call.q.dtype)
         if term.content is not None:
-            query = call.q + term.content
+            query = (call.q + term.content).to(call.q.dtype)
     values = vectors_per_column(call.values) if call.values is not None else None
     return TritonAttention.apply(query, query_for_vectors, call.k, call.v, bias, vectors, values,
                                  call.key_padding_mask, call.attn_mask is not None)

@@ -83,7 +83,7 @@ def test_activation_checkpointing_recomputes_through_the_kernel(translation_data
             1 + value.abs().max()), name
 
 
-@pytest.mark.parametrize("encoding", ["at5", "xl"])
+@pytest.mark.parametrize("encoding", ["at5", "xl", "shaw"])
 def test_decoding_steps_equal_the_full_pass(translation_data, kernel_device, monkeypatch, counted, encoding):
     """Step by step the decoder takes the STEP kernel (its terms folded into q, k, v), the full pass
     this one: the same logits."""
