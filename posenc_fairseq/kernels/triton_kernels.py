@@ -130,6 +130,20 @@ def _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq):
 
 
 @triton.jit
+def _query_rows(Q, QR, dO, M, L, Delta, b, h, bh, offs_m, offs_d, sqb, sqh, sqm, sqd, sob, soh, som, sod, Tq, D):
+    """What the backward reads of a block of queries: qk, qr, dO, and each row's m, l and
+    rowsum(dO * out) (rows past Tq: m 0, l 1)."""
+    qk = _load_rows(Q + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
+    qr = _load_rows(QR + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
+    do = _load_rows(dO + b * sob + h * soh, offs_m, som, sod, offs_d, Tq, D)
+    row = bh * Tq + offs_m
+    m_i = tl.load(M + row, mask=offs_m < Tq, other=0.0)
+    l_i = tl.load(L + row, mask=offs_m < Tq, other=1.0)
+    delta = tl.load(Delta + row, mask=offs_m < Tq, other=0.0)
+    return qk, qr, do, m_i, l_i, delta
+
+
+@triton.jit
 def _attention_forward(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, Out, M, L,
                        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                        sbh, swh, swn, swd, suh, sun, sud, spb,
@@ -200,13 +214,8 @@ def _attention_backward_keys(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, dO, M, L, D
         start = tl.maximum(0, n0 - (Tk - Tq)) // BLOCK * BLOCK
     for m0 in range(start, Tq, BLOCK):
         offs_m = m0 + tl.arange(0, BLOCK)
-        qk = _load_rows(Q + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
-        qr = _load_rows(QR + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
-        do = _load_rows(dO + b * sob + h * soh, offs_m, som, sod, offs_d, Tq, D)
-        row = bh * Tq + offs_m
-        m_i = tl.load(M + row, mask=offs_m < Tq, other=0.0)
-        l_i = tl.load(L + row, mask=offs_m < Tq, other=1.0)
-        delta = tl.load(Delta + row, mask=offs_m < Tq, other=0.0)
+        qk, qr, do, m_i, l_i, delta = _query_rows(Q, QR, dO, M, L, Delta, b, h, bh, offs_m, offs_d, sqb, sqh, sqm, sqd,
+                                                  sob, soh, som, sod, Tq, D)
         s, blocked, _ = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d, pad_row, fill,
                                 Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
         dp = _products(do, v, val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, HAS_VALUES, BLOCK, PRECISION)
@@ -233,13 +242,8 @@ def _attention_backward_queries(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, dO, M, L
     m0 = block * BLOCK
     offs_m = m0 + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
-    qk = _load_rows(Q + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
-    qr = _load_rows(QR + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
-    do = _load_rows(dO + b * sob + h * soh, offs_m, som, sod, offs_d, Tq, D)
-    row = bh * Tq + offs_m
-    m_i = tl.load(M + row, mask=offs_m < Tq, other=0.0)
-    l_i = tl.load(L + row, mask=offs_m < Tq, other=1.0)
-    delta = tl.load(Delta + row, mask=offs_m < Tq, other=0.0)
+    qk, qr, do, m_i, l_i, delta = _query_rows(Q, QR, dO, M, L, Delta, b, h, bh, offs_m, offs_d, sqb, sqh, sqm, sqd,
+                                              sob, soh, som, sod, Tq, D)
     fill = tl.load(Fill)
     bias_row, vec_head, val_head, pad_row = Bias + h * sbh, Vec + h * swh, Val + h * suh, Pad + b * spb
     dqk = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
@@ -294,15 +298,10 @@ def _attention_backward_distances(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, dO, M,
         n0 = (query_block + shift) * BLOCK
         offs_m = m0 + tl.arange(0, BLOCK)
         offs_n = n0 + tl.arange(0, BLOCK)
-        qk = _load_rows(Q + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
-        qr = _load_rows(QR + b * sqb + h * sqh, offs_m, sqm, sqd, offs_d, Tq, D)
-        do = _load_rows(dO + b * sob + h * soh, offs_m, som, sod, offs_d, Tq, D)
+        qk, qr, do, m_i, l_i, delta = _query_rows(Q, QR, dO, M, L, Delta, b, h, bh, offs_m, offs_d, sqb, sqh, sqm, sqd,
+                                                  sob, soh, som, sod, Tq, D)
         k = _load_rows(K + b * skb + h * skh, offs_n, skn, skd, offs_d, Tk, D)
         v = _load_rows(V + b * svb + h * svh, offs_n, svn, svd, offs_d, Tk, D)
-        row = bh * Tq + offs_m
-        m_i = tl.load(M + row, mask=offs_m < Tq, other=0.0)
-        l_i = tl.load(L + row, mask=offs_m < Tq, other=1.0)
-        delta = tl.load(Delta + row, mask=offs_m < Tq, other=0.0)
         s, blocked, _ = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d, pad_row,
                                 fill, Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
         dp = _products(do, v, val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, HAS_VALUES, BLOCK, PRECISION)
