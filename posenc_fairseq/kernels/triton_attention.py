@@ -25,7 +25,8 @@ exactness is tested in the interpreter and it compiles for sm_80/sm_90 (tests/ke
 test_triton_attention.py); its CUDA tests (`make test-cuda`) and speed wait for a GPU session.
 
 A row that sees no key (all its keys padded) gets what the explicit path gives it, uniform weights
-over all Tk keys (the kernel may skip the future tiles, so it computes that row in torch).
+over all Tk keys (the kernel skips the future tiles and the blocks of keys all padding, so it
+computes that row in torch).
 """
 import importlib
 import os
@@ -134,14 +135,17 @@ class TritonAttention(torch.autograd.Function):
         inputs = kernels.Inputs(q, qr, k, v, bias, vectors, values, padding, causal, fill)
         out, m, l = kernels.forward(inputs)  # noqa: E741
         # Only padding can leave a row without a key (the queries are the last Tq keys: under the
-        # causal mask query i sees key i + Tk - Tq). Such a row gets the explicit path's answer.
-        sees_no_key = (m == fill)[..., None] if padding is not None else None
-        result = out
-        if sees_no_key is not None:
-            result = torch.where(sees_no_key, _uniform_output(v, values, q.size(2), accumulate).to(out.dtype), out)
+        # causal mask query i sees key i + Tk - Tq). Its maximum is the fill, or -inf where the kernel
+        # skipped all its tiles (all padding). Such a row gets the explicit path's answer, and for the
+        # backward, where its gradient is zero, an m and l that keep its probabilities finite.
+        sees_no_key = None
+        if padding is not None:
+            sees_no_key = (m <= fill)[..., None]
+            out = torch.where(sees_no_key, _uniform_output(v, values, q.size(2), accumulate).to(out.dtype), out)
+            m, l = torch.where(sees_no_key[..., 0], fill, m), torch.where(sees_no_key[..., 0], 1.0, l)  # noqa: E741
         ctx.save_for_backward(q, qr, k, v, bias, vectors, values, padding, fill, out, m, l, sees_no_key)
         ctx.causal = causal
-        return result
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):

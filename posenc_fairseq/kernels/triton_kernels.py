@@ -30,7 +30,7 @@ Float32 (float64 for float64 inputs) throughout.
 
 Masks: key padding, and the causal mask (key j after query i + Tk - Tq). A blocked logit is `fill`
 (the finite minimum of the inputs' dtype, as the explicit path fills it); tiles wholly in the future
-are skipped. Columns past Tk are -inf (they are not keys). Rows that see no key: triton_attention.py.
+and blocks of keys all padding are skipped, never read. Columns past Tk are -inf (they are not keys). Rows that see no key: triton_attention.py.
 
 Runs compiled on CUDA, and on CPU in Triton's interpreter (TRITON_INTERPRET=1 before this module is
 imported) for the exactness tests (tests/kernels/test_triton_attention.py).
@@ -62,6 +62,36 @@ def _band(qr, first, bias_row, vec_head, svn, svd, offs_d, columns, D, acc_dtype
     if HAS_BIAS:
         term += tl.load(bias_row + column, mask=inside, other=0.0).to(acc_dtype)[None, :]
     return term, vectors
+
+
+@triton.jit
+def _key_rows(K, V, b, h, n0, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, Tk, D, BLOCK: tl.constexpr):
+    """k and v of the block of keys from n0, (BLOCK, BLOCK_D) each (zeros past Tk and D)."""
+    offs_n = n0 + tl.arange(0, BLOCK)
+    return (_load_rows(K + b * skb + h * skh, offs_n, skn, skd, offs_d, Tk, D),
+            _load_rows(V + b * svb + h * svh, offs_n, svn, svd, offs_d, Tk, D))
+
+
+@triton.jit
+def _keys_end(m0, Tq, Tk, CAUSAL: tl.constexpr, BLOCK: tl.constexpr):
+    """The end of the keys that the block of queries from m0 sees: under the causal mask, up to its
+    last query's key (later tiles are wholly in the future, skipped)."""
+    end = Tk
+    if CAUSAL:
+        end = tl.minimum(Tk, m0 + BLOCK + Tk - Tq)
+    return end
+
+
+@triton.jit
+def _keys_live(pad_row, n0, Tk, HAS_PADDING: tl.constexpr, BLOCK: tl.constexpr):
+    """Whether the block of keys from n0 holds a key that is not padding: the others are skipped (their
+    logits are blocked, so they add exactly nothing to a row that sees a key, and a row that sees none
+    is computed in torch)."""
+    live = n0 < Tk
+    if HAS_PADDING:
+        offs_n = n0 + tl.arange(0, BLOCK)
+        live = tl.min(tl.load(pad_row + offs_n, mask=offs_n < Tk, other=1), 0) == 0
+    return live
 
 
 @triton.jit
@@ -163,25 +193,23 @@ def _attention_forward(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, Out, M, L,
     m_i = tl.zeros([BLOCK], dtype=fill.dtype) + float("-inf")
     l_i = tl.zeros([BLOCK], dtype=fill.dtype)
     acc = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
-    end = Tk
-    if CAUSAL:
-        end = tl.minimum(Tk, m0 + BLOCK + Tk - Tq)
+    end = _keys_end(m0, Tq, Tk, CAUSAL, BLOCK)
     for n0 in range(0, end, BLOCK):
-        offs_n = n0 + tl.arange(0, BLOCK)
-        k = _load_rows(K + b * skb + h * skh, offs_n, skn, skd, offs_d, Tk, D)
-        v = _load_rows(V + b * svb + h * svh, offs_n, svn, svd, offs_d, Tk, D)
-        s, blocked, vectors = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d, pad_row,
-                                      fill, Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        if HAS_VALUES:  # sum_j p_ij values[h, c]: the probabilities skewed into the band's columns
-            values = _values_band(val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, v.dtype, BLOCK)
-            acc += tl.dot(_skewed(p, BLOCK).to(v.dtype), values, input_precision=PRECISION)
-        m_i = m_new
-    out = acc / l_i[:, None]
+        if _keys_live(pad_row, n0, Tk, HAS_PADDING, BLOCK):
+            k, v = _key_rows(K, V, b, h, n0, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, Tk, D, BLOCK)
+            s, blocked, vectors = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d,
+                                          pad_row, fill, Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK,
+                                          PRECISION)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            if HAS_VALUES:  # sum_j p_ij values[h, c]: the probabilities skewed into the band's columns
+                values = _values_band(val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, v.dtype, BLOCK)
+                acc += tl.dot(_skewed(p, BLOCK).to(v.dtype), values, input_precision=PRECISION)
+            m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (l = 0: every tile skipped; torch fills the row)
     tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out.to(Out.dtype.element_ty),
              mask=(offs_m[:, None] < Tq) & (offs_d[None, :] < D))
     row = bh * Tq + offs_m
@@ -203,8 +231,7 @@ def _attention_backward_keys(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, dO, M, L, D
     n0 = block * BLOCK
     offs_n = n0 + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _load_rows(K + b * skb + h * skh, offs_n, skn, skd, offs_d, Tk, D)
-    v = _load_rows(V + b * svb + h * svh, offs_n, svn, svd, offs_d, Tk, D)
+    k, v = _key_rows(K, V, b, h, n0, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, Tk, D, BLOCK)
     fill = tl.load(Fill)
     bias_row, vec_head, val_head, pad_row = Bias + h * sbh, Vec + h * swh, Val + h * suh, Pad + b * spb
     dk = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
@@ -212,7 +239,8 @@ def _attention_backward_keys(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, dO, M, L, D
     start = 0
     if CAUSAL:  # the first query that sees this block's first key
         start = tl.maximum(0, n0 - (Tk - Tq)) // BLOCK * BLOCK
-    for m0 in range(start, Tq, BLOCK):
+    end = tl.where(_keys_live(pad_row, n0, Tk, HAS_PADDING, BLOCK), Tq, start)  # (all padding: no query)
+    for m0 in range(start, end, BLOCK):
         offs_m = m0 + tl.arange(0, BLOCK)
         qk, qr, do, m_i, l_i, delta = _query_rows(Q, QR, dO, M, L, Delta, b, h, bh, offs_m, offs_d, sqb, sqh, sqm, sqd,
                                                   sob, soh, som, sod, Tq, D)
@@ -248,20 +276,18 @@ def _attention_backward_queries(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, dO, M, L
     bias_row, vec_head, val_head, pad_row = Bias + h * sbh, Vec + h * swh, Val + h * suh, Pad + b * spb
     dqk = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
     dqr = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
-    end = Tk
-    if CAUSAL:
-        end = tl.minimum(Tk, m0 + BLOCK + Tk - Tq)
+    end = _keys_end(m0, Tq, Tk, CAUSAL, BLOCK)
     for n0 in range(0, end, BLOCK):
-        offs_n = n0 + tl.arange(0, BLOCK)
-        k = _load_rows(K + b * skb + h * skh, offs_n, skn, skd, offs_d, Tk, D)
-        v = _load_rows(V + b * svb + h * svh, offs_n, svn, svd, offs_d, Tk, D)
-        s, blocked, vectors = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d, pad_row,
-                                      fill, Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
-        dp = _products(do, v, val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, HAS_VALUES, BLOCK, PRECISION)
-        _, ds = _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq)
-        dqk += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-        if HAS_VECTORS:
-            dqr += tl.dot(_skewed(ds, BLOCK).to(vectors.dtype), vectors, input_precision=PRECISION)
+        if _keys_live(pad_row, n0, Tk, HAS_PADDING, BLOCK):
+            k, v = _key_rows(K, V, b, h, n0, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, Tk, D, BLOCK)
+            s, blocked, vectors = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d,
+                                          pad_row, fill, Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK,
+                                          PRECISION)
+            dp = _products(do, v, val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, HAS_VALUES, BLOCK, PRECISION)
+            _, ds = _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq)
+            dqk += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+            if HAS_VECTORS:
+                dqr += tl.dot(_skewed(ds, BLOCK).to(vectors.dtype), vectors, input_precision=PRECISION)
     tl.store(dQ + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, dqk.to(dQ.dtype.element_ty),
              mask=(offs_m[:, None] < Tq) & (offs_d[None, :] < D))
     if HAS_VECTORS:
@@ -296,23 +322,22 @@ def _attention_backward_distances(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, dO, M,
     for query_block in range(first, last):
         m0 = query_block * BLOCK
         n0 = (query_block + shift) * BLOCK
-        offs_m = m0 + tl.arange(0, BLOCK)
-        offs_n = n0 + tl.arange(0, BLOCK)
-        qk, qr, do, m_i, l_i, delta = _query_rows(Q, QR, dO, M, L, Delta, b, h, bh, offs_m, offs_d, sqb, sqh, sqm, sqd,
-                                                  sob, soh, som, sod, Tq, D)
-        k = _load_rows(K + b * skb + h * skh, offs_n, skn, skd, offs_d, Tk, D)
-        v = _load_rows(V + b * svb + h * svh, offs_n, svn, svd, offs_d, Tk, D)
-        s, blocked, _ = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d, pad_row,
-                                fill, Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
-        dp = _products(do, v, val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, HAS_VALUES, BLOCK, PRECISION)
-        p, ds = _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq)
-        band = _skewed(ds, BLOCK)
-        if VALUES_GRAD:
-            val_grad += tl.dot(tl.trans(_skewed(p, BLOCK).to(do.dtype)), do, input_precision=PRECISION)
-        if BIAS_GRAD:
-            bias_grad += tl.sum(band, 0)
-        if VECTORS_GRAD:
-            vec_grad += tl.dot(tl.trans(band.to(qr.dtype)), qr, input_precision=PRECISION)
+        if _keys_live(pad_row, n0, Tk, HAS_PADDING, BLOCK):
+            offs_m = m0 + tl.arange(0, BLOCK)
+            qk, qr, do, m_i, l_i, delta = _query_rows(Q, QR, dO, M, L, Delta, b, h, bh, offs_m, offs_d, sqb, sqh, sqm,
+                                                      sqd, sob, soh, som, sod, Tq, D)
+            k, v = _key_rows(K, V, b, h, n0, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, Tk, D, BLOCK)
+            s, blocked, _ = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d, pad_row,
+                                    fill, Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
+            dp = _products(do, v, val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, HAS_VALUES, BLOCK, PRECISION)
+            p, ds = _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq)
+            band = _skewed(ds, BLOCK)
+            if VALUES_GRAD:
+                val_grad += tl.dot(tl.trans(_skewed(p, BLOCK).to(do.dtype)), do, input_precision=PRECISION)
+            if BIAS_GRAD:
+                bias_grad += tl.sum(band, 0)
+            if VECTORS_GRAD:
+                vec_grad += tl.dot(tl.trans(band.to(qr.dtype)), qr, input_precision=PRECISION)
     part = bh * (query_blocks + key_blocks - 1) + t
     width = tl.arange(0, 2 * BLOCK)
     if BIAS_GRAD:

@@ -116,6 +116,40 @@ def test_padding_and_rows_that_see_no_key(kernel_device, causal, term):
     assert torch.isfinite(got).all()
 
 
+@pytest.mark.parametrize("term", ["bias", "bias and vectors and values"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_blocks_of_keys_all_padding_are_never_read(kernel_device, causal, term):
+    """The kernels skip a block of keys that is all padding: NaN keys and values there change no
+    output or gradient, and those keys' gradients are zero (a kernel that read them would spread the
+    NaN, as 0 * NaN is NaN)."""
+    dims = 16
+    settings = fused._kernels().settings(torch.float32, dims, kernel_device.type == "cuda", "vectors" in term)
+    block, keys = settings["BLOCK"], 3 * settings["BLOCK"] + 5
+    padding = torch.zeros(2, keys, dtype=torch.bool)
+    padding[0, block + 2:] = True  # right padding: blocks 2 and 3 all padding
+    if causal:  # (left padding would leave the first queries without a key, whose uniform rows read v)
+        padding[1, 2 * block + 1:] = True
+    else:
+        padding[1, :2 * block + 3] = True  # left padding: blocks 0 and 1
+    unread = torch.zeros_like(padding)
+    for start in range(0, keys, block):
+        unread[:, start:start + block] = padding[:, start:start + block].all(-1, keepdim=True)
+    assert unread[0].any() and unread[1].any()
+    *tensors, grad_out = inputs(2, 2, keys, keys, dims, torch.float64, term)
+    leaves = [x.requires_grad_() if x is not None else None for x in tensors]
+    expected = formula(*leaves, padding, causal)
+    expected_grads = torch.autograd.grad(expected, [x for x in leaves if x is not None], grad_out)
+    got_leaves = [x.detach().to(kernel_device, torch.float32) if x is not None else None for x in tensors]
+    for index in (2, 3):  # k, v
+        got_leaves[index] = got_leaves[index].masked_fill(unread.to(kernel_device)[:, None, :, None], float("nan"))
+    got_leaves = [x.requires_grad_() if x is not None else None for x in got_leaves]
+    got = fused.TritonAttention.apply(*got_leaves, padding.to(kernel_device), causal)
+    got_grads = torch.autograd.grad(got, [x for x in got_leaves if x is not None], grad_out.to(kernel_device, torch.float32))
+    limit = bound(kernel_device, "triton vs formula", torch.float32)
+    for a, b in zip((got, *got_grads), (expected, *expected_grads)):
+        assert (a.cpu().double() - b).abs().max() <= limit * (1 + b.abs().max())
+
+
 def test_tables_without_gradient(kernel_device):
     """ALiBi's slopes are fixed; frozen tables: no gradient asked for them."""
     padding = torch.zeros(2, 20, dtype=torch.bool)

@@ -6,7 +6,8 @@ import torch
 
 from posenc_fairseq.kernels import triton_attention as fused
 from devices import bound
-from test_checkpoint_activations import gradients
+from test_checkpoint_activations import gradients, gradients_of_steps
+from test_ddp import fairseq_c10d, process_group  # noqa: F401 (a fixture)
 
 #: (encoding, options, self-attention layers with a term per stack): the bias-only terms (T5/AT5: the
 #: first layer by default), Shaw's and LFHC's key terms with and without their value terms, XL's and
@@ -106,3 +107,22 @@ def test_decoding_steps_equal_the_full_pass(translation_data, kernel_device, mon
                            for t in range(prev.size(1))], dim=1)
     assert len(counted) == 4 + 2  # the encoder's two layers once more; no decoding step
     assert (steps - full).abs().max() <= bound(kernel_device, "steps vs pass")
+
+
+def test_ddp_with_checkpointing_takes_the_kernel(translation_data, kernel_device, process_group,  # noqa: F811
+                                                 monkeypatch, counted):
+    """torch DDP as fairseq wraps the model (gloo on the CPU, NCCL on CUDA) with --checkpoint-activations,
+    two steps through the kernel: the plain model's gradients on the default paths (XL: u and v shared
+    by every layer, reduced once per backward)."""
+    model, expected = gradients_of_steps(translation_data, "xl", [], device=kernel_device)
+    assert not counted
+    monkeypatch.setenv(fused.SWITCH, "on")
+    state = {k: v for k, v in model.state_dict().items() if "window_" not in k}
+    _, got = gradients_of_steps(translation_data, "xl", ["--checkpoint-activations"], state, wrap=fairseq_c10d,
+                                device=kernel_device)
+    assert len(counted) == 2 * 2 * 4  # two steps; 4 self-attention layers, each run and recomputed
+    for step, (a, b) in enumerate(zip(got, expected), start=1):
+        assert sorted(a) == sorted(b)
+        limit = bound(kernel_device, "triton vs default paths")
+        for name, value in b.items():
+            assert (a[name] - value).abs().max() <= limit * (1 + value.abs().max()), (step, name)
