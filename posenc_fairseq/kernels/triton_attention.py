@@ -9,8 +9,10 @@ It serves every encoding's relative terms (`DistanceTerm`s):
                                       table rows spread over the distances)
     XL, GCDF                          (q + v) . W_r R per distance, and u . k_j (added to the queries
                                       of the product with the keys)
-Not served, taking the other paths: attention dropout, attention weights or logits asked for,
---cross-self-attention, and masks other than key padding and fairseq's future mask.
+Attention dropout is applied inside, its mask drawn per (query, key) from a seed (`TritonAttention`).
+Not served, taking the other paths: attention weights or logits asked for, --cross-self-attention,
+masks other than key padding and fairseq's future mask, and dropout over 2^32 (query, key) pairs per
+head (the draws' counter is 32 bits).
 
 Where it is used: the environment variable POSENC_TRITON_ATTENTION, read when a stack starts a forward
 pass (`mode()`; its value travels in the pass context and the `AttentionCall`):
@@ -25,15 +27,13 @@ exactness is tested in the interpreter and it compiles for sm_80/sm_90 (tests/ke
 test_triton_attention.py); its CUDA tests (`make test-cuda`) and speed wait for a GPU session.
 
 A row that sees no key (all its keys padded) gets what the explicit path gives it, uniform weights
-over all Tk keys (the kernel skips the future tiles and the blocks of keys all padding, so it
-computes that row in torch).
+over all Tk keys (dropped as any other): its block of queries skips no tile (`sentence_keys`).
 """
 import importlib
 import os
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..encodings.distance import vectors_per_column
@@ -74,14 +74,20 @@ def _kernels():
                            "default) to use the default attention paths") from error
 
 
+#: dropout draws one Philox number per (query, key) of a head at the 32-bit counter i Tk + j
+DROPOUT_PAIRS = 2 ** 32
+
+
 def serves(call) -> bool:
     """Whether the kernel serves the `AttentionCall` `call`: relative terms, neither weights nor
-    logits asked for, no attention dropout or source keys, and no mask but key padding
-    and fairseq's future mask over a square (the stack's, known unread; any other is read, so that
-    a checkpointed layer's recomputation takes the kernel its first run took)."""
+    logits asked for, no source keys, dropout (if any) over fewer than DROPOUT_PAIRS pairs, and no mask
+    but key padding and fairseq's future mask over a square (the stack's, known unread; any other is
+    read, so that a checkpointed layer's recomputation takes the kernel its first run took)."""
     if not call.relative:
         return False
-    if call.need_weights or call.before_softmax or call.dropout_p > 0 or call.source_keys:
+    if call.need_weights or call.before_softmax or call.source_keys:
+        return False
+    if call.dropout_p > 0 and call.q.size(2) * call.k.size(2) >= DROPOUT_PAIRS:
         return False
     if call.attn_mask is None:
         return True
@@ -104,7 +110,7 @@ def attend(call) -> Tensor:
             query = (call.q + term.content).to(call.q.dtype)
     values = vectors_per_column(call.values) if call.values is not None else None
     return TritonAttention.apply(query, query_for_vectors, call.k, call.v, bias, vectors, values,
-                                 call.key_padding_mask, call.attn_mask is not None)
+                                 call.key_padding_mask, call.attn_mask is not None, call.dropout_p)
 
 
 def _non_overlapping(x: Tensor) -> Tensor:
@@ -114,14 +120,18 @@ def _non_overlapping(x: Tensor) -> Tensor:
 
 
 class TritonAttention(torch.autograd.Function):
-    """softmax_j(q k^T + bias[h, c] + qr . vectors[h, c] + masks) (v_j + values[h, c]), c = j - i + Tq - 1,
-    the queries already scaled (and shifted by the caller). `qr` (B, H, Tq, D) or None (no vectors);
-    per column, N = Tq + Tk - 1, or None: `bias` (H, N), `vectors` and `values` (H or 1, N, D);
-    `padding` (B, Tk) True at padded keys, or None; `causal`: key j after query i + Tk - Tq blocked."""
+    """dropout(softmax_j(q k^T + bias[h, c] + qr . vectors[h, c] + masks)) (v_j + values[h, c]),
+    c = j - i + Tq - 1, the queries already scaled (and shifted by the caller). `qr` (B, H, Tq, D) or
+    None (no vectors); per column, N = Tq + Tk - 1, or None: `bias` (H, N), `vectors` and `values`
+    (H or 1, N, D); `padding` (B, Tk) True at padded keys, or None; `causal`: key j after query
+    i + Tk - Tq blocked; `dropout_p`: attention dropout's probability, its mask drawn inside the kernels
+    from a seed that torch's generator of q's device gives (so a checkpointed recomputation, which
+    restores that generator, draws the same)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, qr: Optional[Tensor], k: Tensor, v: Tensor, bias: Optional[Tensor],
-                vectors: Optional[Tensor], values: Optional[Tensor], padding: Optional[Tensor], causal: bool):
+                vectors: Optional[Tensor], values: Optional[Tensor], padding: Optional[Tensor], causal: bool,
+                dropout_p: float = 0.0):
         kernels = _kernels()
         q, k, v = (_non_overlapping(x) for x in (q, k, v))
         if qr is not None:
@@ -130,54 +140,26 @@ class TritonAttention(torch.autograd.Function):
                 q, qr = q.contiguous(), qr.contiguous()
         accumulate = torch.float64 if q.dtype == torch.float64 else torch.float32
         fill = torch.full((1,), torch.finfo(q.dtype).min, dtype=accumulate, device=q.device)
-        padding = padding.to(torch.int8).contiguous() if padding is not None else None
-        bias, vectors, values = (x.contiguous() if x is not None else None for x in (bias, vectors, values))
-        inputs = kernels.Inputs(q, qr, k, v, bias, vectors, values, padding, causal, fill)
-        out, m, l = kernels.forward(inputs)  # noqa: E741
-        # Only padding can leave a row without a key (the queries are the last Tq keys: under the
-        # causal mask query i sees key i + Tk - Tq). Its maximum is the fill, or -inf where the kernel
-        # skipped all its tiles (all padding). Such a row gets the explicit path's answer, and for the
-        # backward, where its gradient is zero, an m and l that keep its probabilities finite.
-        sees_no_key = None
+        keys = None
         if padding is not None:
-            sees_no_key = (m <= fill)[..., None]
-            out = torch.where(sees_no_key, _uniform_output(v, values, q.size(2), accumulate).to(out.dtype), out)
-            m, l = torch.where(sees_no_key[..., 0], fill, m), torch.where(sees_no_key[..., 0], 1.0, l)  # noqa: E741
-        ctx.save_for_backward(q, qr, k, v, bias, vectors, values, padding, fill, out, m, l, sees_no_key)
-        ctx.causal = causal
+            padding = padding.to(torch.int8).contiguous()
+            keys = kernels.sentence_keys(padding, q.size(2), causal)
+        seed = torch.randint(2 ** 62, (1,), device=q.device) if dropout_p > 0 else None
+        bias, vectors, values = (x.contiguous() if x is not None else None for x in (bias, vectors, values))
+        inputs = kernels.Inputs(q, qr, k, v, bias, vectors, values, padding, keys, causal, fill, dropout_p, seed)
+        out, m, l = kernels.forward(inputs)  # noqa: E741
+        ctx.save_for_backward(q, qr, k, v, bias, vectors, values, padding, keys, fill, seed, out, m, l)
+        ctx.causal, ctx.dropout_p = causal, dropout_p
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, qr, k, v, bias, vectors, values, padding, fill, out, m, l, sees_no_key = ctx.saved_tensors  # noqa: E741
+        q, qr, k, v, bias, vectors, values, padding, keys, fill, seed, out, m, l = ctx.saved_tensors  # noqa: E741
         kernels = _kernels()
-        grad_out = grad_out.contiguous()
-        kernel_grad = grad_out if sees_no_key is None else grad_out.masked_fill(sees_no_key, 0)
-        inputs = kernels.Inputs(q, qr, k, v, bias, vectors, values, padding, ctx.causal, fill)
-        dq, dqr, dk, dv, *tables = kernels.backward(inputs, out, m, l, kernel_grad, ctx.needs_input_grad[4:7])
+        inputs = kernels.Inputs(q, qr, k, v, bias, vectors, values, padding, keys, ctx.causal, fill, ctx.dropout_p,
+                                seed)
+        dq, dqr, dk, dv, *tables = kernels.backward(inputs, out, m, l, grad_out.contiguous(),
+                                                    ctx.needs_input_grad[4:7])
         dbias, dvectors, dvalues = (grad.to(table.dtype) if grad is not None else None
                                     for grad, table in zip(tables, (bias, vectors, values)))
-        if sees_no_key is not None:  # the rows' uniform output: only v (and the values) get their gradient
-            with torch.enable_grad():
-                v_leaf = v.detach().requires_grad_()
-                values_leaf = values.detach().requires_grad_() if values is not None else None
-                uniform = _uniform_output(v_leaf, values_leaf, q.size(2), fill.dtype).expand(grad_out.shape)
-                leaves = [x for x in (v_leaf, values_leaf) if x is not None]
-                extra = torch.autograd.grad(uniform, leaves, grad_out.to(fill.dtype) * sees_no_key)
-            dv = (dv.to(fill.dtype) + extra[0]).to(dv.dtype)
-            if values is not None and dvalues is not None:
-                dvalues = dvalues + extra[1].to(dvalues.dtype)
-        return dq, dqr, dk, dv, dbias, dvectors, dvalues, None, None
-
-
-def _uniform_output(v: Tensor, values: Optional[Tensor], queries: int, dtype: torch.dtype) -> Tensor:
-    """The output of a query that sees no key, every key weighted 1/Tk as the explicit path weights
-    them: the mean of the values, (B, H, 1, D), plus with a value term the mean of values[h, c] over
-    query i's columns Tq - 1 - i .. Tq - 2 - i + Tk, (B or 1, H or 1, Tq, D)."""
-    keys = v.size(2)
-    out = v.to(dtype).mean(-2, keepdim=True)
-    if values is not None:
-        before = F.pad(values.to(dtype).cumsum(-2), (0, 0, 1, 0))  # before[c]: the columns < c summed
-        first = torch.arange(queries - 1, -1, -1, device=v.device)
-        out = out + (before[:, first + keys] - before[:, first]) / keys
-    return out
+        return dq, dqr, dk, dv, dbias, dvectors, dvalues, None, None, None

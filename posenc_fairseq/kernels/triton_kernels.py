@@ -2,7 +2,7 @@
 distance read inside the kernel, forward and backward, O(n) memory.
 
     s_ij = qk_i . k_j + bias[h, c] + qr_i . vectors[h, c],    c = j - i + Tq - 1
-    out_i = sum_j softmax_j(s_ij) (v_j + values[h, c])
+    out_i = sum_j dropout(softmax_j(s_ij)) (v_j + values[h, c])
 
 (qk, qr: the queries, already scaled, plus the encoding's content and shift vectors; the queries are
 the last Tq of the Tk keys.) T5/AT5/ALiBi give `bias`, Shaw/LFHC `vectors` (their table rows spread
@@ -29,8 +29,13 @@ Backward: P = exp(s - m) / l recomputed, in three kernels, none with atomics:
 Float32 (float64 for float64 inputs) throughout.
 
 Masks: key padding, and the causal mask (key j after query i + Tk - Tq). A blocked logit is `fill`
-(the finite minimum of the inputs' dtype, as the explicit path fills it); tiles wholly in the future
-and blocks of keys all padding are skipped, never read. Columns past Tk are -inf (they are not keys). Rows that see no key: triton_attention.py.
+(the finite minimum of the inputs' dtype, as the explicit path fills it); the tiles wholly in the
+future, and those of keys before a sentence's first key not padded or after its last, are skipped by
+the loops' bounds (`_sentence_keys`: rows that see no key too). Columns past Tk are -inf (they are
+not keys).
+
+Attention dropout: Philox draws per (query, key, b x h) from one seed (`_kept`), the same in every
+kernel; l sums the probabilities before dropout, out and the gradients use them after it.
 
 Runs compiled on CUDA, and on CPU in Triton's interpreter (TRITON_INTERPRET=1 before this module is
 imported) for the exactness tests (tests/kernels/test_triton_attention.py).
@@ -83,15 +88,45 @@ def _keys_end(m0, Tq, Tk, CAUSAL: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _keys_live(pad_row, n0, Tk, HAS_PADDING: tl.constexpr, BLOCK: tl.constexpr):
-    """Whether the block of keys from n0 holds a key that is not padding: the others are skipped (their
-    logits are blocked, so they add exactly nothing to a row that sees a key, and a row that sees none
-    is computed in torch)."""
-    live = n0 < Tk
+def _sentence_keys(Keys, b, Tk, HAS_PADDING: tl.constexpr):
+    """What padding leaves of sentence b's keys (`sentence_keys`): how many of its first queries see no
+    key, and its keys from the first to the last that is not padding, [first, stop) ((0, 0, Tk)
+    without padding). The tiles of keys outside that range are skipped by the loops' bounds (no branch
+    in a loop: Triton pipelines the loads of a loop without one). A block of queries that holds a row
+    seeing no key skips no tile: that row's logits are all the fill value, so it gets uniform weights
+    over all Tk keys, as the explicit path gives it; a row that sees a key gains exactly nothing from a
+    tile whose logits are all blocked (exp(fill - m) = 0), so extra tiles are harmless."""
+    unseen = b * 0
+    first = b * 0
+    stop = b * 0 + Tk
     if HAS_PADDING:
-        offs_n = n0 + tl.arange(0, BLOCK)
-        live = tl.min(tl.load(pad_row + offs_n, mask=offs_n < Tk, other=1), 0) == 0
-    return live
+        unseen = tl.load(Keys + 3 * b)
+        first = tl.load(Keys + 3 * b + 1)
+        stop = tl.load(Keys + 3 * b + 2)
+    return unseen, first, stop
+
+
+@triton.jit
+def _key_tiles(Keys, b, m0, Tq, Tk, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr, BLOCK: tl.constexpr):
+    """The keys [start, end) whose tiles the block of queries from m0 visits (`_sentence_keys`)."""
+    unseen, first, stop = _sentence_keys(Keys, b, Tk, HAS_PADDING)
+    every = m0 < unseen
+    return (tl.where(every, 0, first // BLOCK * BLOCK),
+            tl.where(every, Tk, tl.minimum(_keys_end(m0, Tq, Tk, CAUSAL, BLOCK), stop)))
+
+
+@triton.jit
+def _kept(Seed, bh, offs_m, offs_n, Tk, dropout_p, HAS_DROPOUT: tl.constexpr):
+    """Where attention dropout keeps the probability of query i and key j, (BLOCK, BLOCK): Philox of the
+    pass's seed at counters (i Tk + j, b x h) as a uniform number in [0, 1), kept where >= dropout_p.
+    Every kernel draws the same for the same (i, j) (all True without dropout)."""
+    keep = (offs_m[:, None] >= 0) & (offs_n[None, :] >= 0)
+    if HAS_DROPOUT:
+        counter = offs_m[:, None] * Tk + offs_n[None, :]
+        zero = counter * 0
+        bits, _, _, _ = tl.philox(tl.load(Seed), counter, zero + bh, zero, zero)
+        keep = tl.uint_to_uniform_float(bits) >= dropout_p
+    return keep
 
 
 @triton.jit
@@ -116,6 +151,18 @@ def _logits(qk, k_t, qr, m0, n0, bias_row, vec_head, svn, svd, offs_d, pad_row, 
     s = tl.where(blocked, fill, s)
     s = tl.where(offs_n[None, :] < Tk, s, float("-inf"))
     return s, blocked, vectors
+
+
+@triton.jit
+def _key_tile(qk, qr, K, V, b, h, m0, n0, bias_row, vec_head, pad_row, fill, offs_d, skb, skh, skn, skd,
+              svb, svh, svn, svd, swn, swd, Tq, Tk, D, HAS_BIAS: tl.constexpr, HAS_VECTORS: tl.constexpr,
+              HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    """k, v of the block of keys from n0 and the tile's logits, where they are blocked and the band's
+    vectors (`_logits`)."""
+    k, v = _key_rows(K, V, b, h, n0, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, Tk, D, BLOCK)
+    s, blocked, vectors = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d, pad_row, fill,
+                                  Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
+    return k, v, s, blocked, vectors
 
 
 @triton.jit
@@ -151,12 +198,28 @@ def _skewed(ds, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq):
-    """P and dS of a tile (rows past Tq: zeros); dS is zero where the logit is blocked (a constant)."""
+def _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq, keep, dropout_p, HAS_DROPOUT: tl.constexpr):
+    """The probabilities after dropout and dS of a tile (rows past Tq: zeros); dS is zero where the logit
+    is blocked (a constant). `dp`: dO . (v + values), the gradient of the dropped probabilities, so
+    dropout's mask and scale apply to it too (delta = rowsum(dO * out) is sum_j P_ij dP_ij either way)."""
     p = tl.exp(s - m_i[:, None]) / l_i[:, None]
     p = tl.where(offs_m[:, None] < Tq, p, 0.0)
+    dropped = p
+    if HAS_DROPOUT:
+        dropped = tl.where(keep, p / (1.0 - dropout_p), 0.0)
+        dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
     ds = tl.where(blocked, 0.0, p * (dp - delta[:, None]))
-    return p, ds
+    return dropped, ds
+
+
+@triton.jit
+def _tile_gradients(s, blocked, do, v, m_i, l_i, delta, Seed, bh, val_head, sun, sud, offs_d, offs_m, m0, n0, Tq, Tk,
+                    D, dropout_p, HAS_VALUES: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """The backward of a tile: its probabilities after dropout and dS (`_products`, `_probabilities`)."""
+    dp = _products(do, v, val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, HAS_VALUES, BLOCK, PRECISION)
+    keep = _kept(Seed, bh, offs_m, n0 + tl.arange(0, BLOCK), Tk, dropout_p, HAS_DROPOUT)
+    return _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq, keep, dropout_p, HAS_DROPOUT)
 
 
 @triton.jit
@@ -174,12 +237,13 @@ def _query_rows(Q, QR, dO, M, L, Delta, b, h, bh, offs_m, offs_d, sqb, sqh, sqm,
 
 
 @triton.jit
-def _attention_forward(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, Out, M, L,
+def _attention_forward(Q, QR, K, V, Bias, Vec, Val, Pad, Keys, Seed, Fill, Out, M, L,
                        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                        sbh, swh, swn, swd, suh, sun, sud, spb,
-                       H, Tq, Tk, D,
+                       H, Tq, Tk, D, dropout_p,
                        BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VECTORS: tl.constexpr, HAS_VALUES: tl.constexpr,
-                       HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+                       HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                       PRECISION: tl.constexpr):
     """(Q and QR share strides, as dO and Out do.)"""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -193,23 +257,24 @@ def _attention_forward(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, Out, M, L,
     m_i = tl.zeros([BLOCK], dtype=fill.dtype) + float("-inf")
     l_i = tl.zeros([BLOCK], dtype=fill.dtype)
     acc = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
-    end = _keys_end(m0, Tq, Tk, CAUSAL, BLOCK)
-    for n0 in range(0, end, BLOCK):
-        if _keys_live(pad_row, n0, Tk, HAS_PADDING, BLOCK):
-            k, v = _key_rows(K, V, b, h, n0, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, Tk, D, BLOCK)
-            s, blocked, vectors = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d,
-                                          pad_row, fill, Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK,
-                                          PRECISION)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            if HAS_VALUES:  # sum_j p_ij values[h, c]: the probabilities skewed into the band's columns
-                values = _values_band(val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, v.dtype, BLOCK)
-                acc += tl.dot(_skewed(p, BLOCK).to(v.dtype), values, input_precision=PRECISION)
-            m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (l = 0: every tile skipped; torch fills the row)
+    start, end = _key_tiles(Keys, b, m0, Tq, Tk, HAS_PADDING, CAUSAL, BLOCK)
+    for n0 in range(start, end, BLOCK):
+        k, v, s, blocked, vectors = _key_tile(qk, qr, K, V, b, h, m0, n0, bias_row, vec_head, pad_row, fill, offs_d,
+                                              skb, skh, skn, skd, svb, svh, svn, svd, swn, swd, Tq, Tk, D, HAS_BIAS,
+                                              HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:  # (the sum l is of the probabilities before dropout)
+            keep = _kept(Seed, bh, offs_m, n0 + tl.arange(0, BLOCK), Tk, dropout_p, HAS_DROPOUT)
+            p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if HAS_VALUES:  # sum_j p_ij values[h, c]: the probabilities skewed into the band's columns
+            values = _values_band(val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, v.dtype, BLOCK)
+            acc += tl.dot(_skewed(p, BLOCK).to(v.dtype), values, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
     tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out.to(Out.dtype.element_ty),
              mask=(offs_m[:, None] < Tq) & (offs_d[None, :] < D))
     row = bh * Tq + offs_m
@@ -218,13 +283,13 @@ def _attention_forward(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, Out, M, L,
 
 
 @triton.jit
-def _attention_backward_keys(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, dO, M, L, Delta, dK, dV,
+def _attention_backward_keys(Q, QR, K, V, Bias, Vec, Val, Pad, Keys, Seed, Fill, dO, M, L, Delta, dK, dV,
                              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                              sbh, swh, swn, swd, suh, sun, sud, spb,
-                             H, Tq, Tk, D,
+                             H, Tq, Tk, D, dropout_p,
                              BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
                              HAS_VECTORS: tl.constexpr, HAS_VALUES: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr,
-                             PRECISION: tl.constexpr):
+                             HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """dk, dv of a block of keys (dK, dV share the strides of K, V)."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -239,15 +304,18 @@ def _attention_backward_keys(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, dO, M, L, D
     start = 0
     if CAUSAL:  # the first query that sees this block's first key
         start = tl.maximum(0, n0 - (Tk - Tq)) // BLOCK * BLOCK
-    end = tl.where(_keys_live(pad_row, n0, Tk, HAS_PADDING, BLOCK), Tq, start)  # (all padding: no query)
-    for m0 in range(start, end, BLOCK):
+    unseen, first_key, stop_key = _sentence_keys(Keys, b, Tk, HAS_PADDING)
+    live = (n0 + BLOCK > first_key) & (n0 < stop_key)
+    # (rows that see no key: every block of queries from 0, the extra tiles harmless)
+    start = tl.where(unseen > 0, 0, tl.where(live, start, Tq))
+    for m0 in range(start, Tq, BLOCK):
         offs_m = m0 + tl.arange(0, BLOCK)
-        qk, qr, do, m_i, l_i, delta = _query_rows(Q, QR, dO, M, L, Delta, b, h, bh, offs_m, offs_d, sqb, sqh, sqm, sqd,
-                                                  sob, soh, som, sod, Tq, D)
+        qk, qr, do, m_i, l_i, delta = _query_rows(Q, QR, dO, M, L, Delta, b, h, bh, offs_m, offs_d, sqb, sqh, sqm,
+                                                  sqd, sob, soh, som, sod, Tq, D)
         s, blocked, _ = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d, pad_row, fill,
                                 Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
-        dp = _products(do, v, val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, HAS_VALUES, BLOCK, PRECISION)
-        p, ds = _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq)
+        p, ds = _tile_gradients(s, blocked, do, v, m_i, l_i, delta, Seed, bh, val_head, sun, sud, offs_d, offs_m,
+                                m0, n0, Tq, Tk, D, dropout_p, HAS_VALUES, HAS_DROPOUT, BLOCK, PRECISION)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
         dk += tl.dot(tl.trans(ds.to(qk.dtype)), qk, input_precision=PRECISION)
     tl.store(dK + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, dk.to(dK.dtype.element_ty),
@@ -257,13 +325,13 @@ def _attention_backward_keys(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, dO, M, L, D
 
 
 @triton.jit
-def _attention_backward_queries(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, dO, M, L, Delta, dQ, dQR,
+def _attention_backward_queries(Q, QR, K, V, Bias, Vec, Val, Pad, Keys, Seed, Fill, dO, M, L, Delta, dQ, dQR,
                                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                                 sbh, swh, swn, swd, suh, sun, sud, spb,
-                                H, Tq, Tk, D,
+                                H, Tq, Tk, D, dropout_p,
                                 BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
                                 HAS_VECTORS: tl.constexpr, HAS_VALUES: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr,
-                                PRECISION: tl.constexpr):
+                                HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """dqk (and dqr with vectors) of a block of queries (dQ, dQR share the strides of Q)."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -276,18 +344,16 @@ def _attention_backward_queries(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, dO, M, L
     bias_row, vec_head, val_head, pad_row = Bias + h * sbh, Vec + h * swh, Val + h * suh, Pad + b * spb
     dqk = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
     dqr = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
-    end = _keys_end(m0, Tq, Tk, CAUSAL, BLOCK)
-    for n0 in range(0, end, BLOCK):
-        if _keys_live(pad_row, n0, Tk, HAS_PADDING, BLOCK):
-            k, v = _key_rows(K, V, b, h, n0, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, Tk, D, BLOCK)
-            s, blocked, vectors = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d,
-                                          pad_row, fill, Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK,
-                                          PRECISION)
-            dp = _products(do, v, val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, HAS_VALUES, BLOCK, PRECISION)
-            _, ds = _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq)
-            dqk += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-            if HAS_VECTORS:
-                dqr += tl.dot(_skewed(ds, BLOCK).to(vectors.dtype), vectors, input_precision=PRECISION)
+    start, end = _key_tiles(Keys, b, m0, Tq, Tk, HAS_PADDING, CAUSAL, BLOCK)
+    for n0 in range(start, end, BLOCK):
+        k, v, s, blocked, vectors = _key_tile(qk, qr, K, V, b, h, m0, n0, bias_row, vec_head, pad_row, fill, offs_d,
+                                              skb, skh, skn, skd, svb, svh, svn, svd, swn, swd, Tq, Tk, D, HAS_BIAS,
+                                              HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
+        _, ds = _tile_gradients(s, blocked, do, v, m_i, l_i, delta, Seed, bh, val_head, sun, sud, offs_d, offs_m,
+                                m0, n0, Tq, Tk, D, dropout_p, HAS_VALUES, HAS_DROPOUT, BLOCK, PRECISION)
+        dqk += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        if HAS_VECTORS:
+            dqr += tl.dot(_skewed(ds, BLOCK).to(vectors.dtype), vectors, input_precision=PRECISION)
     tl.store(dQ + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, dqk.to(dQ.dtype.element_ty),
              mask=(offs_m[:, None] < Tq) & (offs_d[None, :] < D))
     if HAS_VECTORS:
@@ -296,13 +362,13 @@ def _attention_backward_queries(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, dO, M, L
 
 
 @triton.jit
-def _attention_backward_distances(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, dO, M, L, Delta, BiasPart, VecPart, ValPart,
+def _attention_backward_distances(Q, QR, K, V, Bias, Vec, Val, Pad, Keys, Seed, Fill, dO, M, L, Delta, BiasPart, VecPart, ValPart,
                                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                                   sbh, swh, swn, swd, suh, sun, sud, spb,
-                                  H, Tq, Tk, D, query_blocks, key_blocks,
+                                  H, Tq, Tk, D, dropout_p, query_blocks, key_blocks,
                                   BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
                                   HAS_VECTORS: tl.constexpr, HAS_VALUES: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr,
-                                  BIAS_GRAD: tl.constexpr, VECTORS_GRAD: tl.constexpr, VALUES_GRAD: tl.constexpr,
+                                  HAS_DROPOUT: tl.constexpr, BIAS_GRAD: tl.constexpr, VECTORS_GRAD: tl.constexpr, VALUES_GRAD: tl.constexpr,
                                   PRECISION: tl.constexpr):
     """The band gradients of diagonal `t` of tiles (key block - query block = t - (query_blocks - 1)):
     BiasPart[bh, t] (2 BLOCK,), VecPart and ValPart[bh, t] (2 BLOCK, BLOCK_D), summed over its tiles."""
@@ -317,27 +383,33 @@ def _attention_backward_distances(Q, QR, K, V, Bias, Vec, Val, Pad, Fill, dO, M,
     shift = t - (query_blocks - 1)  # key block - query block
     first = tl.maximum(0, -shift)
     last = tl.minimum(query_blocks, key_blocks - shift)
+    unseen, first_key, stop_key = _sentence_keys(Keys, b, Tk, HAS_PADDING)
+    live_first = tl.maximum(first, first_key // BLOCK - shift)  # (the tiles of keys not all padding)
+    live_last = tl.minimum(last, (stop_key + BLOCK - 1) // BLOCK - shift)
     if CAUSAL:  # the diagonal's tiles are all wholly in the future, or none is
-        last = tl.where(shift * BLOCK > BLOCK - 1 + Tk - Tq, first, last)
+        future = shift * BLOCK > BLOCK - 1 + Tk - Tq
+        live_last = tl.where(future, live_first, live_last)
+        last = tl.where(future, tl.minimum(last, (unseen + BLOCK - 1) // BLOCK), last)
+    # (rows that see no key: every tile of their blocks, the extra tiles of the others harmless)
+    first, last = tl.where(unseen > 0, first, live_first), tl.where(unseen > 0, last, live_last)
     for query_block in range(first, last):
         m0 = query_block * BLOCK
         n0 = (query_block + shift) * BLOCK
-        if _keys_live(pad_row, n0, Tk, HAS_PADDING, BLOCK):
-            offs_m = m0 + tl.arange(0, BLOCK)
-            qk, qr, do, m_i, l_i, delta = _query_rows(Q, QR, dO, M, L, Delta, b, h, bh, offs_m, offs_d, sqb, sqh, sqm,
-                                                      sqd, sob, soh, som, sod, Tq, D)
-            k, v = _key_rows(K, V, b, h, n0, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, Tk, D, BLOCK)
-            s, blocked, _ = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d, pad_row,
-                                    fill, Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
-            dp = _products(do, v, val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, HAS_VALUES, BLOCK, PRECISION)
-            p, ds = _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq)
-            band = _skewed(ds, BLOCK)
-            if VALUES_GRAD:
-                val_grad += tl.dot(tl.trans(_skewed(p, BLOCK).to(do.dtype)), do, input_precision=PRECISION)
-            if BIAS_GRAD:
-                bias_grad += tl.sum(band, 0)
-            if VECTORS_GRAD:
-                vec_grad += tl.dot(tl.trans(band.to(qr.dtype)), qr, input_precision=PRECISION)
+        offs_m = m0 + tl.arange(0, BLOCK)
+        qk, qr, do, m_i, l_i, delta = _query_rows(Q, QR, dO, M, L, Delta, b, h, bh, offs_m, offs_d, sqb, sqh, sqm,
+                                                  sqd, sob, soh, som, sod, Tq, D)
+        k, v, s, blocked, _ = _key_tile(qk, qr, K, V, b, h, m0, n0, bias_row, vec_head, pad_row, fill, offs_d,
+                                        skb, skh, skn, skd, svb, svh, svn, svd, swn, swd, Tq, Tk, D, HAS_BIAS,
+                                        HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
+        p, ds = _tile_gradients(s, blocked, do, v, m_i, l_i, delta, Seed, bh, val_head, sun, sud, offs_d, offs_m,
+                                m0, n0, Tq, Tk, D, dropout_p, HAS_VALUES, HAS_DROPOUT, BLOCK, PRECISION)
+        band = _skewed(ds, BLOCK)
+        if VALUES_GRAD:
+            val_grad += tl.dot(tl.trans(_skewed(p, BLOCK).to(do.dtype)), do, input_precision=PRECISION)
+        if BIAS_GRAD:
+            bias_grad += tl.sum(band, 0)
+        if VECTORS_GRAD:
+            vec_grad += tl.dot(tl.trans(band.to(qr.dtype)), qr, input_precision=PRECISION)
     part = bh * (query_blocks + key_blocks - 1) + t
     width = tl.arange(0, 2 * BLOCK)
     if BIAS_GRAD:
@@ -369,20 +441,26 @@ def settings(dtype: torch.dtype, head_dims: int, on_cuda: bool, vectors: bool) -
 class Inputs:
     """What every kernel reads: q (for the keys) and qr (for the vectors; q itself where no vectors),
     k, v (B, H, T, D); per distance column (N = Tq + Tk - 1), or None: bias (H, N), vectors and the
-    value term's vectors `values` (H or 1, N, D); padding (B, Tk) int8 or None; `fill` a one-element
-    tensor of the accumulation dtype."""
+    value term's vectors `values` (H or 1, N, D); padding (B, Tk) int8 or None, and with it `keys`
+    (B, 3) int32, what the padding leaves of each sentence's keys (`sentence_keys`); `fill` a
+    one-element tensor of the accumulation dtype; attention dropout's probability `dropout_p` and, where
+    it is > 0, `seed` a one-element int64 tensor (`_kept`)."""
 
-    def __init__(self, q, qr, k, v, bias, vectors, values, padding, causal, fill):
-        self.q, self.k, self.v, self.padding = q, k, v, padding
+    def __init__(self, q, qr, k, v, bias, vectors, values, padding, keys, causal, fill, dropout_p, seed):
+        self.q, self.k, self.v, self.padding, self.keys = q, k, v, padding, keys
         self.bias, self.vectors, self.values = bias, vectors, values
         self.qr = qr if qr is not None else q
-        self.causal, self.fill = causal, fill
+        self.causal, self.fill, self.dropout_p, self.seed = causal, fill, dropout_p, seed
         self.config = settings(q.dtype, q.size(-1), q.is_cuda, vectors is not None or values is not None)
 
     def pointers(self):
-        return [self.q, self.qr, self.k, self.v,
-                *(x if x is not None else self.fill for x in (self.bias, self.vectors, self.values, self.padding)),
-                self.fill]
+        tensors = (self.bias, self.vectors, self.values, self.padding, self.keys, self.seed)
+        return [self.q, self.qr, self.k, self.v, *(x if x is not None else self.fill for x in tensors), self.fill]
+
+    def sizes(self):
+        """H, Tq, Tk, D and the dropout probability."""
+        heads, queries, dims = self.q.size(1), self.q.size(2), self.q.size(3)
+        return [heads, queries, self.k.size(2), dims, float(self.dropout_p)]
 
     def strides(self, out):
         def per_head(table):  # (a table shared by the heads: head stride 0)
@@ -396,7 +474,7 @@ class Inputs:
     def flags(self):
         return dict(HAS_BIAS=self.bias is not None, HAS_VECTORS=self.vectors is not None,
                     HAS_VALUES=self.values is not None, HAS_PADDING=self.padding is not None, CAUSAL=self.causal,
-                    **self.config)
+                    HAS_DROPOUT=self.dropout_p > 0, **self.config)
 
 
 def forward(inputs: Inputs):
@@ -408,8 +486,7 @@ def forward(inputs: Inputs):
     m = torch.empty(batch, heads, queries, dtype=inputs.fill.dtype, device=q.device)
     l = torch.empty_like(m)  # noqa: E741
     grid = (triton.cdiv(queries, inputs.config["BLOCK"]), batch * heads)
-    _attention_forward[grid](*inputs.pointers(), out, m, l, *inputs.strides(out), heads, queries, inputs.k.size(2),
-                             dims, **inputs.flags())
+    _attention_forward[grid](*inputs.pointers(), out, m, l, *inputs.strides(out), *inputs.sizes(), **inputs.flags())
     return out, m, l
 
 
@@ -430,10 +507,9 @@ def backward(inputs: Inputs, out, m, l, grad_out, tables_grad):  # noqa: E741
     common = [*inputs.pointers(), grad_out, m, l, delta]
     strides = inputs.strides(grad_out)
     query_blocks, key_blocks = triton.cdiv(queries, block), triton.cdiv(keys, block)
-    _attention_backward_keys[(key_blocks, batch * heads)](*common, dk, dv, *strides, heads, queries, keys, dims,
-                                                          **inputs.flags())
+    _attention_backward_keys[(key_blocks, batch * heads)](*common, dk, dv, *strides, *inputs.sizes(), **inputs.flags())
     _attention_backward_queries[(query_blocks, batch * heads)](
-        *common, dq, dqr if has_vectors else dq, *strides, heads, queries, keys, dims, **inputs.flags())
+        *common, dq, dqr if has_vectors else dq, *strides, *inputs.sizes(), **inputs.flags())
     tables = (inputs.bias, inputs.vectors, inputs.values)
     wanted = [asked and table is not None for asked, table in zip(tables_grad, tables)]
     grads = [None, None, None]
@@ -443,7 +519,7 @@ def backward(inputs: Inputs, out, m, l, grad_out, tables_grad):  # noqa: E741
         parts = [torch.zeros(batch * heads * diagonals * 2 * block * width if want else 1, dtype=accumulate,
                              device=q.device) for want, width in zip(wanted, widths)]
         _attention_backward_distances[(diagonals, batch * heads)](
-            *common, *parts, *strides, heads, queries, keys, dims, query_blocks, key_blocks,
+            *common, *parts, *strides, *inputs.sizes(), query_blocks, key_blocks,
             BIAS_GRAD=wanted[0], VECTORS_GRAD=wanted[1], VALUES_GRAD=wanted[2], **inputs.flags())
         # the first column of diagonal t's band (t = 0: the lowest key block - query block)
         first = (1 - query_blocks) * block + queries - block
@@ -457,6 +533,42 @@ def backward(inputs: Inputs, out, m, l, grad_out, tables_grad):  # noqa: E741
             else:
                 grads[index] = columns[..., :dims].sum(0, keepdim=True) if table.size(0) == 1 else columns[..., :dims]
     return (dq, dqr, dk, dv, *grads)
+
+
+def sentence_keys(padding: torch.Tensor, queries: int, causal: bool) -> torch.Tensor:
+    """(B, 3) int32, per sentence: how many of its first queries see no key, its first key that is not
+    padding and one past its last (`_sentence_keys`); `padding` (B, Tk) nonzero at padded keys. The
+    queries are the last `queries` keys, under the causal mask query i sees the keys up to
+    i + Tk - Tq, so the rows that see no key are a prefix: those before the first key not padded."""
+    real = (padding == 0).to(torch.int32)
+    keys = padding.size(1)
+    any_real = real.amax(-1) > 0
+    first = torch.where(any_real, real.argmax(-1), keys)  # (argmax: the first maximum)
+    stop = torch.where(any_real, keys - real.flip(-1).argmax(-1), keys)
+    if causal:
+        unseen = (first - (keys - queries)).clamp(0, queries)
+    else:
+        unseen = torch.where(any_real, 0, queries)
+    return torch.stack([unseen, torch.where(any_real, first, 0), stop], -1).to(torch.int32).contiguous()
+
+
+def dropout_keep(seed: torch.Tensor, batch: int, heads: int, queries: int, keys: int, dropout_p: float) -> torch.Tensor:
+    """(B, H, Tq, Tk) bool: where the kernels' attention dropout keeps a probability for `seed` (the
+    draws of `_kept`, written out: for tests and inspection)."""
+    keep = torch.empty(batch * heads, queries, keys, dtype=torch.int8, device=seed.device)
+    _dropout_keep[(triton.cdiv(queries, 16), batch * heads)](seed, keep, queries, keys, float(dropout_p),
+                                                             BLOCK=16, KEY_BLOCK=triton.next_power_of_2(keys))
+    return keep.view(batch, heads, queries, keys) != 0
+
+
+@triton.jit
+def _dropout_keep(Seed, Keep, Tq, Tk, dropout_p, BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
+    block, bh = tl.program_id(0), tl.program_id(1)
+    offs_m = block * BLOCK + tl.arange(0, BLOCK)
+    offs_n = tl.arange(0, KEY_BLOCK)
+    keep = _kept(Seed, bh, offs_m, offs_n, Tk, dropout_p, True)
+    tl.store(Keep + (bh * Tq + offs_m[:, None]) * Tk + offs_n[None, :], keep.to(tl.int8),
+             mask=(offs_m[:, None] < Tq) & (offs_n[None, :] < Tk))
 
 
 def _bands_to_columns(bands, first, columns):

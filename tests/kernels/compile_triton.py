@@ -3,6 +3,7 @@ cubin with the wheel's ptxas: no GPU needed. Run by tests/kernels/test_triton_at
 without TRITON_INTERPRET (under the interpreter `triton.jit` gives functions that do not compile).
 
     python tests/kernels/compile_triton.py CAPABILITY DTYPE...     e.g. 90 bf16 fp32
+Compiled with everything on (padding, the causal mask, dropout).
 Prints one line per kernel and term: its name, dtype, term, tile and shared memory in bytes."""
 import sys
 
@@ -19,20 +20,26 @@ INPUT_POINTERS = ("Q", "QR", "K", "V", "Out", "dO", "dQ", "dQR", "dK", "dV")
 SIZES = ("H", "Tq", "Tk", "D")
 
 
+#: the other arguments that are not int32 or float32 pointers
+OTHER_TYPES = {"dropout_p": "fp32", "Pad": "*i8", "Keys": "*i32", "Seed": "*i64"}
+
+
 def signature(kernel, dtype_name):
     """Each argument's type: constexpr, int32 (sizes, strides: lower case), a pointer (the inputs'
-    dtype, int8 for the padding, else float32)."""
+    dtype, int8 for the padding, else float32), or as OTHER_TYPES says."""
     types = {}
     for parameter in kernel.params:
         name = parameter.name
         if parameter.is_constexpr:
             types[name] = "constexpr"
+        elif name in OTHER_TYPES:
+            types[name] = OTHER_TYPES[name]
         elif name in SIZES or name.islower():  # (query_blocks, key_blocks too)
             types[name] = "i32"
         elif name in INPUT_POINTERS:
             types[name] = f"*{dtype_name}"
         else:
-            types[name] = "*i8" if name == "Pad" else "*fp32"
+            types[name] = "*fp32"
     return types
 
 
@@ -41,7 +48,8 @@ def main(capability, dtype_names):
     for dtype_name in dtype_names:
         for vectors in (False, True):  # (their tiles differ: triton_kernels.settings)
             constants = dict(triton_kernels.settings(DTYPES[dtype_name], 64, on_cuda=True, vectors=vectors),
-                             HAS_BIAS=True, HAS_VECTORS=vectors, HAS_VALUES=vectors, HAS_PADDING=True, CAUSAL=True)
+                             HAS_BIAS=True, HAS_VECTORS=vectors, HAS_VALUES=vectors, HAS_PADDING=True, CAUSAL=True,
+                             HAS_DROPOUT=True)
             kernels = ((triton_kernels._attention_forward, {}), (triton_kernels._attention_backward_keys, {}),
                        (triton_kernels._attention_backward_queries, {}),
                        (triton_kernels._attention_backward_distances,

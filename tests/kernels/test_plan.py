@@ -94,10 +94,15 @@ def test_the_kernel_follows_from_the_call_alone(case, expected):
             assert plan(value).kernel is expected
 
 
-def test_the_triton_kernel_leaves_attention_dropout_and_source_keys_to_the_other_paths():
+def test_the_triton_kernel_takes_attention_dropout_and_leaves_source_keys_to_the_other_paths():
+    """Dropout is drawn inside the kernel, over fewer than 2^32 (query, key) pairs of a head (a 32-bit
+    counter: 65536 x 65536 keys are left to the other paths)."""
     served = call(bias=True, triton_mode="interpreted")
     assert plan(served).kernel is Kernel.TRITON
-    assert plan(served._replace(dropout_p=0.1)).kernel is not Kernel.TRITON
+    assert plan(served._replace(dropout_p=0.1)).kernel is Kernel.TRITON
+    huge = torch.zeros(1).expand(1, HEADS, 2 ** 16, DIM)  # (no memory)
+    assert plan(served._replace(q=huge, k=huge, v=huge, k_target=huge)).kernel is Kernel.TRITON
+    assert plan(served._replace(q=huge, k=huge, v=huge, k_target=huge, dropout_p=0.1)).kernel is not Kernel.TRITON
     assert plan(served._replace(source_keys=2)).kernel is not Kernel.TRITON
 
 

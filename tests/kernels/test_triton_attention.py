@@ -17,9 +17,10 @@ from devices import bound
 TERMS = ("bias", "shared vectors and values", "bias and vectors and values")
 
 
-def formula(q, qr, k, v, bias, vectors, values, padding, causal):
+def formula(q, qr, k, v, bias, vectors, values, padding, causal, keep=None, dropout_p=0.0):
     """softmax_j(q k^T + bias[h, c] + qr . vectors[h, c], c = j - i + Tq - 1, blocked logits at the
-    dtype's finite minimum) (v_j + values[h, c])."""
+    dtype's finite minimum) (v_j + values[h, c]); with dropout the probabilities where `keep` (B, H, Tq,
+    Tk) is False are zero, the others scaled by 1 / (1 - dropout_p), as torch's dropout does."""
     queries, keys = q.size(2), k.size(2)
     i, j = torch.arange(queries)[:, None], torch.arange(keys)[None, :]
     column = j - i + queries - 1
@@ -35,6 +36,8 @@ def formula(q, qr, k, v, bias, vectors, values, padding, causal):
     if padding is not None:
         blocked = blocked | padding[:, None, None, :]
     probs = torch.softmax(logits.masked_fill(blocked, blocked_fill_value(q.dtype)), -1)
+    if keep is not None:
+        probs = probs * keep / (1 - dropout_p)
     out = probs @ v
     if values is not None:
         out = out + torch.einsum("bhij,hijd->bhid", probs, values[:, column].expand(q.size(1), -1, -1, -1))
@@ -63,24 +66,33 @@ def inputs(batch, heads, queries, keys, dims, dtype, term="bias", seed=0):
 
 
 def compare(device, batch, heads, queries, keys, dims, causal, padding, term="bias", table_grad=True,
-            dtype=torch.float64):
+            dtype=torch.float64, dropout_p=0.0):
     """The kernel in `dtype` (float64: float32 on CUDA; the tables in float32 for half precision, as a
-    model's) against `formula` in float64: output and gradients within the device's bound."""
+    model's) against `formula` in float64: output and gradients within the device's bound. With
+    dropout, the formula takes the kernel's mask: the seed it draws from torch's generator, drawn
+    again here from the same state (`dropout_keep`)."""
     *values, grad_out = inputs(batch, heads, queries, keys, dims, torch.float64, term)
+    keep = None
+    if dropout_p > 0:
+        torch.manual_seed(1)
+        seed = torch.randint(2 ** 62, (1,), device=device)
+        keep = fused._kernels().dropout_keep(seed, batch, heads, queries, keys, dropout_p).cpu()
+        torch.manual_seed(1)
     tables = {4, 5, 6}  # bias, vectors, values
 
     def prepared(dtype_of, where):
         return [None if x is None else x.to(where, dtype_of(n)).requires_grad_(n not in tables or table_grad)
                 for n, x in enumerate(values)]
     expected_inputs = prepared(lambda n: torch.float64, "cpu")
-    expected = formula(*expected_inputs, padding, causal)
+    expected = formula(*expected_inputs, padding, causal, keep, dropout_p)
     wanted = [x for x in expected_inputs if x is not None and x.requires_grad]
     expected_grads = torch.autograd.grad(expected, wanted, grad_out)
     kernel_dtype = torch.float32 if dtype == torch.float64 and device.type != "cpu" else dtype
     limit = bound(device, "triton vs formula", kernel_dtype)
     half = kernel_dtype in (torch.float16, torch.bfloat16)
     got_inputs = prepared(lambda n: torch.float32 if half and n in tables else kernel_dtype, device)
-    got = fused.TritonAttention.apply(*got_inputs, padding.to(device) if padding is not None else None, causal)
+    got = fused.TritonAttention.apply(*got_inputs, padding.to(device) if padding is not None else None, causal,
+                                      dropout_p)
     got_wanted = [x for x in got_inputs if x is not None and x.requires_grad]
     got_grads = torch.autograd.grad(got, got_wanted, grad_out.to(device, kernel_dtype))
     assert (got.cpu().double() - expected).abs().max() <= limit * (1 + expected.abs().max())
@@ -116,8 +128,7 @@ def test_padding_and_rows_that_see_no_key(kernel_device, causal, term):
     assert torch.isfinite(got).all()
 
 
-@pytest.mark.parametrize("term", ["bias", "bias and vectors and values"])
-@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("causal,term", [(False, "bias"), (True, "bias and vectors and values")])
 def test_blocks_of_keys_all_padding_are_never_read(kernel_device, causal, term):
     """The kernels skip a block of keys that is all padding: NaN keys and values there change no
     output or gradient, and those keys' gradients are zero (a kernel that read them would spread the
@@ -148,6 +159,31 @@ def test_blocks_of_keys_all_padding_are_never_read(kernel_device, causal, term):
     limit = bound(kernel_device, "triton vs formula", torch.float32)
     for a, b in zip((got, *got_grads), (expected, *expected_grads)):
         assert (a.cpu().double() - b).abs().max() <= limit * (1 + b.abs().max())
+
+
+@pytest.mark.parametrize("causal,term", [(False, TERMS[0]), (True, TERMS[1]), (True, TERMS[2])])
+def test_attention_dropout_equals_the_formula_with_the_kernels_mask(kernel_device, causal, term):
+    """Dropout inside the kernels: the output and every gradient are the formula's with the mask the
+    kernels draw (the same in forward and in each backward kernel), over padded keys, rows that see no
+    key (a sentence all padding; left padding under the causal mask) and ragged tiles."""
+    padding = torch.zeros(3, 37, dtype=torch.bool)
+    padding[0, -5:] = True
+    padding[1, :] = True
+    padding[2, :20] = True
+    got = compare(kernel_device, 3, 2, 37, 37, 16, causal=causal, padding=padding, term=term, dropout_p=0.3)
+    assert torch.isfinite(got).all()
+
+
+def test_the_dropout_mask_keeps_1_minus_p_independently_per_pair(kernel_device):
+    """The kernels' draws: kept at the rate 1 - p, heads and rows not alike, another seed another mask
+    (200,704 draws: the rate's standard error is 7e-4)."""
+    kernels = fused._kernels()
+    seeds = [torch.tensor([seed], device=kernel_device) for seed in (12345, 2 ** 61 + 7)]
+    keep, other = (kernels.dropout_keep(seed, 2, 3, 64, 522, 0.25).cpu() for seed in seeds)
+    assert abs(keep.double().mean().item() - 0.75) < 0.005
+    disagree = 2 * 0.25 * 0.75  # P(two independent draws differ)
+    for a, b in ((keep[:, 0], keep[:, 1]), (keep[0], keep[1]), (keep[..., :32, :], keep[..., 32:, :]), (keep, other)):
+        assert abs((a != b).double().mean().item() - disagree) < 0.01
 
 
 def test_tables_without_gradient(kernel_device):

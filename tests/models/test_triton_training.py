@@ -126,3 +126,23 @@ def test_ddp_with_checkpointing_takes_the_kernel(translation_data, kernel_device
         limit = bound(kernel_device, "triton vs default paths")
         for name, value in b.items():
             assert (a[name] - value).abs().max() <= limit * (1 + value.abs().max()), (step, name)
+
+
+def test_attention_dropout_through_the_kernel_is_recomputed_alike(translation_data, kernel_device, monkeypatch):
+    """--attention-dropout (RoBERTa's 0.1 in training) takes the kernel, which draws its mask from a seed
+    of torch's generator: --checkpoint-activations recomputes each layer with the mask its first run
+    drew (checkpointing restores the generator), so the gradients equal the plain run's. XL: u and v
+    shared by every layer."""
+    dropout_p = []
+    attend = fused.attend
+    monkeypatch.setattr(fused, "attend", lambda call: dropout_p.append(call.dropout_p) or attend(call))
+    monkeypatch.setenv(fused.SWITCH, "on")
+    dropout = ["--attention-dropout", "0.3"]
+    model, plain = gradients(translation_data, "xl", dropout, device=kernel_device)
+    _, checkpointed = gradients(translation_data, "xl", [*dropout, "--checkpoint-activations"], model.state_dict(),
+                                device=kernel_device)
+    assert dropout_p == [0.3] * (4 + 2 * 4)  # 4 self-attention layers; checkpointed, each run and recomputed
+    limit = bound(kernel_device, "triton vs default paths")
+    assert sorted(checkpointed) == sorted(plain)
+    for name, value in plain.items():
+        assert (checkpointed[name] - value).abs().max() <= limit * (1 + value.abs().max()), name
