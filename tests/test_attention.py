@@ -129,6 +129,35 @@ def test_half_precision_masks_do_not_produce_nan(dtype):
     assert (out.float() - out32).abs().max() < 5e-2
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no term", "a bias term"])
+@pytest.mark.parametrize("causal", [False, True], ids=["a sentence all padding", "left padding, causal"])
+def test_rows_that_see_no_key_have_the_explicit_gradients(bias, causal):
+    """A query whose keys are all blocked gets uniform weights over all keys, forward and backward, on
+    the fused path (SDPA: weights not asked for) as on the explicit one (weights asked for). SDPA's
+    fused kernels keep a row's log-sum-exp, which the finite fill absorbs (log Tk is lost), so with the
+    fill such a row's backward weighted each key 1 instead of 1 / Tk."""
+    _, ours = pair("self")
+    if bias:
+        ours.bind_position(ConstantBias(None, ModelDims(EMBED, HEADS, 1, 1)), "decoder" if causal else "encoder", 0)
+    ours.train()
+    x = torch.randn(6, 2, EMBED)
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    if causal:
+        mask[1, :3] = True  # queries 0..2 of sentence 1 see only padding
+    else:
+        mask[1, :] = True
+    attn_mask = utils.fill_with_neg_inf(torch.zeros(6, 6)).triu(1) if causal else None
+    results = []
+    for need_weights in (False, True):
+        ours.zero_grad(set_to_none=True)
+        leaf = x.clone().requires_grad_()
+        out, _ = ours(leaf, leaf, leaf, key_padding_mask=mask, attn_mask=attn_mask, need_weights=need_weights)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append([out.detach(), leaf.grad] + [p.grad.clone() for p in ours.parameters()])
+    for got, expected in zip(*results):
+        assert (got - expected).abs().max() <= 1e-5 * (1 + expected.abs().max())
+
+
 # --- fairseq features inside the attention (issue 10; model-level tests in models/test_workflows.py) ---
 @pytest.mark.parametrize("need_weights", [True, False])
 def test_retained_dropout_applies_on_both_paths(need_weights):

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .terms import with_masks_for_log_sum_exp
+
 #: CUDA's memory-efficient kernel reads the float mask in 16-byte vectors from its start and from
 #: each row's. PyTorch pads a mask whose row length is not a multiple of 16 elements, but passes any
 #: other mask as it is: a strided view (`positions.relative_shift`'s diagonal one, with an odd row
@@ -46,3 +48,13 @@ def attend(q: Tensor, k: Tensor, v: Tensor, terms: Optional[Tensor], dropout_p: 
             terms = aligned_mask(terms)
         terms = terms.expand(q.size(0), q.size(1), q.size(2), k.size(2))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=terms, scale=1.0, dropout_p=dropout_p)
+
+
+def attend_masked(call, q: Tensor, k: Tensor, v: Tensor, terms: Optional[Tensor]) -> Tensor:
+    """`attend` of the `AttentionCall` `call` (its q, k, v as given: with its terms folded in where
+    the caller did) with its masks added to `terms`; the rows that see no key get uniform weights,
+    forward and backward (`terms.with_masks_for_log_sum_exp`)."""
+    if call.attn_mask is None and call.key_padding_mask is None:
+        return attend(q, k, v, terms, call.dropout_p)
+    terms, without_keys = with_masks_for_log_sum_exp(call, terms)
+    return attend(q.masked_fill(without_keys, 0), k, v, terms, call.dropout_p)

@@ -41,12 +41,11 @@ def _serve_piece(call: AttentionCall, plan: Plan, content_query: Optional[Tensor
         return explicit.attend(call, q, with_finite_mask(call, terms), dropout)
     if plan.causal:
         return sdpa.attend(q, call.k, call.v, None, call.dropout_p, causal=True), None
-    if call.attn_mask is not None or call.key_padding_mask is not None:
-        terms = with_masks(call, terms)
-    if kernel is Kernel.BIASED_CPU:
-        out = biased_cpu.attend(q, call.k, call.v, terms, call.future_blocked)
+    masked = call.attn_mask is not None or call.key_padding_mask is not None
+    if kernel is Kernel.BIASED_CPU:  # (it finds the rows that see no key by their log-sum-exp)
+        out = biased_cpu.attend(q, call.k, call.v, with_masks(call, terms) if masked else terms, call.future_blocked)
     else:
-        out = sdpa.attend(q, call.k, call.v, terms, call.dropout_p)
+        out = sdpa.attend_masked(call, q, call.k, call.v, terms)
     if call.term is not None and terms is not None:
         flush_subnormals_in_backward(out, out)
     return out, None

@@ -6,7 +6,7 @@ from torch import Tensor
 from ..encodings.distance import step_terms
 from . import sdpa
 from .explicit import logits, softmax
-from .terms import masked_logits, with_finite_mask, with_masks
+from .terms import masked_logits, with_finite_mask
 
 
 def attend(call) -> Tensor:
@@ -18,10 +18,10 @@ def attend(call) -> Tensor:
         k = k + terms.keys.to(k.dtype)
     if terms.values is not None:
         v = v + terms.values.to(v.dtype)
-    additive = with_finite_mask(call, terms.logits.to(q.dtype) if terms.logits is not None else None)
+    term_logits = terms.logits.to(q.dtype) if terms.logits is not None else None
     masked = call.attn_mask is not None or call.key_padding_mask is not None
-    if (additive is not None or masked) and q.device.type == "cpu" and call.dropout_p == 0.0:
+    if (term_logits is not None or masked) and q.device.type == "cpu" and call.dropout_p == 0.0:
         # one query with an additive term or a mask: SDPA's CPU kernel with a float mask costs more
         # than the softmax written out (docs/benchmarks.md)
-        return softmax(masked_logits(call, logits(q, k, additive))) @ v
-    return sdpa.attend(q, k, v, with_masks(call, additive) if masked else additive, call.dropout_p)
+        return softmax(masked_logits(call, logits(q, k, with_finite_mask(call, term_logits)))) @ v
+    return sdpa.attend_masked(call, q, k, v, term_logits)  # (it adds the mask's finite part once)

@@ -1,7 +1,7 @@
 """The dense form of what is added to the scaled logits: the encoding's position term
 (`distance.dense_logits`) and the masks, as one tensor that broadcasts against
 (B, H, Tq, Tk). The kernels that read the terms in another form (FLEX, STEP) do not build it."""
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -35,13 +35,32 @@ def with_masks(call, additive: Optional[Tensor]) -> Optional[Tensor]:
     """`additive` (or nothing) plus the attention mask's finite part, with the blocked entries (mask
     and padding) at the dtype's finite minimum; (B or 1, H or 1, Tq, Tk). None: nothing to add.
     The kernels that write the logits out fill them in place instead (`masked_logits`)."""
+    return _with_blocked(call, additive, rows_without_keys_at_zero=False)[0]
+
+
+def with_masks_for_log_sum_exp(call, additive: Optional[Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """`with_masks` for a kernel that keeps each row's log-sum-exp for its backward (SDPA's fused
+    kernels): a row whose keys are all blocked holds 0 instead of the fill, and the caller zeroes its
+    query (the second result: True at such rows, (B or 1, 1, Tq or 1, 1); None without masks). Its
+    logits are then all 0: uniform weights over all keys, forward and backward, as the explicit
+    softmax gives it. With the fill, the row's log-sum-exp is the fill, which absorbs log Tk (float32
+    cannot hold both), and the backward's exp(s - L) weighs each key 1 instead of 1 / Tk."""
+    return _with_blocked(call, additive, rows_without_keys_at_zero=True)
+
+
+def _with_blocked(call, additive: Optional[Tensor], rows_without_keys_at_zero: bool):
     additive = with_finite_mask(call, additive)
     blocked = blocked_entries(call)
-    if blocked is not None:
-        if additive is None:
-            additive = torch.zeros((), dtype=call.q.dtype, device=call.q.device)
-        additive = additive.masked_fill(blocked, blocked_fill_value(call.q.dtype))
-    return additive
+    if blocked is None:
+        return additive, None
+    if additive is None:
+        additive = torch.zeros((), dtype=call.q.dtype, device=call.q.device)
+    fill = blocked_fill_value(call.q.dtype)
+    if not rows_without_keys_at_zero:
+        return additive.masked_fill(blocked, fill), None
+    without_keys = blocked.all(-1, keepdim=True)
+    fills = torch.where(without_keys, 0.0, fill).to(call.q.dtype)
+    return torch.where(blocked, fills, additive), without_keys
 
 
 def masked_logits(call, logits: Tensor) -> Tensor:
