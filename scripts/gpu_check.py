@@ -20,11 +20,16 @@ Checks (each prints a markdown table and its elapsed seconds; `--only b` picks s
      compiles (a recompile limit reached or a failed compile shows as frames not compiled), and
      forward + backward time of both. CPU: forward only under no_grad (FlexAttention's eager CPU path
      has no backward).
+  t. The Triton kernel (POSENC_TRITON_ATTENTION=on) against the default paths ("off"), for every
+     encoding with relative terms: how many calls took it, logits and every gradient over batches of
+     mixed lengths and padding (forward and backward on CPU too, in Triton's interpreter, which the
+     script turns on there), half-precision models and a source row all padding, and forward +
+     backward time of both on CUDA: what it must show before it may become the CUDA default.
   e. FLOATER's cost: the time of a training step (its table solved every step) against
      transformer_sinusoidal of the same size, and on CUDA the peak memory of each (reported, no limit).
 A failing row does not stop the others; a check that spends its time budget (`--budget`) reports
 the rows it did not run as failures. Exit status 1 if any row failed. Check b runs last: it
-compiles, the slowest and least predictable part.
+compiles, the slowest and least predictable part. b and t share their comparison (`compare_paths`).
 """
 import argparse
 import logging
@@ -39,6 +44,7 @@ import traceback
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Optional
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,14 +58,15 @@ import torch.nn.functional as F  # noqa: E402
 CHECKS = {
     "b": "FlexAttention vs the reference attention",
     "e": "FLOATER's cost: step time (and CUDA memory) vs sinusoidal",
+    "t": "the Triton kernel vs the default paths",
 }
-RUN_ORDER = "eb"
+RUN_ORDER = "etb"
 #: the former checks, which the test suite runs on --device cuda now
 MOVED = "acdfg"
 #: seconds per check on CUDA (`--budget` overrides): together well under the device run's limit with set-up;
 #: CPU and --quick runs are small enough not to need one
-CUDA_BUDGETS = {"b": 240, "e": 60}
-CPU_BUDGETS = {"b": 300, "e": 300}
+CUDA_BUDGETS = {"b": 240, "e": 60, "t": 120}
+CPU_BUDGETS = {"b": 300, "e": 300, "t": 300}
 
 NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0"]
 
@@ -79,6 +86,8 @@ FLEX_SIZES = sizes(64, 4, 2)
 FLEX_OPTIONS = {"shaw": ["--shaw-values", "off"]}
 #: the flex check runs these first (one of each kind of table) so that a spent budget still covers every kind
 FLEX_FIRST = ["t5", "alibi", "xl", "lfhc", "shaw"]
+#: the Triton check's first (a bias; vectors shared by the heads with a value term; per-head vectors)
+TRITON_FIRST = ["t5", "shaw", "xl"]
 
 # Check b's pass limits, FlexAttention against the reference path. fp32: rounding only.
 FP32_LIMIT = 1e-4
@@ -318,43 +327,66 @@ def synchronize(device):
 FLEX_SWITCH = "POSENC_FLEX_ATTENTION"
 
 
-def set_flex_switch(value):
-    """POSENC_FLEX_ATTENTION = value, or unset where value is None."""
+@dataclass(frozen=True)
+class FusedPath:
+    """A fused attention path that an environment switch turns on (read when a stack starts a pass),
+    as checks b and t compare it with the reference: `on` is the switch's value for the check's "on"
+    ("off" is the reference), `module` the kernels module whose `attend` each call through the path
+    takes (counted), `calls_column` its table's column, `options` per encoding, `cpu_backward`:
+    whether the CPU runs its backward (else forward only, under no_grad)."""
+    name: str
+    switch: str
+    on: str
+    module: str
+    calls_column: str
+    options: dict
+    cpu_backward: bool
+
+
+#: "train": FlexAttention also where gradients are needed (CUDA), which check b measures before it may
+#: become a default
+FLEX = FusedPath("FlexAttention", FLEX_SWITCH, "train", "flex", "flex calls", FLEX_OPTIONS, cpu_backward=False)
+TRITON = FusedPath("the Triton kernel", "POSENC_TRITON_ATTENTION", "on", "triton_attention", "kernel calls", {},
+                   cpu_backward=True)
+
+
+def set_switch(name, value):
+    """The environment variable `name` = value, or unset where value is None."""
     if value is None:
-        os.environ.pop(FLEX_SWITCH, None)
+        os.environ.pop(name, None)
     else:
-        os.environ[FLEX_SWITCH] = value
+        os.environ[name] = value
 
 
 @contextmanager
-def flex_mode(mode):
-    """The checks' "on" is the package's "train": FlexAttention also where gradients are needed
-    (CUDA), which is what check b measures before it may become a default."""
-    previous = os.environ.get(FLEX_SWITCH)
-    os.environ[FLEX_SWITCH] = "train" if mode == "on" else mode
+def path_mode(path, mode):
+    """`path`'s switch for the check's `mode`: "on" (the path's `on` value) or "off"."""
+    previous = os.environ.get(path.switch)
+    os.environ[path.switch] = path.on if mode == "on" else mode
     try:
         yield
     finally:
-        set_flex_switch(previous)
+        set_switch(path.switch, previous)
 
 
 @contextmanager
-def counted_flex_calls():
-    """Counts the calls that take the FlexAttention path (a silent fallback cannot pass for equality)."""
-    from posenc_fairseq.kernels import flex as flex_attention
+def counted_calls(path):
+    """Counts the calls that take `path` (a silent fallback cannot pass for equality)."""
+    import importlib
 
+    module = importlib.import_module(f"posenc_fairseq.kernels.{path.module}")
     calls = [0]
-    attend = flex_attention.attend
+    attend = module.attend
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return attend(*args, **kwargs)
 
-    flex_attention.attend = counted
+    module.attend = counted
     try:
         yield calls
     finally:
-        flex_attention.attend = attend
+        module.attend = attend
 
 
 def dynamo_counts():
@@ -365,13 +397,81 @@ def dynamo_counts():
                 graph_breaks=sum(counters["graph_break"].values()))
 
 
-def flex_cases():
+def relative_cases(first):
+    """The encodings with relative terms (a logit or a value term per distance), `first` first."""
     from posenc_fairseq.encodings import ENCODINGS
     from posenc_fairseq.encodings.base import hook_use
 
-    # the encodings with a logit term (FlexAttention reads it as a table per distance)
-    supported = [name for name in sorted(ENCODINGS) if hook_use(ENCODINGS[name].__new__(ENCODINGS[name])).logits]
-    return sorted(supported, key=lambda name: (FLEX_FIRST.index(name) if name in FLEX_FIRST else len(FLEX_FIRST), name))
+    def uses(name):
+        use = hook_use(ENCODINGS[name].__new__(ENCODINGS[name]))
+        return use.logits or use.values
+
+    return sorted((name for name in ENCODINGS if uses(name)),
+                  key=lambda name: (first.index(name) if name in first else len(first), name))
+
+
+def flex_cases():
+    """The encodings with a logit term (FlexAttention reads it as a table per distance)."""
+    from posenc_fairseq.encodings import ENCODINGS
+    from posenc_fairseq.encodings.base import hook_use
+
+    return [name for name in relative_cases(FLEX_FIRST) if hook_use(ENCODINGS[name].__new__(ENCODINGS[name])).logits]
+
+
+@dataclass
+class Comparison:
+    """`compare_paths`' result: the largest relative difference of the logits and of the gradients
+    (and its parameter), the batches compared, the calls that took the path, seconds per mode."""
+    logits: float
+    gradients: float
+    worst_parameter: Optional[str]
+    done: int
+    calls: int
+    seconds: dict
+
+    def problems(self, batches, limit=FP32_LIMIT):
+        """Why a row of `batches` batches fails: the budget spent before its end, a difference over `limit`."""
+        problems = []
+        if self.done < batches:
+            problems.append(f"time budget spent after {self.done} batches")
+        if not (self.logits <= limit and self.gradients <= limit):
+            problems.append(f"limit {limit:g}")
+        return problems
+
+
+def compare_paths(models, path, model, batches, budget, loss_scale=1.0):
+    """Each batch through `model` with `path` "on" and "off": forward + backward (on the CPU only
+    where the path has a backward there; else forward under no_grad). Every "on" pass must take the
+    path and no "off" pass may; the logits must be finite."""
+    backward = models.cuda or path.cpu_backward
+    result = Comparison(0.0, 0.0, None, 0, 0, {"on": 0.0, "off": 0.0})
+    with counted_calls(path) as calls:
+        for index, batch in enumerate(batches):
+            if budget.spent():
+                break
+            results = {}
+            for mode in ("on", "off"):
+                calls_before = calls[0]
+                start = time.perf_counter()
+                with path_mode(path, mode), torch.set_grad_enabled(backward):
+                    if backward:
+                        results[mode] = step(models, model, batch, loss_scale=loss_scale)
+                    else:
+                        results[mode] = (None, models.loss(model, batch)[1].double().cpu(), {})
+                result.seconds[mode] += time.perf_counter() - start
+                took = calls[0] - calls_before
+                if (mode == "on") != (took > 0):
+                    raise CheckFailed(f"batch {index}: {took} calls of {path.name} with {path.switch} {mode!r}")
+            if not torch.isfinite(results["on"][1]).all():
+                raise CheckFailed(f"{path.name} gave non-finite logits")
+            result.logits = max(result.logits, relative(results["on"][1], results["off"][1]))
+            if backward:
+                error, name = worst_gradient(results["on"][2], results["off"][2])
+                if not error <= result.gradients:
+                    result.gradients, result.worst_parameter = error, name
+            result.done += 1
+        result.calls = calls[0]
+    return result
 
 
 def check_flex(models, budget):
@@ -402,52 +502,28 @@ def check_flex(models, budget):
                 if getattr(flex_attention, "_compiled", None) is False:  # (before FlexAttention became opt-in)
                     flex_attention._compiled = None
             before = dynamo_counts()
-            worst_logits, worst_grad, worst_name, done = 0.0, 0.0, None, 0
-            seconds = {"on": 0.0, "off": 0.0}
-            with counted_flex_calls() as calls, warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                for index, batch in enumerate(batches):
-                    if budget.spent():
-                        break
-                    results = {}
-                    for mode in ("on", "off"):
-                        calls_before = calls[0]
-                        start = time.perf_counter()
-                        with flex_mode(mode), torch.set_grad_enabled(cuda):
-                            if cuda:
-                                results[mode] = step(models, model, batch)
-                            else:
-                                results[mode] = (None, models.loss(model, batch)[1].double().cpu(), {})
-                        seconds[mode] += time.perf_counter() - start
-                        took = calls[0] - calls_before
-                        if (mode == "on") != (took > 0):
-                            raise CheckFailed(f"batch {index}: {took} FlexAttention calls with MODE {mode!r}; "
-                                              f"warnings: {[str(w.message)[:200] for w in caught][:2]}")
-                    worst_logits = max(worst_logits, relative(results["on"][1], results["off"][1]))
-                    if cuda:
-                        error, grad_name = worst_gradient(results["on"][2], results["off"][2])
-                        if not error <= worst_grad:
-                            worst_grad, worst_name = error, grad_name
-                    done += 1
-                flex_calls = calls[0]
+                try:
+                    compared = compare_paths(models, FLEX, model, batches, budget)
+                except CheckFailed as error:
+                    raise CheckFailed(f"{error}; warnings: {[str(w.message)[:200] for w in caught][:2]}") from error
             after = dynamo_counts()
             compiled = after["ok"] - before["ok"]
             not_compiled = (after["total"] - before["total"]) - compiled
+            done = compared.done
             if cuda:  # the compared pass compiled: time another
-                flex_ms, reference_ms = time_modes(models, model, batches[:done], budget)
+                flex_ms, reference_ms = time_modes(models, FLEX, model, batches[:done], budget)
             else:
-                flex_ms, reference_ms = (seconds[mode] / done if done else None for mode in ("on", "off"))
-            cells = {"batches": f"{done}/{len(batches)}", "flex calls": flex_calls, "max logit rel": fmt(worst_logits),
-                     "max grad rel": fmt(worst_grad) if cuda else "no backward on CPU", "worst parameter": worst_name,
+                flex_ms, reference_ms = (compared.seconds[mode] / done if done else None for mode in ("on", "off"))
+            cells = {"batches": f"{done}/{len(batches)}", "flex calls": compared.calls,
+                     "max logit rel": fmt(compared.logits),
+                     "max grad rel": fmt(compared.gradients) if cuda else "no backward on CPU",
+                     "worst parameter": compared.worst_parameter,
                      "compiles": compiled, "recompiles": max(compiled - 1, 0), "not compiled": not_compiled,
                      "graph breaks": after["graph_breaks"] - before["graph_breaks"],
-                     "flex ms": fmt_ms(flex_ms), "reference ms": fmt_ms(reference_ms),
-                     "flex / reference": f"{flex_ms / reference_ms:.2f}" if flex_ms and reference_ms else "—"}
-            problems = []
-            if done < len(batches):
-                problems.append(f"time budget spent after {done} batches")
-            if not (worst_logits <= FP32_LIMIT and worst_grad <= FP32_LIMIT):
-                problems.append(f"limit {FP32_LIMIT:g}")
+                     **time_cells("flex", flex_ms, reference_ms)}
+            problems = compared.problems(len(batches))
             if not_compiled:
                 problems.append("frames left uncompiled (recompile limit or a failed compile: eager FlexAttention)")
             compile_warnings = [str(w.message)[:200] for w in caught if "flex_attention" in str(w.message)
@@ -456,7 +532,7 @@ def check_flex(models, budget):
                 problems.append(compile_warnings[0])
             return cells, "FAIL" if problems else "PASS", "; ".join(problems)
         guarded(table, budget, "encoding", name, row)
-    flex_extra_rows(models, budget, table, argv)
+    fused_extra_rows(models, budget, table, argv, FLEX)
     table.note = ("compiles: frames Dynamo compiled for the encoding (torch._dynamo.utils.counters, after "
                   "torch._dynamo.reset(); none on CPU, where FlexAttention runs eagerly); not compiled: frames it "
                   "gave up on (recompile limit, failed compile). ms: mean time per batch: CUDA forward + backward "
@@ -464,15 +540,50 @@ def check_flex(models, budget):
     return table
 
 
-#: check b's extra rows: half-precision models, and a fully padded source row (all keys masked)
+def check_triton(models, budget):
+    """t. The Triton kernel ("on") against the default paths ("off"), same model, same batches: every
+    encoding with relative terms (quick: one of each kind of term)."""
+    cuda = models.cuda
+    table = Table("t", ["encoding", "batches", "kernel calls", "max logit rel", "max grad rel", "worst parameter",
+                        "triton ms", "reference ms", "triton / reference"])
+    # CUDA: several of its tiles (32 or 64) per sequence; the interpreter's are 16
+    count, max_len, size = (1, 20, 3) if models.quick else (20, 256, 8)
+    batches = [batch.to(models.device) for batch in models.batches(count, seed=31, max_src=max_len, max_tgt=max_len,
+                                                                    size=size)]
+    argv = [*(sizes(32, 4, 1) if models.quick else FLEX_SIZES), *NO_DROPOUT]
+    cases = [name for name in relative_cases(TRITON_FIRST) if name in TRITON_FIRST or not models.quick]
+    for name in cases:
+        def row(name=name):
+            model = models.build(f"transformer_{name}", argv).to(models.device)
+            compared = compare_paths(models, TRITON, model, batches, budget)
+            done = compared.done
+            if cuda:  # the compared pass compiled the kernels: time another
+                triton_ms, reference_ms = time_modes(models, TRITON, model, batches[:done], budget)
+            else:
+                triton_ms, reference_ms = (compared.seconds[mode] / done if done else None for mode in ("on", "off"))
+            cells = {"batches": f"{done}/{len(batches)}", "kernel calls": compared.calls,
+                     "max logit rel": fmt(compared.logits), "max grad rel": fmt(compared.gradients),
+                     "worst parameter": compared.worst_parameter, **time_cells("triton", triton_ms, reference_ms)}
+            problems = compared.problems(len(batches))
+            return cells, "FAIL" if problems else "PASS", "; ".join(problems)
+        guarded(table, budget, "encoding", name, row)
+    fused_extra_rows(models, budget, table, argv, TRITON)
+    table.note = ("ms: mean time per batch: CUDA forward + backward over the same batches again after the compared "
+                  "(compiling) pass; CPU (Triton's interpreter: not a speed) forward + backward of the compared pass")
+    return table
+
+
+#: checks b and t's extra rows: half-precision models, and a fully padded source row (all keys masked)
 FLEX_HALF = [("t5", torch.bfloat16), ("xl", torch.float16)]
 FLEX_MASKED = ["alibi", "xl"]
 
 
-def flex_extra_rows(models, budget, table, argv):
-    """FlexAttention against the reference path in bf16/fp16 models (CUDA only), and with one source
-    row all padding, whose queries and cross-attention see no key: uniform weights on both paths."""
-    batches = [batch.to(models.device) for batch in models.batches(3, seed=23, max_src=48, max_tgt=48, size=4)]
+def fused_extra_rows(models, budget, table, argv, path):
+    """`path` against the reference in bf16/fp16 models (CUDA only), and with one source row all
+    padding, whose queries and cross-attention see no key: uniform weights on both paths."""
+    max_len = 24 if models.quick else 48
+    batches = [batch.to(models.device) for batch in models.batches(3, seed=23, max_src=max_len, max_tgt=max_len,
+                                                                    size=4)]
     src = batches[0].src.clone()
     src[1, :] = models.dictionary.pad()
     masked = [Batch(src, batches[0].src_lengths, batches[0].prev, batches[0].target)]
@@ -481,33 +592,18 @@ def flex_extra_rows(models, budget, table, argv):
     for label, name, dtype, data in cases:
         def row(name=name, dtype=dtype, data=data):
             if dtype != torch.float32 and not models.cuda:
-                return {}, "SKIP", "half-precision FlexAttention: CUDA only here"
-            model = models.build(f"transformer_{name}", [*argv, *FLEX_OPTIONS.get(name, [])]).to(models.device, dtype)
-            if not models.cuda:
+                return {}, "SKIP", f"half-precision models with {path.name}: CUDA only here"
+            model = models.build(f"transformer_{name}", [*argv, *path.options.get(name, [])]).to(models.device, dtype)
+            if not (models.cuda or path.cpu_backward):
                 model.eval()
             scale = FP16_LOSS_SCALE if dtype == torch.float16 else 1.0
-            worst_logits, worst_grad, worst_name = 0.0, 0.0, None
-            with counted_flex_calls() as calls:
-                for batch in data:
-                    results = {}
-                    for mode in ("on", "off"):
-                        with flex_mode(mode), torch.set_grad_enabled(models.cuda):
-                            results[mode] = step(models, model, batch, loss_scale=scale) if models.cuda else \
-                                (None, models.loss(model, batch)[1].double().cpu(), {})
-                    if not torch.isfinite(results["on"][1]).all():
-                        raise CheckFailed("FlexAttention gave non-finite logits")
-                    worst_logits = max(worst_logits, relative(results["on"][1], results["off"][1]))
-                    if models.cuda:
-                        error, grad_name = worst_gradient(results["on"][2], results["off"][2])
-                        if not error <= worst_grad:
-                            worst_grad, worst_name = error, grad_name
-            if calls[0] == 0:
-                raise CheckFailed("no call took the FlexAttention path")
-            limit = FP32_LIMIT if dtype == torch.float32 else HALF_LIMITS[dtype]
-            cells = {"batches": f"{len(data)}/{len(data)}", "flex calls": calls[0], "max logit rel": fmt(worst_logits),
-                     "max grad rel": fmt(worst_grad) if models.cuda else "—", "worst parameter": worst_name or "—"}
-            good = worst_logits <= limit and worst_grad <= limit
-            return cells, "PASS" if good else "FAIL", "" if good else f"limit {limit:g}"
+            compared = compare_paths(models, path, model, data, budget, loss_scale=scale)
+            backward = models.cuda or path.cpu_backward
+            cells = {"batches": f"{compared.done}/{len(data)}", path.calls_column: compared.calls,
+                     "max logit rel": fmt(compared.logits), "max grad rel": fmt(compared.gradients) if backward else "—",
+                     "worst parameter": compared.worst_parameter or "—"}
+            problems = compared.problems(len(data), FP32_LIMIT if dtype == torch.float32 else HALF_LIMITS[dtype])
+            return cells, "FAIL" if problems else "PASS", "; ".join(problems)
         guarded(table, budget, "encoding", label, row)
 
 
@@ -515,13 +611,19 @@ def fmt_ms(seconds):
     return f"{1000 * seconds:.1f}" if seconds else "—"
 
 
-def time_modes(models, model, batches, budget):
-    """Mean seconds of forward + backward per batch of each mode over `batches`."""
+def time_cells(name, on_seconds, reference_seconds):
+    """The columns "<name> ms", "reference ms" and "<name> / reference" of a row."""
+    ratio = f"{on_seconds / reference_seconds:.2f}" if on_seconds and reference_seconds else "—"
+    return {f"{name} ms": fmt_ms(on_seconds), "reference ms": fmt_ms(reference_seconds), f"{name} / reference": ratio}
+
+
+def time_modes(models, path, model, batches, budget):
+    """Mean seconds of forward + backward per batch of each mode of `path` over `batches`."""
     if not batches or budget.spent():
         return None, None
     means = []
     for mode in ("on", "off"):
-        with flex_mode(mode):
+        with path_mode(path, mode):
             synchronize(models.device)
             start = time.perf_counter()
             for batch in batches:
@@ -585,7 +687,7 @@ def check_floater(models, budget):
     return table
 
 
-RUNNERS = {"b": check_flex, "e": check_floater}
+RUNNERS = {"b": check_flex, "e": check_floater, "t": check_triton}
 
 
 # --- main -----------------------------------------------------------------------------------------
@@ -647,7 +749,10 @@ def header(args):
     add("fairseq", f"{fairseq.__version__} ({Path(fairseq.__file__).parent})")
     add("posenc_fairseq", _commit())
     add("FLOATER compiled solve", "built" if floater_solver.floater_solve is not None else "not built (Python loops)")
-    add("POSENC_FLEX_ATTENTION default", f"{os.environ.get(FLEX_SWITCH, 'off')!r} (the checks set it; only b uses 'on')")
+    for path, check in ((FLEX, "b"), (TRITON, "t")):
+        add(f"{path.switch} default", f"{os.environ.get(path.switch, 'off')!r} (the checks set it; only {check} turns it on)")
+    if args.device == "cpu":
+        add("TRITON_INTERPRET", f"{os.environ.get('TRITON_INTERPRET')!r} (check t's kernels in Triton's interpreter)")
     add("checks", ", ".join(key for key in RUN_ORDER if key in args.only)
         + ("  (quick)" if args.quick else ""))
     return "\n".join(lines)
@@ -669,13 +774,17 @@ def main(argv=None):
         return 2
     logging.getLogger("fairseq").setLevel(logging.WARNING)
     logging.getLogger("posenc_fairseq").setLevel(logging.WARNING)
+    if args.device == "cpu":  # (before Triton is first imported: check t's kernels in its interpreter)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     import posenc_fairseq  # noqa: F401
-    previous_mode = os.environ.get(FLEX_SWITCH)
-    os.environ[FLEX_SWITCH] = "off"  # the reference path everywhere but in check b
+    previous = {path.switch: os.environ.get(path.switch) for path in (FLEX, TRITON)}
+    for switch in previous:
+        os.environ[switch] = "off"  # the reference paths everywhere but in checks b and t
     try:
         return run_checks(args)
     finally:
-        set_flex_switch(previous_mode)
+        for switch, value in previous.items():
+            set_switch(switch, value)
 
 
 def run_checks(args):
@@ -695,7 +804,8 @@ def run_checks(args):
             table = Table(key, ["check"])
             table.add("FAIL", short_error(error), check=key)
         finally:
-            os.environ[FLEX_SWITCH] = "off"
+            for path in (FLEX, TRITON):
+                os.environ[path.switch] = "off"
         elapsed = budget.elapsed()
         print(table.markdown())
         if table.note:

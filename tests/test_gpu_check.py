@@ -1,5 +1,6 @@
-"""scripts/gpu_check.py, what only a GPU shows (FlexAttention's calls and compiles, FLOATER's cost), run
-here as --device cpu: every check prints its table, the CUDA-only rows are skipped, every other row passes;
+"""scripts/gpu_check.py, what only a GPU shows (FlexAttention's and the Triton kernel's calls and speed,
+FLOATER's cost), run here as --device cpu: every check prints its table, the CUDA-only rows are skipped,
+every other row passes (check t in Triton's interpreter, its own test for time);
 a difference or an error becomes a FAIL row and exit status 1 while the other checks still run. (The
 comparisons on CUDA are the test suite's: tests/devices.py.)"""
 import os
@@ -12,7 +13,9 @@ import torch
 from util import REPO, load_script
 
 SCRIPT = REPO / "scripts" / "gpu_check.py"
-CHECK_KEYS = "be"
+CHECK_KEYS = "bet"
+#: what the full CPU run covers (check t runs in the interpreter: `test_the_triton_check...`, smaller)
+CPU_RUN_KEYS = "be"
 
 def tables(output):
     """{check key: [(first cell, status, detail)]} from the markdown the script prints."""
@@ -37,8 +40,8 @@ def tables(output):
 @pytest.fixture(scope="module")
 def cpu_run():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick"], capture_output=True, text=True,
-                          env=env, timeout=600)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--only", ",".join(CPU_RUN_KEYS)],
+                          capture_output=True, text=True, env=env, timeout=600)
     return done
 
 
@@ -46,8 +49,8 @@ def test_cpu_run_prints_every_table_and_passes_what_the_cpu_can_check(cpu_run):
     output = cpu_run.stdout
     assert "| torch | " + torch.__version__ in output and "| device | cpu |" in output
     found = tables(output)
-    assert sorted(found) == list(CHECK_KEYS), cpu_run.stderr[-3000:]
-    for key in CHECK_KEYS:
+    assert sorted(found) == list(CPU_RUN_KEYS), cpu_run.stderr[-3000:]
+    for key in CPU_RUN_KEYS:
         assert f"## {key}." in output and "elapsed" in output.split(f"## {key}.")[1].split("## ")[0]
     # one of each kind of table (quick), then half-precision models (CUDA only) and fully padded rows
     assert {row[0] for row in found["b"]} == {"t5", "alibi", "xl", "lfhc", "shaw", "t5, bfloat16 model",
@@ -68,23 +71,47 @@ def test_cpu_run_prints_every_table_and_passes_what_the_cpu_can_check(cpu_run):
     assert ("FAILED:" in output) == any_failed
 
 
-def test_flexattention_logits_that_differ_fail_its_row(capsys, monkeypatch):
-    """Check b compares FlexAttention with the reference path: its output moved by 1e-3 of the largest
-    entry fails the rows that take it, and the exit status is 1. (One encoding, to keep it short.)"""
-    from posenc_fairseq.kernels import flex as flex_attention
-
+def test_the_triton_check_passes_on_the_cpu_in_the_interpreter(capsys, monkeypatch):
+    """Check t with gradients in Triton's interpreter (tests/devices.py turns it on without CUDA): T5, and
+    ALiBi with a source row all padding, whose queries see no key (the row that found SDPA's backward
+    of such rows wrong: `terms.with_masks_for_log_sum_exp`)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CUDA is present: check t runs compiled there (scripts/gpu_check.py --device cuda --only t)")
     gpu_check = load_script(SCRIPT)
-    attend = flex_attention.attend
+    monkeypatch.setattr(gpu_check, "TRITON_FIRST", ["t5"])
+    monkeypatch.setattr(gpu_check, "FLEX_MASKED", ["alibi"])
+    assert gpu_check.main(["--device", "cpu", "--quick", "--only", "t"]) == 0
+    rows = {label: (status, detail) for label, status, detail in tables(capsys.readouterr().out)["t"]}
+    assert {label: status for label, (status, _) in rows.items()} == {
+        "t5": "PASS", "alibi, a source row all padding": "PASS", "t5, bfloat16 model": "SKIP",
+        "xl, float16 model": "SKIP"}
+
+
+@pytest.mark.parametrize("check,module,first", [("b", "flex", "FLEX_FIRST"), ("t", "triton_attention", "TRITON_FIRST")])
+def test_fused_logits_that_differ_fail_their_rows(capsys, monkeypatch, check, module, first):
+    """Checks b and t compare FlexAttention and the Triton kernel with the reference path: an output
+    moved by 1e-3 of its largest entry fails the rows that take the path, and the exit status is 1.
+    (One encoding, to keep it short.)"""
+    import importlib
+
+    if check == "t":
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("CUDA is present: check t runs compiled there")
+    kernels = importlib.import_module(f"posenc_fairseq.kernels.{module}")
+    gpu_check = load_script(SCRIPT)
+    attend = kernels.attend
 
     def shifted(*args, **kwargs):
         out = attend(*args, **kwargs)
         return out + 1e-3 * out.abs().max()
 
-    monkeypatch.setattr(flex_attention, "attend", shifted)
-    monkeypatch.setattr(gpu_check, "FLEX_FIRST", ["alibi"])
+    monkeypatch.setattr(kernels, "attend", shifted)
+    monkeypatch.setattr(gpu_check, first, ["alibi"])
     monkeypatch.setattr(gpu_check, "FLEX_MASKED", ["alibi"])
-    assert gpu_check.main(["--device", "cpu", "--quick", "--only", "b"]) == 1
-    rows = {label: (status, detail) for label, status, detail in tables(capsys.readouterr().out)["b"]}
+    assert gpu_check.main(["--device", "cpu", "--quick", "--only", check]) == 1
+    rows = {label: (status, detail) for label, status, detail in tables(capsys.readouterr().out)[check]}
     assert rows["alibi"][0] == "FAIL" and "limit" in rows["alibi"][1]
     assert rows["alibi, a source row all padding"][0] == "FAIL"
     assert {status for label, (status, _) in rows.items() if "model" in label} == {"SKIP"}
@@ -112,7 +139,7 @@ def test_the_removed_checks_are_refused_with_the_list_of_those_left(capsys):
     with pytest.raises(SystemExit) as exit_:
         gpu_check.main(["--device", "cpu", "--only", "a"])
     error = capsys.readouterr().err
-    assert exit_.value.code == 2 and "unknown checks ['a']; expected some of b, e; a, c, d, f, g are the test " \
+    assert exit_.value.code == 2 and "unknown checks ['a']; expected some of b, e, t; a, c, d, f, g are the test " \
                                      "suite's now: make test-cuda" in error
 
 

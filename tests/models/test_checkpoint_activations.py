@@ -13,10 +13,11 @@ NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropou
 CASES = [(name, []) for name in sorted(ENCODINGS)] + [("floater", ["--floater-recompute-every", "3"])]
 
 
-def gradients_of_steps(data, encoding, extra, state=None, wrap=None, steps=2, device="cpu"):
+def gradients_of_steps(data, encoding, extra, state=None, wrap=None, steps=2, device="cpu", batch=None):
     """The model's parameter gradients of each of `steps` forward/backward passes of one loss (the same
     batch, gradients cleared between, no update) on `device`; `state`: load these parameters (else
-    perturb the encoding's away from identity); `wrap`: run the model through `wrap(model)` (DDP)."""
+    perturb the encoding's away from identity); `wrap`: run the model through `wrap(model)` (DDP);
+    `batch`: (src, src_lengths, prev), else a small random one."""
     torch.manual_seed(0)
     model, task, _ = build_model(data, f"transformer_{encoding}", [*TINY_TRANSFORMER, *NO_DROPOUT, *extra])
     if state is None:
@@ -26,7 +27,9 @@ def gradients_of_steps(data, encoding, extra, state=None, wrap=None, steps=2, de
     model.train().to(device)
     model.set_num_updates(0)
     forward = wrap(model) if wrap is not None else model
-    src, src_lengths, prev = on(device, *random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7))
+    if batch is None:
+        batch = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
+    src, src_lengths, prev = on(device, *batch)
     per_step = []
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
@@ -36,9 +39,9 @@ def gradients_of_steps(data, encoding, extra, state=None, wrap=None, steps=2, de
     return model, per_step
 
 
-def gradients(data, encoding, extra, state=None, wrap=None, device="cpu"):
+def gradients(data, encoding, extra, state=None, wrap=None, device="cpu", batch=None):
     """The model's parameter gradients of one loss (`gradients_of_steps`' first step)."""
-    model, per_step = gradients_of_steps(data, encoding, extra, state, wrap, steps=1, device=device)
+    model, per_step = gradients_of_steps(data, encoding, extra, state, wrap, steps=1, device=device, batch=batch)
     return model, per_step[0]
 
 

@@ -46,6 +46,34 @@ def test_models_train_with_the_same_gradients_as_the_default_paths(translation_d
         assert any(got[name].abs().max() > 0 for name in got if name.startswith("positional_encoding."))
 
 
+@pytest.mark.parametrize("encoding", ["t5", "shaw", "xl"])  # a bias; shared vectors and values; per-head vectors
+def test_long_uneven_batches_over_many_tiles(translation_data, kernel_device, monkeypatch, counted, encoding):
+    """Sources and targets several tiles long (the interpreter's tiles are 16, CUDA's 32 or 64), the sources
+    left-padded to uneven lengths, one of them a single token: padded tiles skipped, the causal
+    diagonal tiles, ragged ends. Every gradient as on the default paths."""
+    from fairseq.data import Dictionary
+    from util import random_batch
+
+    source, target = (33, 17) if kernel_device.type == "cpu" else (300, 260)
+    dictionary = Dictionary.load(str(translation_data / "dict.src.txt"))
+    src, _, prev = random_batch(dictionary, batch=3, src_len=source, tgt_len=target, seed=3)
+    lengths = torch.tensor([source, source // 2, 1])
+    for row, length in enumerate(lengths.tolist()):
+        src[row, : source - length] = dictionary.pad()
+        src[row, -1] = dictionary.eos()
+    batch = (src, lengths, prev)
+    # (one layer each in the interpreter, for time)
+    layers = ["--encoder-layers", "1", "--decoder-layers", "1"] if kernel_device.type == "cpu" else []
+    monkeypatch.setenv(fused.SWITCH, "on")
+    model, got = gradients(translation_data, encoding, layers, device=kernel_device, batch=batch)
+    assert len(counted) == 2 * (1 if encoding == "t5" or layers else 2)
+    monkeypatch.setenv(fused.SWITCH, "off")
+    _, expected = gradients(translation_data, encoding, layers, model.state_dict(), device=kernel_device, batch=batch)
+    limit = bound(kernel_device, "triton vs default paths")
+    for name, value in expected.items():
+        assert (got[name] - value).abs().max() <= limit * (1 + value.abs().max()), name
+
+
 def test_pruned_heads(kernel_device, monkeypatch, counted):
     """After head pruning the kept heads' bias rows serve the kernel (encoder self-attention over a
     padded batch whose last sentence is all padding)."""
