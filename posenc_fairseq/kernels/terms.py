@@ -59,7 +59,7 @@ def _with_blocked(call, additive: Optional[Tensor], rows_without_keys_at_zero: b
     if not rows_without_keys_at_zero:
         return additive.masked_fill(blocked, fill), None
     without_keys = blocked.all(-1, keepdim=True)
-    fills = torch.where(without_keys, 0.0, fill).to(call.q.dtype)
+    fills = torch.full(without_keys.shape, fill, dtype=call.q.dtype, device=call.q.device).masked_fill(without_keys, 0)
     return torch.where(blocked, fills, additive), without_keys
 
 
