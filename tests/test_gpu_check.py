@@ -71,13 +71,18 @@ def test_cpu_run_prints_every_table_and_passes_what_the_cpu_can_check(cpu_run):
     assert ("FAILED:" in output) == any_failed
 
 
-def test_the_triton_check_passes_on_the_cpu_in_the_interpreter(capsys, monkeypatch):
+@pytest.fixture
+def triton_interpreter(kernel_device):
+    """Check t on the CPU: Triton's interpreter (`kernel_device` skips where it is off or Triton absent);
+    with --device cuda the check runs compiled instead (scripts/gpu_check.py --device cuda --only t)."""
+    if kernel_device.type != "cpu":
+        pytest.skip("--device cuda: check t runs compiled there (scripts/gpu_check.py --device cuda --only t)")
+
+
+def test_the_triton_check_passes_on_the_cpu_in_the_interpreter(capsys, monkeypatch, triton_interpreter):
     """Check t with gradients in Triton's interpreter (tests/devices.py turns it on without CUDA): T5, and
     ALiBi with a source row all padding, whose queries see no key (the row that found SDPA's backward
     of such rows wrong: `terms.with_masks_for_log_sum_exp`)."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CUDA is present: check t runs compiled there (scripts/gpu_check.py --device cuda --only t)")
     gpu_check = load_script(SCRIPT)
     monkeypatch.setattr(gpu_check, "TRITON_FIRST", ["t5"])
     monkeypatch.setattr(gpu_check, "FLEX_MASKED", ["alibi"])
@@ -89,16 +94,14 @@ def test_the_triton_check_passes_on_the_cpu_in_the_interpreter(capsys, monkeypat
 
 
 @pytest.mark.parametrize("check,module,first", [("b", "flex", "FLEX_FIRST"), ("t", "triton_attention", "TRITON_FIRST")])
-def test_fused_logits_that_differ_fail_their_rows(capsys, monkeypatch, check, module, first):
+def test_fused_logits_that_differ_fail_their_rows(capsys, monkeypatch, request, check, module, first):
     """Checks b and t compare FlexAttention and the Triton kernel with the reference path: an output
     moved by 1e-3 of its largest entry fails the rows that take the path, and the exit status is 1.
     (One encoding, to keep it short.)"""
     import importlib
 
     if check == "t":
-        pytest.importorskip("triton")
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("CUDA is present: check t runs compiled there")
+        request.getfixturevalue("triton_interpreter")
     kernels = importlib.import_module(f"posenc_fairseq.kernels.{module}")
     gpu_check = load_script(SCRIPT)
     attend = kernels.attend
