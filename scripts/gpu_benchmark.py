@@ -77,6 +77,8 @@ TRITON = "POSENC_TRITON_ATTENTION"  # the Triton kernel of the per-distance term
 #: the encodings with relative terms, which that kernel serves
 TRITON_SERVES = ("transformer_alibi", "transformer_at5", "transformer_at5_nob", "transformer_gcdf", "transformer_lfhc",
                  "transformer_shaw", "transformer_t5", "transformer_t5_nob", "transformer_xl")
+#: those whose terms depend on the query, which the kernel serves by default on CUDA (its switch's "auto")
+TRITON_BY_DEFAULT = ("transformer_gcdf", "transformer_lfhc", "transformer_shaw", "transformer_xl")
 FIGURES = ("train_tokens_per_s", "peak_memory_mb", "generate_tokens_per_s")
 ORDER = ("arch", "options", "device_name", "torch", "commit", "dtype", "batch", "length", *FIGURES, "reference")
 # profiler names of attention kernels: fused SDPA (flash, cutlass's memory-efficient fmha, cuDNN),
@@ -138,7 +140,8 @@ def parse_args(argv=None):
                              "(the CPU's compiled loops) and sinusoidal in the same run")
     parser.add_argument("--triton", action="store_true",
                         help=f"the encodings the Triton kernel serves ({', '.join(TRITON_SERVES)}) also with "
-                             f"{TRITON}=on, each right after its default model")
+                             f"{TRITON} the other way from its default (off for {', '.join(TRITON_BY_DEFAULT)}; "
+                             "on for the others), each right after its default model")
     parser.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16"), default=["bf16", "fp16"])
     parser.add_argument("--sizes", nargs="+", type=batch_by_length, default=[(16, 512), (2, 4096)],
                         metavar="BATCHxLENGTH", help="batch and length (source and target) of each cell")
@@ -187,8 +190,8 @@ def models_to_measure(args):
                 models += [(arch, f"{GRAPHS}=1 --floater-recompute-every {k}") for k in args.floater_recompute]
         else:
             models.append((arch, ""))
-            if args.triton and arch in TRITON_SERVES:
-                models.append((arch, f"{TRITON}=on"))
+            if args.triton and arch in TRITON_SERVES:  # the switch the other way from its default
+                models.append((arch, f"{TRITON}={'off' if arch in TRITON_BY_DEFAULT else 'on'}"))
     return models
 
 

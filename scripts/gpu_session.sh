@@ -7,8 +7,8 @@
 #
 # 1. FLOATER's C++ extension built in the background (its loops serve the default CUDA solve);
 # 2. the tests a GPU changes on CUDA (make test-cuda's selection, 8 workers), once the extension is in;
-# 3. scripts/gpu_benchmark.py in bf16, FLOATER with and without CUDA graphs, the bias-only encodings with
-#    and without the Triton kernel (POSENC_TRITON_ATTENTION=on).
+# 3. scripts/gpu_benchmark.py in bf16, FLOATER with and without CUDA graphs, each encoding with relative
+#    terms with the Triton kernel and without (POSENC_TRITON_ATTENTION the other way from its default).
 # The limits (seconds) may be changed: PYTEST_S, BENCH_BUDGET_S; GPU_BENCH_ARGS adds benchmark options.
 set -uo pipefail
 OUT=${OUT:-docs/data/gpu_session}

@@ -172,20 +172,26 @@ def test_a_bad_minimum_time_is_refused(value):
 
 def test_triton_rows_follow_the_encodings_the_kernel_serves():
     """--triton: each encoding with relative terms (what kernels/triton_attention.py serves, read from
-    the encodings themselves) gets a second model with POSENC_TRITON_ATTENTION=on right after it."""
+    the encodings themselves) gets a second model right after it with POSENC_TRITON_ATTENTION the other
+    way from its default: off for those whose terms depend on the query (the default, auto, takes the
+    kernel on CUDA for them: vectors or a value term), on for the bias-only ones."""
     from posenc_fairseq.encodings import ENCODINGS, ModelDims
     from util import perturbed_encoding
 
     gpu_benchmark = load_script(SCRIPT)
-    served = []
+    served, query_dependent = [], []
     for name in sorted(ENCODINGS):
         encoding = perturbed_encoding(name, dims=ModelDims(16, 4, 2, 2))
         encoding.begin("encoder")
         term = encoding.distance_term("encoder", 0, -3, 3, 4, torch.float64)
-        if term is not None or encoding.value_term("encoder", 0, -3, 3, 4, torch.float64) is not None:
+        values = encoding.value_term("encoder", 0, -3, 3, 4, torch.float64)
+        if term is not None or values is not None:
             served.append(f"transformer_{name}")
+        if values is not None or (term is not None and term.vectors is not None):
+            query_dependent.append(f"transformer_{name}")
     assert sorted(gpu_benchmark.TRITON_SERVES) == served
+    assert sorted(gpu_benchmark.TRITON_BY_DEFAULT) == query_dependent
     models = gpu_benchmark.models_to_measure(gpu_benchmark.parse_args(
         ["--archs", "transformer_shaw", "transformer_alibi", "--triton"]))
     assert models == [("transformer", ""), ("transformer_alibi", ""), ("transformer_alibi", "POSENC_TRITON_ATTENTION=on"),
-                      ("transformer_shaw", ""), ("transformer_shaw", "POSENC_TRITON_ATTENTION=on")]
+                      ("transformer_shaw", ""), ("transformer_shaw", "POSENC_TRITON_ATTENTION=off")]

@@ -2,8 +2,9 @@
 
     STEP        a decoding step (one query): its terms as additions to q, k, v and the logits
                 (`distance.step_terms`), SDPA of the changed inputs (step.py)
-    TRITON      one Triton kernel reading a per-distance bias inside, with its gradient
-                (triton_attention.py; POSENC_TRITON_ATTENTION=on)
+    TRITON      one Triton kernel reading the per-distance terms inside, with their gradients
+                (triton_attention.py; POSENC_TRITON_ATTENTION: by default on CUDA for the terms that
+                depend on the query)
     FLEX        FlexAttention, the encoding's per-distance terms read inside the kernel (flex.py)
     LOGITS      the caller asked for the logits before softmax (explicit.py)
     EXPLICIT    the softmax written out: attention weights asked for, a relative value term, or
@@ -108,7 +109,10 @@ def plan(call: AttentionCall) -> Plan:
     if (call.relative and call.q.size(2) == 1 and not call.source_keys
             and not (call.need_weights or call.before_softmax)):
         return _WHOLE_CALL[Kernel.STEP, False]
-    if call.relative and triton_attention.available(call.q, call.triton_mode) and triton_attention.serves(call):
+    # terms that depend on the query ((B, H, Tq, .) per call: Shaw, LFHC, XL, GCDF)
+    query_dependent = call.values is not None or (call.term is not None and call.term.vectors is not None)
+    if (call.relative and triton_attention.available(call.q, call.triton_mode, query_dependent)
+            and triton_attention.serves(call)):
         return _WHOLE_CALL[Kernel.TRITON, False]
     if call.relative and _flex_serves(call):
         kernel = Kernel.FLEX
@@ -124,14 +128,12 @@ def plan(call: AttentionCall) -> Plan:
     # the relative terms (one (B, H, Tq, Tk) addition fewer)
     fold_content = (call.term is not None and call.term.content is not None and not call.source_keys
                     and kernel is not Kernel.FLEX)
-    # terms that depend on the query ((B, H, Tq, .) per call) are computed a block of queries at a time
-    blockwise = call.values is not None or (call.term is not None and call.term.vectors is not None)
     if kernel is Kernel.SDPA and terms_need_gradient(call, fold_content):
         if biased_cpu.serves_call(call.q, call.dropout_p, call.logits, call.grad_enabled):
             kernel = Kernel.BIASED_CPU
-        elif blockwise and not sdpa.fused_mask_gradient(call.q):
+        elif query_dependent and not sdpa.fused_mask_gradient(call.q):
             kernel = Kernel.EXPLICIT  # SDPA's unfused fallback for a mask with gradient keeps more memory
-    if not blockwise:
+    if not query_dependent:  # (else computed a block of queries at a time)
         return _WHOLE_CALL[kernel, fold_content]
     # whether the blocks' terms (if they need a gradient) take the fused CPU kernel
     fused_cpu = call.values is None and biased_cpu.serves_call(call.q, call.dropout_p, call.logits, call.grad_enabled)

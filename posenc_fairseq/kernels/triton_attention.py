@@ -16,20 +16,26 @@ head (the draws' counter is 32 bits).
 
 Where it is used: the environment variable POSENC_TRITON_ATTENTION, read when a stack starts a forward
 pass (`mode()`; its value travels in the pass context and the `AttentionCall`):
-    "off" (default)   never
-    "on"              on CUDA, in training and inference; on CPU the other paths serve, except
-                      where Triton's interpreter is on (TRITON_INTERPRET=1: the exactness tests),
-                      for which `mode()` gives "interpreted"
-Off by default until a GPU run has shown it equal to the default paths and faster
-(scripts/gpu_benchmark.py --triton; docs/triton_attention.md). It needs the `triton` package, which
-CUDA builds of torch bring; "on" without it is refused with that message. Not yet run on a GPU: its
-exactness is tested in the interpreter and it compiles for sm_80/sm_90 (tests/kernels/
-test_triton_attention.py); its CUDA tests (`make test-cuda`) and speed wait for a GPU session.
+    "auto" (default)  on CUDA (compute capability 8.0 or later, `triton` importable; fp32, fp16, bf16),
+                      the calls whose terms depend on the query: Shaw, LFHC, XL, GCDF. Their other paths build the terms
+                      per block of queries and recompute the blocks in backward; on one H200 in bf16 the
+                      kernel trained them 2.3-15x faster (docs/benchmarks.md). The bias-only encodings
+                      (T5, T5-NoB, AT5, AT5-NoB, ALiBi) keep SDPA's fused kernels with a dense bias, which
+                      were as fast or faster at 16 x 512 there.
+    "on"              on CUDA, every call it serves, in training and inference; on CPU the other paths
+                      serve, except where Triton's interpreter is on (TRITON_INTERPRET=1: the exactness
+                      tests), for which `mode()` gives "interpreted"; without the `triton` package it is
+                      refused with that message
+    "off"             never
+Its exactness is tested in the interpreter and, with `make test-cuda`, on a GPU (tests/kernels/
+test_triton_attention.py); scripts/gpu_check.py --only t compares it with the other paths on a GPU.
 
 A row that sees no key (all its keys padded) gets what the explicit path gives it, uniform weights
 over all Tk keys (dropped as any other): its block of queries skips no tile (`sentence_keys`).
 """
+import functools
 import importlib
+import importlib.util
 import os
 from typing import Optional
 
@@ -40,7 +46,7 @@ from ..encodings.distance import vectors_per_column
 from ..encodings.positions import take_runs
 from .masks import is_future_mask
 
-MODES = ("off", "on")
+MODES = ("auto", "off", "on")
 #: `mode()` where the switch is on and Triton runs kernels in its CPU interpreter: CPU tensors too
 INTERPRETED = "interpreted"
 #: the environment variable that selects the fused kernel (`mode`)
@@ -48,9 +54,9 @@ SWITCH = "POSENC_TRITON_ATTENTION"
 
 
 def mode() -> str:
-    """POSENC_TRITON_ATTENTION now ("off" where unset; "interpreted" for "on" under Triton's
+    """POSENC_TRITON_ATTENTION now ("auto" where unset; "interpreted" for "on" under Triton's
     interpreter); an unknown value is refused."""
-    value = os.environ.get(SWITCH, "off")
+    value = os.environ.get(SWITCH, "auto")
     if value not in MODES:
         raise ValueError(f"{SWITCH}={value!r}: expected one of {', '.join(MODES)}")
     return INTERPRETED if value == "on" and interpreted() else value
@@ -61,17 +67,40 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def available(q: Tensor, triton_mode: str) -> bool:
-    """Whether `triton_mode` (`mode()` of the pass) lets the queries `q` take the kernel on their device."""
-    return triton_mode == INTERPRETED or (triton_mode == "on" and q.is_cuda)
+def available(q: Tensor, triton_mode: str, query_dependent: bool) -> bool:
+    """Whether `triton_mode` (`mode()` of the pass) lets the queries `q` take the kernel on their
+    device; "auto" only for terms that depend on the query (`query_dependent`), in the dtypes and on
+    the GPUs it ran or was compiled for."""
+    if triton_mode == INTERPRETED:
+        return True
+    if not q.is_cuda or triton_mode == "off":
+        return False
+    return triton_mode == "on" or (query_dependent and q.dtype in AUTO_DTYPES and auto_capable(q.device))
+
+
+#: the dtypes "auto" takes the kernel in (float64 has never run compiled)
+AUTO_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+#: the compute capability from which "auto" uses the kernel (tested on sm_80 and sm_90 builds)
+AUTO_CAPABILITY = (8, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def auto_capable(device: torch.device) -> bool:
+    """Whether "auto" takes the kernel on `device`: compute capability AUTO_CAPABILITY or later and
+    `triton` importable (else the other paths serve, as with "off")."""
+    if torch.cuda.get_device_capability(device) < AUTO_CAPABILITY:
+        return False
+    return importlib.util.find_spec("triton") is not None
 
 
 def _kernels():
     try:
         return importlib.import_module(__package__ + ".triton_kernels")
     except ImportError as error:
-        raise RuntimeError(f"{SWITCH}=on needs the `triton` package ({error}); unset {SWITCH} (off is the "
-                           "default) to use the default attention paths") from error
+        raise RuntimeError(f"{SWITCH}=on needs the `triton` package ({error}); unset {SWITCH} (its default, "
+                           "auto, takes the other paths without it) or set it to off") from error
 
 
 #: dropout draws one Philox number per (query, key) of a head at the 32-bit counter i Tk + j

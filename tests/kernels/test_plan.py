@@ -79,6 +79,7 @@ LARGE = biased_cpu.MIN_LOGITS  # a call the fused CPU kernel serves
     (dict(bias=True, triton_mode="interpreted", grad_enabled=False), Kernel.TRITON),
     (dict(bias=True, triton_mode="interpreted", queries=1, keys=7), Kernel.STEP),
     (dict(bias=True, triton_mode="on"), Kernel.SDPA),  # compiled: CUDA tensors only
+    (dict(vectors=True, triton_mode="auto"), Kernel.EXPLICIT),  # the default: CUDA tensors only
     (dict(bias=True, triton_mode="interpreted", need_weights=True), Kernel.EXPLICIT),
     (dict(bias=True, triton_mode="interpreted", before_softmax=True), Kernel.LOGITS),
     (dict(vectors=True, triton_mode="interpreted"), Kernel.TRITON),  # Shaw/LFHC

@@ -247,7 +247,28 @@ def test_mode_is_interpreted_under_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert fused.mode() == "on"
     q = torch.zeros(1, 1, 2, 4)
-    assert not fused.available(q, "on") and fused.available(q, fused.INTERPRETED) and not fused.available(q, "off")
+    for query_dependent in (False, True):
+        assert fused.available(q, fused.INTERPRETED, query_dependent)
+        assert not any(fused.available(q, mode, query_dependent) for mode in ("on", "auto", "off"))
+
+
+def test_auto_takes_the_kernel_for_terms_that_depend_on_the_query_on_capable_gpus(monkeypatch):
+    """The default, "auto": on a GPU of compute capability 8.0 or later with `triton`, the kernel serves
+    Shaw, LFHC, XL and GCDF's calls and not the bias-only ones, in fp32/fp16/bf16 (not float64); "on"
+    serves both, "off" neither; on an older GPU "auto" serves none. (A stand-in for CUDA queries: `available` reads their device.)"""
+    from types import SimpleNamespace
+
+    gpu = SimpleNamespace(is_cuda=True, device="cuda:0", dtype=torch.bfloat16)
+    capabilities = {"cuda:0": (9, 0)}
+    monkeypatch.setattr(fused.torch.cuda, "get_device_capability", lambda device: capabilities[device])
+    fused.auto_capable.cache_clear()
+    monkeypatch.setattr(fused, "auto_capable", fused.auto_capable.__wrapped__)
+    assert fused.available(gpu, "auto", True) and not fused.available(gpu, "auto", False)
+    assert fused.available(gpu, "on", True) and fused.available(gpu, "on", False)
+    assert not fused.available(gpu, "off", True)
+    assert not fused.available(SimpleNamespace(is_cuda=True, device="cuda:0", dtype=torch.float64), "auto", True)
+    capabilities["cuda:0"] = (7, 5)
+    assert not fused.available(gpu, "auto", True) and fused.available(gpu, "on", True)
 
 
 def test_switch_values(monkeypatch):
@@ -257,8 +278,10 @@ def test_switch_values(monkeypatch):
         fused.mode()
     monkeypatch.setenv(fused.SWITCH, "on")
     assert fused.mode() == "on"
-    monkeypatch.delenv(fused.SWITCH)
+    monkeypatch.setenv(fused.SWITCH, "off")
     assert fused.mode() == "off"
+    monkeypatch.delenv(fused.SWITCH)
+    assert fused.mode() == "auto"
 
 
 def test_without_triton_the_switch_is_refused_with_the_way_out(monkeypatch):
@@ -266,5 +289,5 @@ def test_without_triton_the_switch_is_refused_with_the_way_out(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "posenc_fairseq.kernels.triton_kernels", None)  # (import fails)
     q = torch.zeros(1, 1, 2, 4)
-    with pytest.raises(RuntimeError, match="needs the `triton` package.*unset POSENC_TRITON_ATTENTION"):
+    with pytest.raises(RuntimeError, match="needs the `triton` package.*unset POSENC_TRITON_ATTENTION.*auto"):
         fused.TritonAttention.apply(q, None, q, q, torch.zeros(1, 3), None, None, None, False)
