@@ -420,22 +420,36 @@ def flex_cases():
 TRUTH_FACTOR = 4.0
 
 
+def worst_of(errors):
+    """The largest of `errors` (NaN if any is NaN: a NaN must fail, not vanish in max()), 0 if none."""
+    errors = list(errors)
+    return math.nan if any(error != error for error in errors) else max(errors, default=0.0)
+
+
 @dataclass
 class Comparison:
-    """`compare_paths`' result: the largest relative difference from the float64 result of the
-    logits and of the gradients, of the path ("on": `logits`, `gradients`) and of the reference paths
-    ("off": `reference_logits`, `reference_gradients`), the parameter that comes nearest to failing
-    (`worst_parameter`), the batches compared, the calls that took the path, seconds per mode, and
-    `failing`: what exceeded its allowance."""
-    logits: float = 0.0
-    gradients: float = 0.0
-    reference_logits: float = 0.0
-    reference_gradients: float = 0.0
-    worst_parameter: Optional[str] = None
+    """`compare_paths`' result: `differences` {"logits" or a parameter's name: (the path's largest
+    relative difference from the float64 result, the reference paths' own)} over the batches compared
+    (`done`), the calls that took the path, seconds per mode ("on", "off")."""
+    differences: dict
     done: int = 0
     calls: int = 0
     seconds: dict = None
-    failing: list = None
+
+    def _worst(self, which, gradients):
+        return worst_of(pair[which] for what, pair in self.differences.items() if (what != "logits") == gradients)
+
+    logits = property(lambda self: self._worst(0, False))
+    reference_logits = property(lambda self: self._worst(1, False))
+    gradients = property(lambda self: self._worst(0, True))
+    reference_gradients = property(lambda self: self._worst(1, True))
+
+    @property
+    def worst_parameter(self) -> Optional[str]:
+        """The parameter of `gradients`, the largest difference (None without gradients)."""
+        parameters = {what: pair[0] for what, pair in self.differences.items() if what != "logits"}
+        return max(parameters, key=lambda name: (parameters[name] != parameters[name], parameters[name]),
+                   default=None)
 
     def problems(self, batches, limit=FP32_LIMIT):
         """Why a row of `batches` batches fails: the budget spent before its end, a difference from
@@ -443,8 +457,8 @@ class Comparison:
         problems = []
         if self.done < batches:
             problems.append(f"time budget spent after {self.done} batches")
-        failing = [what for what, error, default in self.failing
-                   if not error <= max(limit, TRUTH_FACTOR * default)]
+        failing = [what for what, (error, reference) in self.differences.items()
+                   if not error <= max(limit, TRUTH_FACTOR * reference)]
         if failing:
             problems.append(f"limit {limit:g} (or {TRUTH_FACTOR:g}x the reference paths' difference from float64) "
                             f"exceeded: {', '.join(failing[:3])}")
@@ -453,15 +467,14 @@ class Comparison:
 
 def compare_paths(models, path, model, batches, budget, loss_scale=1.0):
     """Each batch through `model` with `path` "on" and "off", and through a float64 copy of it on the
-    default paths (the truth both are measured from): forward + backward (on the CPU only where the
+    reference paths (the truth both are measured from): forward + backward (on the CPU only where the
     path has a backward there; else forward under no_grad). Every "on" pass must take the path and
     no other pass may; the logits must be finite."""
     import copy
 
     backward = models.cuda or path.cpu_backward
     truth_model = copy.deepcopy(model).double()
-    result = Comparison(seconds={"on": 0.0, "off": 0.0}, failing=[])
-    worst = {}  # {what: (error, the reference.s error)}
+    result = Comparison({}, seconds={"on": 0.0, "off": 0.0})
     with counted_calls(path) as calls:
         for index, batch in enumerate(batches):
             if budget.spent():
@@ -470,8 +483,8 @@ def compare_paths(models, path, model, batches, budget, loss_scale=1.0):
             for mode in ("on", "off", "truth"):
                 calls_before = calls[0]
                 start = time.perf_counter()
-                run_model = truth_model if mode == "truth" else model
                 with path_mode(path, "on" if mode == "on" else "off"), torch.set_grad_enabled(backward):
+                    run_model = truth_model if mode == "truth" else model
                     if backward:
                         results[mode] = step(models, run_model, batch, loss_scale=1.0 if mode == "truth" else loss_scale)
                     else:
@@ -489,20 +502,11 @@ def compare_paths(models, path, model, batches, budget, loss_scale=1.0):
             if backward:
                 on, off = gradient_errors(results["on"][2], truth[2]), gradient_errors(results["off"][2], truth[2])
                 errors.update({name: (on[name], off[name]) for name in truth[2]})
-            for what, (error, default) in errors.items():
-                kept = worst.get(what, (0.0, 0.0))
-                worst[what] = (kept[0] if error <= kept[0] else error, max(kept[1], default))  # (NaN kept)
+            for what, pair in errors.items():
+                kept = result.differences.get(what, (0.0, 0.0))
+                result.differences[what] = (worst_of([kept[0], pair[0]]), worst_of([kept[1], pair[1]]))
             result.done += 1
         result.calls = calls[0]
-    if worst:
-        result.logits, result.reference_logits = worst.pop("logits")
-    if worst:
-        result.gradients = max(error for error, _ in worst.values())
-        result.reference_gradients = max(default for _, default in worst.values())
-        # the parameter nearest its allowance
-        result.worst_parameter = max(worst, key=lambda name: worst[name][0] / max(FP32_LIMIT * 1e-3, worst[name][1]))
-    result.failing = [(what, error, default) for what, (error, default) in
-                      [("logits", (result.logits, result.reference_logits)), *worst.items()]]
     return result
 
 

@@ -3,6 +3,7 @@ FLOATER's cost), run here as --device cpu: every check prints its table, the CUD
 every other row passes (check t in Triton's interpreter, its own test for time);
 a difference or an error becomes a FAIL row and exit status 1 while the other checks still run. (The
 comparisons on CUDA are the test suite's: tests/devices.py.)"""
+import math
 import os
 import subprocess
 import sys
@@ -155,3 +156,22 @@ def test_the_device_setup_script_runs_the_command_where_fairseq_imports():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ran"
     assert "gpu_device_setup: torch " + torch.__version__ in done.stderr and "floater extension:" in done.stderr
+
+
+def test_a_path_fails_where_it_is_further_from_float64_than_the_limit_and_the_reference_allow():
+    """Checks b and t measure both paths from a float64 copy: a difference over the limit passes where the
+    reference paths are within TRUTH_FACTOR of it (both round), and fails beyond; NaN fails."""
+    gpu_check = load_script(SCRIPT)
+    factor, limit = gpu_check.TRUTH_FACTOR, 1e-4
+
+    def problems(error, reference):
+        return gpu_check.Comparison({"logits": (1e-7, 1e-7), "w": (error, reference)}, done=1).problems(1, limit)
+
+    assert problems(0.5 * limit, 0.0) == []
+    assert problems(3 * limit, limit) == []  # as far as the reference paths, within the factor
+    assert "exceeded: w" in problems(1.5 * factor * limit, limit)[0]
+    assert "exceeded: w" in problems(2 * limit, 0.0)[0]
+    assert "exceeded: w" in problems(math.nan, limit)[0]
+    compared = gpu_check.Comparison({"logits": (1e-7, 2e-7), "a": (1e-6, 1e-6), "b": (3e-6, 1e-6)})
+    assert (compared.logits, compared.reference_logits, compared.gradients, compared.worst_parameter) == (
+        1e-7, 2e-7, 3e-6, "b")
