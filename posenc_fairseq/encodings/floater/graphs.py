@@ -1,5 +1,6 @@
 """FLOATER's hidden-space solve (`solver.HiddenSpaceSolve`) replayed from CUDA graphs: the solve off the
-launch path. Not yet run on a GPU (docs/floater.md, "CUDA graphs"); off unless POSENC_FLOATER_CUDA_GRAPHS=1.
+launch path (docs/floater.md, "CUDA graphs"; its CUDA tests passed on an H200); off unless
+POSENC_FLOATER_CUDA_GRAPHS=1.
 
 On CUDA the eager loops launch a few kernels per Runge-Kutta stage, about 10k tiny launches per solve
 and as many again in backward, so the GPU waits on the host. A graph captures the Python loops of

@@ -8,7 +8,7 @@ On CPU the hidden-space loops are compiled (csrc/floater_solve.cpp, the `_floate
 that setup.py builds) and split the rows over the threads (`compiled_parts`); without the extension
 the same loops run in Python (loops.py, with each solve's precomputed pieces). A CUDA model's
 fixed-grid solve runs on the CPU (`solve_device`), unless POSENC_FLOATER_CUDA_GRAPHS=1 replays the
-Python loops from CUDA graphs on the GPU (graphs.py; not yet run on a GPU). torchdiffeq does `dopri5`, the continuous
+Python loops from CUDA graphs on the GPU (graphs.py). torchdiffeq does `dopri5`, the continuous
 adjoint (`--floater-adjoint`) and the bounded flows. The ODE is always solved in float32 or better
 with a float64 time grid, whatever the model's dtype.
 """
