@@ -19,6 +19,9 @@ options, dtype, batch, length):
     --gen-length tokens for every source of the batch; null above --gen-max-length;
   - kernels: the attention kernels that ran in the profiled window (torch.profiler's names), and top_ops:
     where that window's time went (the 15 operations with the most self time, milliseconds per step);
+    op_ms_per_step: the self time of all of them per step (CUDA: every kernel's, the GPU's busy time
+    where kernels do not overlap), beside step_ms, a timed step's duration: a step much longer than its
+    kernels waits on the host (launches, Python);
   - reference: the same three figures of stock `transformer` in the same run, dtype, batch and length.
 A measurement that fails (out of memory, an error, the budget spent) gives nulls and an `error` string;
 the others go on. The file is written once, at the end, atomically; then the table is printed
@@ -310,8 +313,8 @@ def measure_cell(model, task, args, device, cell, window, deadline):
     result = {"train_steps": steps, "train_tokens_per_s": round(2 * batch * length * steps / seconds, 1),
               "peak_memory_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None,
               "resting_memory_mb": round(resting / 2**20, 1) if cuda else None,
-              "kernels": None, "top_ops": None}
-    result["kernels"], result["top_ops"] = profiled(step, device, window)
+              "step_ms": round(1000 * seconds / steps, 3), "kernels": None, "top_ops": None}
+    result["kernels"], result["top_ops"], result["op_ms_per_step"] = profiled(step, device, window)
     del step, scaler  # the optimizer's state: generation runs without it
     if length > args.gen_max_length:
         return result
@@ -353,8 +356,9 @@ def profiled(step, device, steps=1, most=6, top=15):
     """What the profiler saw over `steps` calls of `step` (one K-window for FLOATER: its solve
     included), not what the code meant to call: (the attention kernels (CUDA) or operators (CPU),
     the longest-running first; the `top` operations by self time on the device (CUDA kernels) or
-    the CPU (aten operators) as [name, milliseconds per step]). The second says where a slow
-    encoding's step goes."""
+    the CPU (aten operators) as [name, milliseconds per step]; the self time of all of them,
+    milliseconds per step). The second says where a slow encoding's step goes, the third how much of
+    the step the device (or the operators) is busy."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -375,7 +379,8 @@ def profiled(step, device, steps=1, most=6, top=15):
         totals[event.key] = totals.get(event.key, 0) + (spent or 0)
     longest = sorted(totals, key=totals.get, reverse=True)
     attention = [name[:120] for name in longest if ATTENTION_KERNEL.search(name)][:most]
-    return attention, [[name[:120], round(totals[name] / steps / 1000, 3)] for name in longest[:top]]
+    return (attention, [[name[:120], round(totals[name] / steps / 1000, 3)] for name in longest[:top]],
+            round(sum(totals.values()) / steps / 1000, 3))
 
 
 def device_name(device):
@@ -504,14 +509,15 @@ def write_atomically(path, records):
 def markdown_table(records):
     """The records as a markdown table: each figure with its ratio to stock `transformer` (tokens/s:
     higher is better; memory: lower), and FLOATER's step time over transformer_sinusoidal's in the
-    same dtype, batch and length (issue 36's goals: <= 1.5 with K = 1, <= 1.1 with K = 10)."""
+    same dtype, batch and length (issue 36's goals: <= 1.5 with K = 1, <= 1.1 with K = 10), and how busy
+    the step keeps the device (`op_ms_per_step` / `step_ms`)."""
     sinusoidal = {run_cell(item): item for item in records if item["arch"] == SINUSOIDAL and item["options"] == ""}
     first = records[0] if records else {}
     lines = [f"{first.get('device_name')}, torch {first.get('torch')}, commit {first.get('commit')}; "
              "ratios to stock `transformer` in the same run, dtype, batch and length", "",
              "| arch | options | dtype | batch x n | train tok/s | x stock | peak MB | x stock | beam gen tok/s "
-             "| x stock | step / sinusoidal's | attention kernels | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| x stock | step / sinusoidal's | busy | attention kernels | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for item in records:
         reference = item["reference"]
         row = [item["arch"], f"`{item['options']}`" if item["options"] else "", item["dtype"],
@@ -522,7 +528,9 @@ def markdown_table(records):
         if item["arch"] == FLOATER:  # step time ratio: the inverse of the tokens/s ratio
             floater_vs_sinusoidal = ratio(sinusoidal.get(run_cell(item), {}).get("train_tokens_per_s"),
                                           item["train_tokens_per_s"])
-        row += [floater_vs_sinusoidal, ", ".join(f"`{name[:60]}`" for name in (item.get("kernels") or [])[:3]),
+        # the operators' (CUDA: kernels') time per step over the step's duration (older records: none)
+        busy = ratio(item.get("op_ms_per_step"), item.get("step_ms"))
+        row += [floater_vs_sinusoidal, busy, ", ".join(f"`{name[:60]}`" for name in (item.get("kernels") or [])[:3]),
                    (item.get("error") or "").replace("|", "/")[:120]]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

@@ -50,6 +50,8 @@ def test_one_well_formed_record_per_measurement(measured):
             assert 0 < len(top) <= 15 and all(isinstance(name, str) and ms >= 0 for name, ms in top)
             assert [ms for _, ms in top] == sorted((ms for _, ms in top), reverse=True)
             assert any(name == "aten::addmm" or name == "aten::mm" for name, _ in top)  # the projections
+            # all operators' time per step, at least the listed ones', beside a timed step's duration
+            assert item["op_ms_per_step"] >= sum(ms for _, ms in top) - 1e-2 and item["step_ms"] > 0
             assert (item["generate_tokens_per_s"] is None) == (item["length"] > 16)
         else:  # fp16 training may fail on a CPU: then nothing else is claimed
             assert item["dtype"] == "fp16" and item["train_tokens_per_s"] is None
