@@ -19,6 +19,9 @@ loops.py (`_hidden_forward_loops`, and `_hidden_backward_loops` for a solve with
     (`loops.grid_constants`), and the solve checks nothing (the overflow check is table.py's).
   - The graphs and constants live where the solve's `memo` keeps them: the encoding's cache (its
     constants scope), so they go with the model and are never shared between models.
+  - A solve with gradient whose stages the eager solve would not keep (KEEP_STAGES_BYTES: at base size
+    from a few hundred positions on) replays graphs of CHUNK intervals chunk after chunk instead, each
+    interval recomputed in backward as the eager solve does (`ChunkGraphs`): one pair for every length.
 On the CPU (no graphs) the same buffers, padding and copies run with the loops called eagerly instead
 of replayed: the fallback, which the CPU tests hold to the eager solve exactly.
 """
@@ -31,7 +34,7 @@ from torch import Tensor
 
 from .loops import (Memo, _hidden_backward_loops, _hidden_forward_loops, _HiddenRun, kept_recent, kept_reductions,
                     tableau_key)
-from .solver import KEEP_STAGES_BYTES, HiddenSpaceSolve, hidden_gradients, single_thread, without_autocast
+from .solver import KEEP_STAGES_BYTES, hidden_gradients, single_thread, without_autocast
 
 ENABLE = "POSENC_FLOATER_CUDA_GRAPHS"  # "1": fixed-grid solves run through this module (CUDA models on the GPU)
 MIN_WORK = "POSENC_FLOATER_CUDA_GRAPHS_MIN_WORK"  # a CUDA solve stays on the GPU from this rows x hidden x steps
@@ -124,18 +127,9 @@ class SolveGraph:
         return (self.key == key and self.y0.shape == (key.rows, key.dim) and self.y0.dtype == key.dtype
                 and self.y0.device == key.device and self.run.m.shape == (key.hidden, key.hidden))
 
-    def load(self, run: _HiddenRun):
-        """The solve's pieces into the static run (its tableau constants and dt are the key's already)."""
-        static = self.run
-        for name in ("w1b", "w1b_t", "w2h", "w2h_t", "m", "m_t"):
-            getattr(static, name).copy_(getattr(run, name))
-        static.bias1[:run.steps].copy_(run.bias1)
-        static.cz[:run.steps].copy_(run.cz)
-        static.b2_sums[:run.intervals].copy_(run.b2_sums)
-
     def solve(self, run: _HiddenRun, y0: Tensor):
         """States (intervals + 1, N, d) and, for a solve with gradient, every stage's relu output."""
-        self.load(run)
+        load_pieces(self.run, run, 0, run.intervals)
         self.y0.copy_(y0)
         with single_thread(y0):
             states, relus = self.forward()
@@ -143,7 +137,7 @@ class SolveGraph:
 
     def adjoint(self, run: _HiddenRun, grad_states: Tensor, relus: Tensor) -> tuple:
         """What `_hidden_backward_loops` returns for the solve (the padded intervals left out)."""
-        self.load(run)
+        load_pieces(self.run, run, 0, run.intervals)
         self.kept[:run.steps].copy_(relus)
         self.grad_states[:run.intervals + 1].copy_(grad_states)
         self.grad_states[run.intervals + 1:].zero_()  # the padded intervals pass on zeros
@@ -153,6 +147,111 @@ class SolveGraph:
         intervals = slice(0, run.intervals)
         return (gy.clone(), grad_bias1[:run.steps], sums[intervals], after[intervals], starts[intervals],
                 grad_m, grad_cz)
+
+
+def load_pieces(static: _HiddenRun, run: _HiddenRun, start: int, count: int):
+    """`run`'s pieces of its `count` intervals from `start` into a graph's static run (the first
+    `count` of its intervals; its tableau constants and dt are the key's already)."""
+    for name in ("w1b", "w1b_t", "w2h", "w2h_t", "m", "m_t"):
+        getattr(static, name).copy_(getattr(run, name))
+    steps = slice(start * run.substeps, (start + count) * run.substeps)
+    static.bias1[:count * run.substeps].copy_(run.bias1[steps])
+    static.cz[:count * run.substeps].copy_(run.cz[steps])
+    static.b2_sums[:count].copy_(run.b2_sums[start:start + count])
+
+
+#: intervals per replay of a solve with gradient whose stages are not kept (`ChunkGraphs`; a multiple of BUCKET)
+CHUNK = 32
+
+
+class ChunkGraphs:
+    """The graphs of a solve with gradient whose stages would not be kept (more than KEEP_STAGES_BYTES:
+    at base size, 6+6 layers d 512, already at 512 positions), which the eager `HiddenSpaceSolve` runs
+    without keeping them: forward interval after interval, backward recomputing each interval before
+    its adjoint. Here the same loops over CHUNK intervals (the last chunk padded) are replayed chunk
+    after chunk, forward in order and backward in reverse, with d loss / d M added up in one buffer
+    across the replays in the eager order: the states and gradients are the eager ones bit for bit,
+    and one pair of graphs serves every length (its key's `intervals` is CHUNK)."""
+
+    def __init__(self, key: GraphKey, tableau, memo: Memo, y0: Tensor, weights):
+        self.key = key
+        self.run = _HiddenRun(tableau, 0, key.intervals, key.delta, key.substeps, memo, y0.clone(),
+                              *(weight.detach().clone() for weight in weights))
+        self.y0 = torch.zeros_like(y0)
+        self.forward = Replay(lambda: _hidden_forward_loops(self.run, self.y0, False), key.device)
+        self.states = y0.new_zeros(key.intervals + 1, key.rows, key.dim)
+        self.grad_states = torch.zeros_like(self.states)
+        self.grad_m = y0.new_zeros(key.hidden, key.hidden)
+        self.backward = Replay(lambda: _hidden_backward_loops(self.run, self.states, self.grad_states, None,
+                                                              grad_m=self.grad_m), key.device)
+
+    fits = SolveGraph.fits
+
+    def chunks(self, run: _HiddenRun):
+        """(first interval, intervals) of each chunk of `run`, in order."""
+        return [(start, min(self.key.intervals, run.intervals - start))
+                for start in range(0, run.intervals, self.key.intervals)]
+
+    def solve(self, run: _HiddenRun, y0: Tensor) -> Tensor:
+        """States (intervals + 1, N, d)."""
+        states = y0.new_empty(run.intervals + 1, *y0.shape)
+        states[0] = y0
+        for start, count in self.chunks(run):
+            load_pieces(self.run, run, start, count)
+            self.y0.copy_(states[start])
+            with single_thread(y0):
+                chunk_states, _ = self.forward()
+            states[start + 1:start + count + 1] = chunk_states[1:count + 1]
+        return states
+
+    def adjoint(self, run: _HiddenRun, states: Tensor, grad_states: Tensor) -> tuple:
+        """What `_hidden_backward_loops` returns for the solve without kept stages."""
+        substeps, hidden = run.substeps, run.m.size(0)
+        grad_bias1 = states.new_empty(run.steps, run.stages, hidden)
+        grad_cz = torch.empty_like(grad_bias1)
+        sums = states.new_empty(run.intervals, states.size(1), hidden)
+        starts = torch.empty_like(sums)
+        after = torch.empty_like(states[1:])
+        self.grad_m.zero_()
+        gy = grad_states[-1]  # d loss / d b at the end of the chunk, from the chunks after it
+        for start, count in reversed(self.chunks(run)):
+            load_pieces(self.run, run, start, count)
+            self.states[:count + 1].copy_(states[start:start + count + 1])
+            self.states[count + 1:].zero_()  # padded intervals: recomputed from zeros, passing on zeros
+            self.grad_states[:count].copy_(grad_states[start:start + count])
+            self.grad_states[count].copy_(gy)
+            self.grad_states[count + 1:].zero_()
+            with single_thread(grad_states):
+                gy, chunk_bias1, chunk_sums, chunk_after, chunk_starts, _, chunk_cz = self.backward()
+            steps, intervals = slice(start * substeps, (start + count) * substeps), slice(start, start + count)
+            grad_bias1[steps], grad_cz[steps] = chunk_bias1[:count * substeps], chunk_cz[:count * substeps]
+            sums[intervals], after[intervals], starts[intervals] = (chunk_sums[:count], chunk_after[:count],
+                                                                    chunk_starts[:count])
+        return gy.clone(), grad_bias1, sums, after, starts, self.grad_m.clone(), grad_cz
+
+
+class ChunkedSolve(torch.autograd.Function):
+    """`HiddenSpaceSolve` without kept stages, its loops replayed from `ChunkGraphs`."""
+
+    @staticmethod
+    def forward(ctx, tableau, first: int, last: int, delta: float, substeps: int, memo: Memo,
+                y0: Tensor, w1: Tensor, c1: Tensor, w2: Tensor, c2: Tensor) -> Tensor:
+        run = _HiddenRun(tableau, first, last, delta, substeps, memo, y0, w1, c1, w2, c2)
+        key = key_of(tableau, 0, CHUNK, delta, substeps, y0, w1, True)
+        entry = kept_recent(memo, "cuda chunk graphs", KEPT_GRAPHS, key,
+                            lambda: ChunkGraphs(key, tableau, memo, y0, (w1, c1, w2, c2)),
+                            fits=lambda kept: kept.fits(key))
+        states = entry.solve(run, y0)
+        ctx.save_for_backward(states, w1, c1, w2, c2)
+        ctx.settings, ctx.entry = (tableau, first, last, delta, substeps, memo), entry
+        return states
+
+    @staticmethod
+    @without_autocast
+    def backward(ctx, grad_states: Tensor):
+        states, w1, c1, w2, c2 = ctx.saved_tensors
+        run = _HiddenRun(*ctx.settings, states[0], w1, c1, w2, c2)
+        return hidden_gradients(run, [(states, ctx.entry.adjoint(run, states, grad_states))])
 
 
 def graph_for(key: GraphKey, tableau, memo: Memo, y0: Tensor, weights) -> SolveGraph:
@@ -187,9 +286,9 @@ class GraphedSolve(torch.autograd.Function):
 
 def graphed_solve(tableau, first, last, delta, substeps, memo: Memo, y0: Tensor, *weights: Tensor) -> Tensor:
     """`HiddenSpaceSolve`'s states, from the graphs: a solve with gradient whose stages would not be
-    kept (more than KEEP_STAGES_BYTES, where the eager backward recomputes them) runs eagerly."""
+    kept (more than KEEP_STAGES_BYTES, where the eager backward recomputes them) in chunks (`ChunkedSolve`)."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (y0, *weights))
     steps, stages = (last - first) * substeps, len(tableau.b)
     if grad and steps * stages * y0.size(0) * weights[0].size(0) * y0.element_size() > KEEP_STAGES_BYTES:
-        return HiddenSpaceSolve.apply(tableau, first, last, delta, substeps, memo, y0, *weights)
+        return ChunkedSolve.apply(tableau, first, last, delta, substeps, memo, y0, *weights)
     return GraphedSolve.apply(grad, tableau, first, last, delta, substeps, memo, y0, *weights)

@@ -155,14 +155,16 @@ def _hidden_forward_loops(run: "_HiddenRun", y0: Tensor, keep: bool):
 
 
 def _hidden_backward_loops(run: "_HiddenRun", states: Tensor, grad_states: Tensor, kept: Optional[Tensor],
-                           reduce_kept: bool = True):
+                           reduce_kept: bool = True, grad_m: Optional[Tensor] = None):
     """`HiddenSpaceSolve`'s backward loops in Python (the exact discrete adjoint), returning
     d loss / d b(t_first) (N, d), d loss / d bias1 (steps, stages, hidden), each interval's sum of b_j r_j
     (intervals, N, hidden), d loss / d b(t_i+1) (intervals, N, d), d loss / d z at each interval's start
     (intervals, N, hidden), d loss / d M (hidden, hidden) and d loss / d cz (steps, stages, hidden).
     With `kept` and not `reduce_kept`, d loss / d kz of every stage (steps, stages, N, hidden) and None
     stand for the last two (`kept_reductions` makes them): the CUDA graphs (graphs.py) run these loops
-    over a padded length and reduce over the real steps only."""
+    over a padded length and reduce over the real steps only. Without `kept`, d loss / d M is added
+    into `grad_m` where given (graphs.py's chunks: one sum over all of a solve's intervals, in this
+    order), else into zeros."""
     count, dim, hidden = states.size(1), states.size(2), run.m.size(0)
     stages, substeps, dt, intervals = run.stages, run.substeps, run.dt, run.intervals
     # relu outputs and d loss / d kz of every stage (when the forward kept the relus; else of one
@@ -179,7 +181,8 @@ def _hidden_backward_loops(run: "_HiddenRun", states: Tensor, grad_states: Tenso
     sums = states.new_empty(intervals, count, hidden)  # per interval: sum of b_j r_j over its stages
     after = states.new_empty(intervals, count, dim)  # d loss / d b(t_i+1)
     starts = states.new_empty(intervals, count, hidden)  # d loss / d z at each interval's start
-    grad_m = states.new_zeros(hidden, hidden)
+    if grad_m is None:
+        grad_m = states.new_zeros(hidden, hidden)
     grad_cz = states.new_empty(run.steps, stages, hidden)
     gy = grad_states[-1].clone()  # d loss / d b(t) of the current grid point
     a = states.new_empty(1, count * hidden)  # d loss / d z

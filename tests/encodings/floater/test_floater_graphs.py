@@ -89,15 +89,40 @@ def test_a_training_solve_does_not_wait_on_the_host(device, cache):
     tensors = inputs(device)
     rk4, memo = TABLEAUS["rk4"], cache.constant
     solved(graphs.graphed_solve, (rk4, 0, 13, 0.1, 3, memo), tensors, torch.ones(14, 6, 8, device=device))  # captures
-    upstream = torch.ones(12, 6, 8, device=device)
+    assert_captured_solve_runs_without_host_waits(device, (rk4, 0, 11, 0.1, 3, memo), tensors)
+    assert len(kept_graphs(cache)) == 1
+
+
+def test_a_solve_whose_stages_are_not_kept_replays_chunks_equal_to_the_eager_solve(device, cache, monkeypatch):
+    """A solve with gradient whose stages exceed KEEP_STAGES_BYTES (at base size already at 512
+    positions) replays CHUNK intervals at a time, forward in order and backward in reverse, recomputing
+    each interval as the eager solve does: states and every gradient equal the eager (unkept) solve's bit
+    for bit, for lengths of whole chunks, a part-filled last chunk, one chunk, and a later start, all
+    from one pair of graphs; and on CUDA without the host waiting once they are captured."""
+    for module in (solver, graphs):  # every solve with gradient: stages not kept
+        monkeypatch.setattr(module, "KEEP_STAGES_BYTES", 0)
+    monkeypatch.setattr(graphs, "CHUNK", 8)  # (a multiple of the length buckets' BUCKET)
+    tensors = inputs(device)
+    rk4, memo = TABLEAUS["rk4"], cache.constant
+    for first, last in [(0, 13), (0, 16), (0, 3), (5, 14)]:  # 13, 16, 3 and 9 intervals
+        assert_graphed_equals_eager((rk4, first, last, 0.1, 3, memo), tensors)
+    chunk_graphs = cache.constants.get("cuda chunk graphs", {})
+    assert len(chunk_graphs) == 1 and next(iter(chunk_graphs)).intervals == 8
+    assert kept_graphs(cache) == {}  # no graph per length bucket
+    assert_captured_solve_runs_without_host_waits(device, (rk4, 0, 11, 0.1, 3, memo), tensors)
+
+
+def assert_captured_solve_runs_without_host_waits(device, settings, tensors):
+    """The graphed solve of `settings` (its graphs captured already) and its backward: on CUDA no implicit
+    synchronisation (torch.cuda.set_sync_debug_mode("error") raises at one); equal to the eager solve."""
+    upstream = torch.ones(settings[2] - settings[1] + 1, *tensors[0].shape, device=device)
     guard = contextlib.nullcontext()
     if device.type == "cuda":
         torch.cuda.synchronize()
         guard = sync_errors()
     with guard:
-        states, grads = solved(graphs.graphed_solve, (rk4, 0, 11, 0.1, 3, memo), tensors, upstream)
-    assert len(kept_graphs(cache)) == 1
-    eager, eager_grads = solved(HiddenSpaceSolve.apply, (rk4, 0, 11, 0.1, 3, memo), tensors, upstream)
+        states, grads = solved(graphs.graphed_solve, settings, tensors, upstream)
+    eager, eager_grads = solved(HiddenSpaceSolve.apply, settings, tensors, upstream)
     assert torch.equal(states, eager) and all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
 
 
