@@ -129,6 +129,7 @@ class SolveGraph:
 
     def solve(self, run: _HiddenRun, y0: Tensor):
         """States (intervals + 1, N, d) and, for a solve with gradient, every stage's relu output."""
+        load_weights(self.run, run)
         load_pieces(self.run, run, 0, run.intervals)
         self.y0.copy_(y0)
         with single_thread(y0):
@@ -137,6 +138,7 @@ class SolveGraph:
 
     def adjoint(self, run: _HiddenRun, grad_states: Tensor, relus: Tensor) -> tuple:
         """What `_hidden_backward_loops` returns for the solve (the padded intervals left out)."""
+        load_weights(self.run, run)
         load_pieces(self.run, run, 0, run.intervals)
         self.kept[:run.steps].copy_(relus)
         self.grad_states[:run.intervals + 1].copy_(grad_states)
@@ -149,11 +151,15 @@ class SolveGraph:
                 grad_m, grad_cz)
 
 
-def load_pieces(static: _HiddenRun, run: _HiddenRun, start: int, count: int):
-    """`run`'s pieces of its `count` intervals from `start` into a graph's static run (the first
-    `count` of its intervals; its tableau constants and dt are the key's already)."""
+def load_weights(static: _HiddenRun, run: _HiddenRun):
+    """`run`'s weights into a graph's static run (its tableau constants and dt are the key's already)."""
     for name in ("w1b", "w1b_t", "w2h", "w2h_t", "m", "m_t"):
         getattr(static, name).copy_(getattr(run, name))
+
+
+def load_pieces(static: _HiddenRun, run: _HiddenRun, start: int, count: int):
+    """`run`'s per-step pieces of its `count` intervals from `start` into the first `count` intervals
+    of a graph's static run."""
     steps = slice(start * run.substeps, (start + count) * run.substeps)
     static.bias1[:count * run.substeps].copy_(run.bias1[steps])
     static.cz[:count * run.substeps].copy_(run.cz[steps])
@@ -196,6 +202,7 @@ class ChunkGraphs:
         """States (intervals + 1, N, d)."""
         states = y0.new_empty(run.intervals + 1, *y0.shape)
         states[0] = y0
+        load_weights(self.run, run)
         for start, count in self.chunks(run):
             load_pieces(self.run, run, start, count)
             self.y0.copy_(states[start])
@@ -213,6 +220,7 @@ class ChunkGraphs:
         starts = torch.empty_like(sums)
         after = torch.empty_like(states[1:])
         self.grad_m.zero_()
+        load_weights(self.run, run)
         gy = grad_states[-1]  # d loss / d b at the end of the chunk, from the chunks after it
         for start, count in reversed(self.chunks(run)):
             load_pieces(self.run, run, start, count)
