@@ -33,7 +33,6 @@ test_triton_attention.py); scripts/gpu_check.py --only t compares it with the ot
 A row that sees no key (all its keys padded) gets what the explicit path gives it, uniform weights
 over all Tk keys (dropped as any other): its block of queries skips no tile (`sentence_keys`).
 """
-import functools
 import importlib
 import importlib.util
 import os
@@ -86,13 +85,14 @@ AUTO_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 AUTO_CAPABILITY = (8, 0)
 
 
-@functools.lru_cache(maxsize=None)
+#: whether the `triton` package is installed (without it "auto" takes the other paths)
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 def auto_capable(device: torch.device) -> bool:
-    """Whether "auto" takes the kernel on `device`: compute capability AUTO_CAPABILITY or later and
-    `triton` importable (else the other paths serve, as with "off")."""
-    if torch.cuda.get_device_capability(device) < AUTO_CAPABILITY:
-        return False
-    return importlib.util.find_spec("triton") is not None
+    """Whether "auto" takes the kernel on `device`: compute capability AUTO_CAPABILITY or later (torch
+    keeps each device's properties) and `triton` installed (else the other paths serve, as with "off")."""
+    return TRITON_INSTALLED and torch.cuda.get_device_capability(device) >= AUTO_CAPABILITY
 
 
 def _kernels():

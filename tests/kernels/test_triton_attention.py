@@ -261,13 +261,15 @@ def test_auto_takes_the_kernel_for_terms_that_depend_on_the_query_on_capable_gpu
     gpu = SimpleNamespace(is_cuda=True, device="cuda:0", dtype=torch.bfloat16)
     capabilities = {"cuda:0": (9, 0)}
     monkeypatch.setattr(fused.torch.cuda, "get_device_capability", lambda device: capabilities[device])
-    fused.auto_capable.cache_clear()
-    monkeypatch.setattr(fused, "auto_capable", fused.auto_capable.__wrapped__)
+    monkeypatch.setattr(fused, "TRITON_INSTALLED", True)
     assert fused.available(gpu, "auto", True) and not fused.available(gpu, "auto", False)
     assert fused.available(gpu, "on", True) and fused.available(gpu, "on", False)
     assert not fused.available(gpu, "off", True)
     assert not fused.available(SimpleNamespace(is_cuda=True, device="cuda:0", dtype=torch.float64), "auto", True)
     capabilities["cuda:0"] = (7, 5)
+    assert not fused.available(gpu, "auto", True) and fused.available(gpu, "on", True)
+    capabilities["cuda:0"] = (9, 0)
+    monkeypatch.setattr(fused, "TRITON_INSTALLED", False)  # auto: the other paths; on: refused when called
     assert not fused.available(gpu, "auto", True) and fused.available(gpu, "on", True)
 
 
