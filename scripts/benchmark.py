@@ -12,7 +12,9 @@ For each architecture a fresh subprocess builds the model (same size for all), t
     both the median of `--gen-repeats` decodes after an untimed one, alternating with the reference
     model built in the same process (the generation ratios are taken within that process; so is the
     training ratio: after the solo timing, which gives the memory, --steps more updates of each
-    model alternate, median per update). The order alternates too: the architecture first in even
+    model alternate, median per update). Each process builds `--copies` copies of both models,
+    interleaved, and a model's time is the geometric mean over its copies (copies of one model differ
+    in speed by where their tensors land). The order alternates too: the architecture first in even
     rounds, the reference first in odd ones (`alternating_medians`), for --growth as well; and so does
     the order the two models are built in (odd rounds build the reference first).
 `--growth` prints instead, per arch, the training time per step at n = 128 and 2048 (batch 1) and
@@ -50,25 +52,28 @@ def measure(arch, args):
     def build(name):
         return build_model(name, args, device, args.extra)
 
-    # the model built first in a process measured ~1% slower than the same model built second
-    # (docs/benchmarks.md): odd rounds build the reference first
-    reference = build(args.reference)[0] if args.reference_first and arch != args.reference else None
-    model, task = build(arch)
+    # Identical copies of one model, built one after the other in one process, decode at speeds
+    # apart by more than the gaps measured, each copy steadily (docs/benchmarks.md): where a copy's
+    # tensors land in memory matters.
+    # So each model is built --copies times, the two interleaved (arch, reference, reference, arch,
+    # ...; odd rounds start with the reference: the model built first measured slower), and its
+    # figures are the geometric means over its copies.
+    copies = []  # (prefix, copy index, model)
+    for name, index in build_order(arch, args.reference, args.copies, args.reference_first):
+        model, task = build(name)
+        copies.append(("" if name == arch else "reference_", index, model))
+    model = next(net for prefix, _, net in copies if prefix == "")
     low = 4
     src = torch.randint(low, args.vocab, (args.batch, args.length), device=device)
     prev = torch.randint(low, args.vocab, (args.batch, args.length), device=device)
     lengths = torch.full((args.batch,), args.length, device=device)
 
-    def trainer(net):
-        return training_step(net, src, lengths, prev)
-
-    step = trainer(model)
-
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    model.train()
+    steps = {(prefix, index): training_step(net.train(), src, lengths, prev) for prefix, index, net in copies}
+    step = steps[("", 0)]
     for _ in range(args.warmup):  # first allocations (optimizer state; FLOATER K > 1: the window's solve)
         step()
     sync()
@@ -87,33 +92,50 @@ def measure(arch, args):
     result = {"arch": arch, "train_tokens_per_s": train_tps, **memory}
     if heap is not None:
         result["heap_peak_mb"] = heap / 2**20
-    # Training again, and generation: this model and the reference built in the same process,
-    # alternating step by step (decode by decode): a process's own speed (which varies from process
-    # to process on a shared machine) then cancels in the ratio
-    models = {"": model}
-    if arch != args.reference:
-        reference = (reference if reference is not None else build(args.reference)[0]).train()
-        steps = {"": step, "reference_": trainer(reference)}
-        for _ in range(args.warmup):
-            steps["reference_"]()
-        for prefix, seconds in alternating_medians(steps, args.steps, sync).items():
+    # Training again, and generation: every copy of this model and the reference, alternating step by
+    # step (decode by decode): a process's own speed (which varies from process to process on a
+    # shared machine) then cancels in the ratio
+    if len(steps) > 1:
+        for key, run in steps.items():
+            if key != ("", 0):
+                for _ in range(args.warmup):
+                    run()
+        for prefix, seconds in over_copies(alternating_medians(steps, args.steps, sync)).items():
             result[prefix + "train_tokens_per_s"] = 2 * args.batch * args.length / seconds
             result[prefix + "train_seconds_per_step"] = seconds
     else:
         result["train_seconds_per_step"] = elapsed / args.steps
     if args.train_only:
         return result
-    if arch != args.reference:
-        models["reference_"] = reference.eval()
-    model.eval()
-    greedy = {prefix: greedy_decode(m, src[:1], lengths[:1], task, args) for prefix, m in models.items()}
-    for prefix, seconds in alternating_medians(greedy, args.gen_repeats, sync).items():
+    for _, _, net in copies:
+        net.eval()
+    greedy = {(prefix, index): greedy_decode(net, src[:1], lengths[:1], task, args) for prefix, index, net in copies}
+    for prefix, seconds in over_copies(alternating_medians(greedy, args.gen_repeats, sync)).items():
         result[prefix + "generate_tokens_per_s"] = args.gen_length / seconds
     if args.beam > 0:
-        beams = {prefix: beam_search(m, src[:1], lengths[:1], task, args) for prefix, m in models.items()}
-        for prefix, seconds in alternating_medians(beams, args.gen_repeats, sync).items():
+        beams = {(prefix, index): beam_search(net, src[:1], lengths[:1], task, args) for prefix, index, net in copies}
+        for prefix, seconds in over_copies(alternating_medians(beams, args.gen_repeats, sync)).items():
             result[prefix + "beam_tokens_per_s"] = args.gen_length / seconds
     return result
+
+
+def build_order(arch: str, reference: str, copies: int, reference_first: bool) -> list:
+    """[(name, copy index)] in the order a measuring process builds them: `copies` of each, the two
+    models interleaved so that neither is always built first (arch, reference, reference, arch, ...,
+    or from the reference with `reference_first`); the reference alone where it is the arch."""
+    names = [arch] if arch == reference else [arch, reference]
+    return [(name, index) for index in range(copies)
+            for name in (names if (index + reference_first) % 2 == 0 else names[::-1])]
+
+
+def over_copies(seconds: dict) -> dict:
+    """{prefix: geometric mean of the seconds of its copies} from {(prefix, copy index): seconds}."""
+    import math
+
+    logs = {}
+    for (prefix, _), value in seconds.items():
+        logs.setdefault(prefix, []).append(math.log(value))
+    return {prefix: math.exp(statistics.fmean(values)) for prefix, values in logs.items()}
 
 
 def build_model(name, args, device, extra):
@@ -288,6 +310,9 @@ def main():
                              "in the same process), after one untimed: median")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each measuring process")
+    parser.add_argument("--copies", type=positive_count, default=2,
+                        help="copies of each model built in each measuring process, interleaved with the "
+                             "reference's (timings: geometric mean over the copies)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds over all architectures (median reported)")
     parser.add_argument("--reference", default="transformer_sinusoidal")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],

@@ -65,6 +65,17 @@ def test_alternating_medians_alternates_which_run_goes_first(monkeypatch):
     assert medians == {"arch": 1.0, "reference": 3.0}
 
 
+def test_copies_are_built_interleaved_and_timed_as_a_geometric_mean():
+    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    assert benchmark.build_order("a", "r", 2, False) == [("a", 0), ("r", 0), ("r", 1), ("a", 1)]
+    assert benchmark.build_order("a", "r", 3, True) == [("r", 0), ("a", 0), ("a", 1), ("r", 1), ("r", 2), ("a", 2)]
+    assert benchmark.build_order("r", "r", 2, True) == [("r", 0), ("r", 1)]
+    means = benchmark.over_copies({("", 0): 1.0, ("reference_", 0): 2.0, ("", 1): 4.0, ("reference_", 1): 8.0})
+    assert means == pytest.approx({"": 2.0, "reference_": 4.0})
+
+
 def test_odd_rounds_build_the_reference_first(monkeypatch, capsys):
     """The model a process builds first measured slower than the same model built second, so the
     rounds alternate which of the two each measuring process builds first."""
