@@ -40,7 +40,7 @@ from fairseq.modules import MultiheadAttention
 
 from .encodings.base import HookUse, PassContext, hook_use, stack_of
 from .encodings.distance import for_heads
-from .encodings.positions import AnyPositions, Positions, shared_range, tensor_of
+from .encodings.positions import AnyPositions, is_shared_range, shared_range, tensor_of
 from .kernels.masks import blocks_future
 from .kernels.plan import AttentionCall, Kernel, plan
 from .kernels.serve import serve
@@ -89,8 +89,8 @@ NO_HOOKS = HookUse(projects=False, logits=False, values=False)
 def first_of_each_beam(positions: AnyPositions, beam: int) -> AnyPositions:
     """The rows of `positions` (B * beam, T) of the first beam of each sentence, (B, T): a
     `shared_range` stays one (every row alike)."""
-    if isinstance(positions, Positions) and positions.tensor.dim() == 2:
-        return shared_range(positions.tensor.size(0) // beam, positions.start, positions.stop, positions.device)
+    if is_shared_range(positions):
+        return shared_range(positions.rows // beam, positions.start, positions.stop, positions.device)
     return tensor_of(positions).view(-1, beam, positions.size(1))[:, 0, :]
 
 

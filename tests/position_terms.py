@@ -13,7 +13,7 @@ from posenc_fairseq.encodings.positions import AnyPositions, Positions, tensor_o
 
 def position_range(start: int, stop: int, device=None) -> Positions:
     """Positions start..stop-1 of torch.arange(start, stop)."""
-    return Positions(start, stop, torch.arange(start, stop, device=device))
+    return Positions(start, stop, device=device)
 
 
 def is_range(positions: AnyPositions) -> bool:

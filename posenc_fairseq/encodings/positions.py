@@ -26,19 +26,27 @@ from ..block_size import BLOCK_ELEMENTS
 
 @dataclass(frozen=True, slots=True)
 class Positions:
-    """The consecutive positions start..stop-1, known on the host, and their `tensor`: (B, stop -
-    start) with every row alike (`shared_range`), or 1-D (the tests' `position_range`)."""
+    """The consecutive positions start..stop-1, known on the host, and their `tensor`: (rows, stop -
+    start) with every row alike (`shared_range`), or 1-D where `rows` is None (the tests'
+    `position_range`). The tensor is made on first use: most readers need the bounds alone, and a
+    decoding step would otherwise pay two tensor operations (on CUDA a kernel launch) for nothing."""
     start: int
     stop: int
-    tensor: Tensor = field(compare=False, repr=False)
+    rows: Optional[int] = field(default=None, compare=False)
+    device: Optional[torch.device] = field(default=None, compare=False, repr=False)
+    made: List[Tensor] = field(default_factory=list, init=False, compare=False, repr=False)  # the tensor, once made
 
     def __len__(self) -> int:
         """Positions per row (a 1-D range: its length)."""
         return self.stop - self.start
 
     @property
-    def device(self) -> torch.device:
-        return self.tensor.device
+    def tensor(self) -> Tensor:
+        """(rows, stop - start), a read-only view of one row, or 1-D: a function of the fields alone."""
+        if not self.made:
+            values = torch.arange(self.start, self.stop, device=self.device)
+            self.made.append(values if self.rows is None else values.expand(self.rows, self.stop - self.start))
+        return self.made[0]
 
 
 #: what the hooks take as positions: `Positions`, or a tensor of arbitrary positions
@@ -49,7 +57,7 @@ def shared_range(batch: int, start: int, stop: int, device=None) -> Positions:
     """(batch, stop - start) token positions, every row start..stop-1 (a stack's tokens without
     padding, or one decoding step): an encoding may compute the values of one row and share them
     across the batch (`is_shared_range`)."""
-    return Positions(start, stop, torch.arange(start, stop, device=device).expand(batch, stop - start))  # (a view: read only)
+    return Positions(start, stop, batch, device)
 
 
 def tensor_of(positions: AnyPositions) -> Tensor:
@@ -59,7 +67,7 @@ def tensor_of(positions: AnyPositions) -> Tensor:
 
 def is_shared_range(positions: Optional[AnyPositions]) -> bool:
     """Whether `positions` is a `shared_range` (every row the same consecutive positions)."""
-    return isinstance(positions, Positions) and positions.tensor.dim() == 2
+    return isinstance(positions, Positions) and positions.rows is not None
 
 
 def bounds(positions: AnyPositions) -> Tuple[int, int]:

@@ -417,7 +417,7 @@ class Floater(PositionalEncoding):
         (the same range of a beam's rows, made anew per call, is found again); a tensor of arbitrary
         positions is the one the entry was made for."""
         shared = is_shared_range(positions)
-        key = (group, dtype, (positions.start, positions.stop, positions.tensor.size(0)) if shared else None)
+        key = (group, dtype, (positions.start, positions.stop, positions.rows) if shared else None)
         hit = state.gathered.get(key)
         if hit is None or hit[0] is not table or not (shared or hit[1] is positions):
             if shared:  # every row the same positions: rows of the table, no gather
