@@ -35,7 +35,7 @@ def test_growth_prints_an_exponent_per_arch():
     float(rows["transformer_alibi"][5])  # its difference, from the ratios within each process
 
 
-@pytest.mark.parametrize("option", ["--gen-repeats", "--steps"])
+@pytest.mark.parametrize("option", ["--gen-repeats", "--steps", "--copies"])
 @pytest.mark.parametrize("value", ["0", "-3", "nan", "1e9x"])
 def test_bad_counts_are_refused_in_one_line(option, value):
     done = subprocess.run([sys.executable, REPO / "scripts" / "benchmark.py", option, value],
