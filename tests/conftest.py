@@ -9,7 +9,8 @@ import torch
 
 from posenc_fairseq.toy_data import monolingual_corpus, parallel_corpus, write_parallel
 import fork_server
-from util import QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, built_once, command_env, run
+from util import (COMMAND_VARIABLES, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, built_once, command_env,
+                  run)
 
 # --device cpu|cuda, the `device` fixture and marker, and the bounds per device (tests/devices.py)
 pytest_plugins = ["devices"]
@@ -47,8 +48,11 @@ def fork_server_for_commands(tmp_path_factory):
         yield None
         return
     server, callers = fork_server.start(tmp_path_factory.mktemp("fork_server"), command_env())
-    saved = {name: os.environ.get(name) for name in callers}
-    os.environ.update(callers)
+    # every process a test starts, also with a copy of os.environ rather than command_env(), starts as
+    # the server did (else it runs as a new process: server.log names what differed)
+    exported = dict(COMMAND_VARIABLES, **callers)
+    saved = {name: os.environ.get(name) for name in exported}
+    os.environ.update(exported)
     yield server
     for name, value in saved.items():
         if value is None:

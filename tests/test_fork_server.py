@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +47,17 @@ def served(tmp_path_factory):
     fork_server.stop(server)
 
 
+def server_log(callers):
+    return (Path(callers["POSENC_TEST_FORK_SERVER"]).parent / "server.log").read_text()
+
+
+def new_process_env(**variables):
+    """The commands' environment without a fork server (the session's, conftest.py, included)."""
+    environ = dict(command_env(), **variables)
+    environ.pop("POSENC_TEST_FORK_SERVER", None)
+    return environ
+
+
 def probe(scripts, environ, *argv, stdin="", **kwargs):
     done = subprocess.run([sys.executable, str(scripts / "probe.py"), *argv], input=stdin, capture_output=True,
                           text=True, env=environ, cwd=scripts.parent, timeout=120, **kwargs)
@@ -57,7 +69,7 @@ def probe(scripts, environ, *argv, stdin="", **kwargs):
 def test_a_served_script_runs_as_a_new_process_would(served, how):
     scripts, callers = served
     forked, forked_facts = probe(scripts, dict(callers, PROBE_VARIABLE="x"), how, "more", stdin="input")
-    new, new_facts = probe(scripts, dict(command_env(), PROBE_VARIABLE="x"), how, "more", stdin="input")
+    new, new_facts = probe(scripts, new_process_env(PROBE_VARIABLE="x"), how, "more", stdin="input")
     assert forked_facts.pop("preloaded") and not new_facts.pop("preloaded")
     assert forked_facts == new_facts == {"argv": [how, "more"], "cwd": str(scripts.parent), "variable": "x",
                                          "stdin": "input", "path0": str(scripts), "name": "__main__"}
@@ -72,7 +84,7 @@ def test_a_fairseq_command_gives_what_the_new_process_gives(served):
     _, callers = served
     command = [str(BIN / "fairseq-train"), "--arch", "no_such_arch", "/nonexistent"]
     forked = subprocess.run(command, capture_output=True, text=True, env=callers, timeout=120)
-    new = subprocess.run(command, capture_output=True, text=True, env=command_env(), timeout=120)
+    new = subprocess.run(command, capture_output=True, text=True, env=new_process_env(), timeout=120)
     assert forked.returncode == new.returncode == 2
     assert (forked.stdout, forked.stderr) == (new.stdout, new.stderr)
 
@@ -81,6 +93,26 @@ def test_another_start_up_environment_runs_the_script_itself(served):
     scripts, callers = served
     _, facts = probe(scripts, dict(callers, OMP_NUM_THREADS="3"), "ok")
     assert not facts["preloaded"]
+    # the server names what differed, for whoever finds a test slower than it should be
+    assert f"fallback: {scripts / 'probe.py'}: differs in ['OMP_NUM_THREADS']" in server_log(callers)
+
+
+def test_a_variable_named_python_is_no_start_up_setting(served):
+    """PYTHON alone (a script's name for its interpreter) is read by no interpreter: still served;
+    PYTHONHASHSEED is."""
+    scripts, callers = served
+    assert probe(scripts, dict(callers, PYTHON=sys.executable), "ok")[1]["preloaded"]
+    assert not probe(scripts, dict(callers, PYTHONHASHSEED="7"), "ok")[1]["preloaded"]
+
+
+def test_a_fairseq_command_through_a_linked_venv_folder_is_served(served, tmp_path):
+    """The README's commands run in a folder whose .venv links to the repository's: the same venv."""
+    _, callers = served
+    (tmp_path / "venv").symlink_to(BIN.parent)
+    command = [str(tmp_path / "venv" / "bin" / "fairseq-train"), "--arch", "no_such_arch", "/nonexistent"]
+    forked = subprocess.run(command, capture_output=True, text=True, env=callers, timeout=120)
+    assert forked.returncode == 2 and "invalid choice: 'no_such_arch'" in forked.stderr
+    assert command[0] not in server_log(callers)  # no fallback
 
 
 def test_a_caller_that_dies_takes_its_command_along(served, tmp_path):

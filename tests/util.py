@@ -27,10 +27,14 @@ QUICK_TRAIN = [
 ]
 
 
+#: what every command the tests run has in its environment: one thread (the workers share the cores;
+#: MKL's too, as the demo and compare.py set it for their commands) and no warnings
+COMMAND_VARIABLES = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
 def command_env(env=None):
-    """The environment of a command the tests run: one thread (the workers share the cores) and no
-    warnings, then `env`."""
-    full = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    """The environment of a command the tests run: os.environ with COMMAND_VARIABLES, then `env`."""
+    full = dict(os.environ, **COMMAND_VARIABLES)
     full.update(env or {})
     return full
 

@@ -38,8 +38,9 @@ HEADER = struct.Struct("!I")
 
 def serves(script, roots):
     """The scripts worth a fork: fairseq's commands and the repository's own scripts."""
+    # (a venv reached through a linked folder is the same venv; its python itself is a link)
     folder, name = os.path.split(os.path.abspath(script))
-    if name.startswith("fairseq-") and folder == os.path.dirname(os.path.abspath(sys.executable)):
+    if name.startswith("fairseq-") and os.path.realpath(folder) == os.path.realpath(os.path.dirname(sys.executable)):
         return True
     path = os.path.realpath(script)
     return path.endswith(".py") and any(path.startswith(root + os.sep) for root in roots)
@@ -170,6 +171,18 @@ def serve(address, roots):
             connection.close()
 
 
+def describe(differs, theirs, ours):
+    """The facts that differ, start-up environment variables by name."""
+    named = []
+    for key in differs:
+        if key == "environ":
+            theirs_env, ours_env = theirs.get(key) or {}, ours[key]
+            named += sorted(name for name in set(theirs_env) | set(ours_env) if theirs_env.get(name) != ours_env.get(name))
+        else:
+            named.append(key)
+    return named
+
+
 def take(connection, listener, facts, imports_set, roots):
     """Answer one caller: fork its command, or tell it to run the script itself."""
     fds, request = receive(connection)
@@ -178,8 +191,10 @@ def take(connection, listener, facts, imports_set, roots):
     try:
         differs = [key for key in facts if request["facts"].get(key) != facts[key]]
         if differs or not serves(request["argv"][0], roots):
-            # the reason, for whoever debugs: the caller only needs to know to run the script itself
-            reply(connection, fallback=f"differs in {differs}" if differs else "not served")
+            # the reason, for whoever debugs (also in server.log): the caller only runs the script itself
+            reason = f"differs in {describe(differs, request['facts'], facts)}" if differs else "not served"
+            print(f"fallback: {request['argv'][0]}: {reason}", file=sys.stderr, flush=True)
+            reply(connection, fallback=reason)
             return
         if os.fork() == 0:
             try:

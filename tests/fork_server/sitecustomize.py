@@ -41,10 +41,16 @@ def _run_in_fork_server():
 def startup_facts():
     """What must be equal between a caller and the server for a fork to equal a new process: the
     environment variables read when Python, torch or OpenMP start, the interpreter and its options."""
-    return {"environ": {key: value for key, value in os.environ.items() if key.startswith(STARTUP_VARIABLES)},
+    return {"environ": {key: value for key, value in os.environ.items()
+                        if key.startswith(STARTUP_VARIABLES) and key not in NOT_READ_AT_START},
             "executable": sys.executable, "warnoptions": list(sys.warnoptions), "xoptions": dict(sys._xoptions),
             "flags": list(sys.flags)}
 
 
 STARTUP_VARIABLES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA", "NCCL", "LD_")
+#: names under those prefixes that nothing reads at start-up. PYTHON: a script's name for its interpreter
+#: (examples/claims/short_to_long.py hands it to its shell script). TORCHINDUCTOR_CACHE_DIR: read when
+#: torch compiles, from the environment the fork has then (the caller's); torch sets it in a test worker's
+#: own environment at its first compile, which every command that worker starts afterwards inherits.
+NOT_READ_AT_START = ("PYTHON", "TORCHINDUCTOR_CACHE_DIR")
 _run_in_fork_server()
