@@ -110,6 +110,19 @@ def column_rows(term: DistanceTerm, device) -> Optional[Tensor]:
                         dtype=torch.long, device=device)
 
 
+def varying_columns(term: DistanceTerm) -> Tuple[int, int]:
+    """(first, last): the columns between which `term`'s rows vary. Every column before `first` takes
+    first's row and every column after `last` takes last's: the clipped ends of Shaw's, LFHC's and T5's
+    buckets. (0, N - 1) where the rows are the columns."""
+    columns = term.high - term.low + 1
+    if term.rows is None:
+        return 0, columns - 1
+    (_, head, head_step), (_, tail, tail_step) = term.rows[0], term.rows[-1]
+    first = head - 1 if head_step == 0 else 0
+    last = columns - tail if tail_step == 0 else columns - 1
+    return first, max(first, last)
+
+
 def window(term: DistanceTerm, low: int, high: int) -> DistanceTerm:
     """`term` for the distances low..high (within its own): a slice of its columns, with only the
     rows they use."""

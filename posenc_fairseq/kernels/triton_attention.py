@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..encodings.distance import vectors_per_column
+from ..encodings.distance import varying_columns, vectors_per_column, window
 from ..encodings.positions import take_runs
 from .masks import is_future_mask
 
@@ -124,8 +124,14 @@ def serves(call) -> bool:
 
 
 def attend(call) -> Tensor:
-    """softmax(q k^T + term + masks) v of `call` (served: `serves`), (B, H, Tq, D)."""
-    term = call.term
+    """softmax(q k^T + term + masks) v of `call` (served: `serves`), (B, H, Tq, D). The tables go to the
+    kernel for the columns where the terms' rows vary (`varying_columns`), their first and last rows
+    standing for the clipped ends."""
+    term, values, first = call.term, call.values, 0
+    ranges = [varying_columns(x) for x in (term, values) if x is not None]
+    if ranges:
+        first, last = min(low for low, _ in ranges), max(high for _, high in ranges)
+        term, values = (window(x, x.low + first, x.low + last) if x is not None else None for x in (term, values))
     bias = vectors = query_for_vectors = None
     query = call.q
     if term is not None:
@@ -137,9 +143,9 @@ def attend(call) -> Tensor:
             query_for_vectors = call.q if term.shift is None else (call.q + term.shift).to(call.q.dtype)
         if term.content is not None:
             query = (call.q + term.content).to(call.q.dtype)
-    values = vectors_per_column(call.values) if call.values is not None else None
+    values = vectors_per_column(values) if values is not None else None
     return TritonAttention.apply(query, query_for_vectors, call.k, call.v, bias, vectors, values,
-                                 call.key_padding_mask, call.attn_mask is not None, call.dropout_p)
+                                 call.key_padding_mask, call.attn_mask is not None, call.dropout_p, first)
 
 
 def _non_overlapping(x: Tensor) -> Tensor:
@@ -149,10 +155,12 @@ def _non_overlapping(x: Tensor) -> Tensor:
 
 
 class TritonAttention(torch.autograd.Function):
-    """dropout(softmax_j(q k^T + bias[h, c] + qr . vectors[h, c] + masks)) (v_j + values[h, c]),
-    c = j - i + Tq - 1, the queries already scaled (and shifted by the caller). `qr` (B, H, Tq, D) or
-    None (no vectors); per column, N = Tq + Tk - 1, or None: `bias` (H, N), `vectors` and `values`
-    (H or 1, N, D); `padding` (B, Tk) True at padded keys, or None; `causal`: key j after query
+    """dropout(softmax_j(q k^T + bias[h, r] + qr . vectors[h, r] + masks)) (v_j + values[h, r]),
+    r = min(max(c - first_column, 0), R - 1), c = j - i + Tq - 1, the queries already scaled (and
+    shifted by the caller). `qr` (B, H, Tq, D) or None (no vectors); the tables, R rows for the columns
+    first_column .. first_column + R - 1 of the N = Tq + Tk - 1 (their first and last rows stand for the
+    columns before and after), or None: `bias` (H, R), `vectors` and `values` (H or 1, R, D); `padding`
+    (B, Tk) True at padded keys, or None; `causal`: key j after query
     i + Tk - Tq blocked; `dropout_p`: attention dropout's probability, its mask drawn inside the kernels
     from a seed that torch's generator of q's device gives (so a checkpointed recomputation, which
     restores that generator, draws the same)."""
@@ -160,7 +168,7 @@ class TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, qr: Optional[Tensor], k: Tensor, v: Tensor, bias: Optional[Tensor],
                 vectors: Optional[Tensor], values: Optional[Tensor], padding: Optional[Tensor], causal: bool,
-                dropout_p: float = 0.0):
+                dropout_p: float = 0.0, first_column: int = 0):
         kernels = _kernels()
         q, k, v = (_non_overlapping(x) for x in (q, k, v))
         if qr is not None:
@@ -175,10 +183,11 @@ class TritonAttention(torch.autograd.Function):
             keys = kernels.sentence_keys(padding, q.size(2), causal)
         seed = torch.randint(2 ** 62, (1,), device=q.device) if dropout_p > 0 else None
         bias, vectors, values = (x.contiguous() if x is not None else None for x in (bias, vectors, values))
-        inputs = kernels.Inputs(q, qr, k, v, bias, vectors, values, padding, keys, causal, fill, dropout_p, seed)
+        inputs = kernels.Inputs(q, qr, k, v, bias, vectors, values, padding, keys, causal, fill, dropout_p, seed,
+                                first_column)
         out, m, l = kernels.forward(inputs)  # noqa: E741
         ctx.save_for_backward(q, qr, k, v, bias, vectors, values, padding, keys, fill, seed, out, m, l)
-        ctx.causal, ctx.dropout_p = causal, dropout_p
+        ctx.causal, ctx.dropout_p, ctx.first_column = causal, dropout_p, first_column
         return out
 
     @staticmethod
@@ -186,9 +195,9 @@ class TritonAttention(torch.autograd.Function):
         q, qr, k, v, bias, vectors, values, padding, keys, fill, seed, out, m, l = ctx.saved_tensors  # noqa: E741
         kernels = _kernels()
         inputs = kernels.Inputs(q, qr, k, v, bias, vectors, values, padding, keys, ctx.causal, fill, ctx.dropout_p,
-                                seed)
+                                seed, ctx.first_column)
         dq, dqr, dk, dv, *tables = kernels.backward(inputs, out, m, l, grad_out.contiguous(),
                                                     ctx.needs_input_grad[4:7])
         dbias, dvectors, dvalues = (grad.to(table.dtype) if grad is not None else None
                                     for grad, table in zip(tables, (bias, vectors, values)))
-        return dq, dqr, dk, dv, dbias, dvectors, dvalues, None, None, None
+        return dq, dqr, dk, dv, dbias, dvectors, dvalues, None, None, None, None

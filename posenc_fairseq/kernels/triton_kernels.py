@@ -1,12 +1,15 @@
 """Triton kernels of the TRITON path (triton_attention.py): attention with a position term per key - query
 distance read inside the kernel, forward and backward, O(n) memory.
 
-    s_ij = qk_i . k_j + bias[h, c] + qr_i . vectors[h, c],    c = j - i + Tq - 1
-    out_i = sum_j dropout(softmax_j(s_ij)) (v_j + values[h, c])
+    s_ij = qk_i . k_j + bias[h, r] + qr_i . vectors[h, r],    c = j - i + Tq - 1
+    out_i = sum_j dropout(softmax_j(s_ij)) (v_j + values[h, r]),   r = min(max(c - first_column, 0), R - 1)
 
 (qk, qr: the queries, already scaled, plus the encoding's content and shift vectors; the queries are
 the last Tq of the Tk keys.) T5/AT5/ALiBi give `bias`, Shaw/LFHC `vectors` (their table rows spread
-over the distances), XL/GCDF `vectors` (W_r R per distance); Shaw/LFHC's value term `values`.
+over the distances), XL/GCDF `vectors` (W_r R per distance); Shaw/LFHC's value term `values`. The tables
+hold R rows, the distance columns first_column .. first_column + R - 1: their first row stands for every
+column before, their last for every column after (the clipped ends of Shaw, LFHC and T5's buckets;
+XL's R rows are all N = Tq + Tk - 1 columns).
 
 Tiles are square (BLOCK x BLOCK). A tile of queries m0.. and keys n0.. meets the 2 BLOCK - 1 distances
 from column band = n0 - m0 + Tq - 1 - (BLOCK - 1) on: its term is computed for that band, (BLOCK, 2 BLOCK)
@@ -16,16 +19,26 @@ dqr += dS_band @ vectors[band], and the band's gradients, dS_band summed over ro
 dS_band^T @ qr (vectors). The value term the same way with P: out += P_band @ values[band],
 dP += (dO @ values[band]^T) gathered, and P_band^T @ dO for the values' gradient.
 
+A tile whose columns all lie at or before first_column, or all at or after the last row's column, reads
+one row (an end of the table, `_end_row`): its term is one number per query, qr_i . vectors[end] +
+bias[end], and its value term rowsum(P) values[end], so it costs what a tile without terms costs (no
+band, no gather). Whether a tile lies at an end depends on n0 - m0 only, so the tiles at the ends are
+whole diagonals of tiles; with Shaw's k = 16 and 32 x 32 tiles all but three diagonals are (`CLAMPED`: a
+table that has ends at all). Their gradients are sums over rows, taken by the queries' kernel: dS and P
+summed per row, then dqr += rowsum(dS) vectors[end], and per block of queries rowsum(dS) . qr,
+rowsum(P) . dO and the sum of dS (`EndBias`, `EndVec`, `EndVal`).
+
 Forward: FlashAttention-2's online softmax, one program per (block of queries, batch x head); it keeps
 each row's running maximum m and sum l (not their log-sum-exp m + log l: where a row sees no key, m is
 the fill value, which in float32 absorbs log l, and the backward would get 1 instead of 1/l).
 Backward: P = exp(s - m) / l recomputed, in three kernels, none with atomics:
     per (block of keys, b x h):      dk, dv, looping over the blocks of queries
-    per (block of queries, b x h):   dqk, dqr, looping over the blocks of keys
+    per (block of queries, b x h):   dqk, dqr, looping over the blocks of keys; the ends' table gradients
     per (diagonal of tiles, b x h):  the bias, vectors and values gradients of that diagonal's band of
-                                     distances, looping over its tiles; torch then adds the
-                                     diagonals' overlapping bands and sums over b (and heads
-                                     where the vectors are shared): the same result on every run
+                                     distances, looping over its tiles (the diagonals not at an end);
+                                     torch then adds the diagonals' overlapping bands, folds the columns
+                                     onto the table's rows and sums over b (and heads where the vectors
+                                     are shared): the same result on every run
 Float32 (float64 for float64 inputs) throughout.
 
 Masks: key padding, and the causal mask (key j after query i + Tk - Tq). A blocked logit is `fill`
@@ -52,21 +65,97 @@ def _load_rows(base, offs, stride_row, stride_d, offs_d, rows, D):
 
 
 @triton.jit
-def _band(qr, first, bias_row, vec_head, svn, svd, offs_d, columns, D, acc_dtype: tl.constexpr,
-          HAS_BIAS: tl.constexpr, HAS_VECTORS: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+def _table_row(column, first_column, rows):
+    """The table row of distance column `column`: the first and last rows stand for the columns before
+    and after the table's (first_column .. first_column + rows - 1)."""
+    return tl.minimum(tl.maximum(column - first_column, 0), rows - 1)
+
+
+@triton.jit
+def _band(qr, first, bias_row, vec_head, svn, svd, offs_d, columns, first_column, rows, D,
+          acc_dtype: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VECTORS: tl.constexpr, BLOCK: tl.constexpr,
+          PRECISION: tl.constexpr):
     """The term of the band of distances from column `first` on, (BLOCK, 2 BLOCK), and the band's
     vectors (2 BLOCK, BLOCK_D) (zeros without vectors)."""
     column = first + tl.arange(0, 2 * BLOCK)
     inside = (column >= 0) & (column < columns)
+    row = _table_row(column, first_column, rows)
     term = tl.zeros([BLOCK, 2 * BLOCK], dtype=acc_dtype)
     vectors = tl.zeros([2 * BLOCK, offs_d.shape[0]], dtype=qr.dtype)
     if HAS_VECTORS:
-        vectors = tl.load(vec_head + column[:, None] * svn + offs_d[None, :] * svd,
+        vectors = tl.load(vec_head + row[:, None] * svn + offs_d[None, :] * svd,
                           mask=inside[:, None] & (offs_d[None, :] < D), other=0.0).to(qr.dtype)
         term += tl.dot(qr, tl.trans(vectors), input_precision=PRECISION)
     if HAS_BIAS:
-        term += tl.load(bias_row + column, mask=inside, other=0.0).to(acc_dtype)[None, :]
+        term += tl.load(bias_row + row, mask=inside, other=0.0).to(acc_dtype)[None, :]
     return term, vectors
+
+
+@triton.jit
+def _end_row(bias_row, vec_head, val_head, swn, swd, sun, sud, offs_d, row, D, dtype: tl.constexpr,
+             value_dtype: tl.constexpr, acc_dtype: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VECTORS: tl.constexpr,
+             HAS_VALUES: tl.constexpr):
+    """Row `row` of the tables, an end (0 or rows - 1): the bias (1,) and the value vector (BLOCK_D,)
+    in `acc_dtype`, the vector (BLOCK_D,) in `dtype`; the value vector rounded to `value_dtype` first,
+    as a band's is (zeros where a table is absent)."""
+    bias = tl.zeros([1], dtype=acc_dtype)
+    vector = tl.zeros([offs_d.shape[0]], dtype=dtype)
+    value = tl.zeros([offs_d.shape[0]], dtype=acc_dtype)
+    if HAS_BIAS:
+        bias += tl.load(bias_row + row + tl.zeros([1], dtype=tl.int32)).to(acc_dtype)
+    if HAS_VECTORS:
+        vector = tl.load(vec_head + row * swn + offs_d * swd, mask=offs_d < D, other=0.0).to(dtype)
+    if HAS_VALUES:
+        value = tl.load(val_head + row * sun + offs_d * sud, mask=offs_d < D, other=0.0).to(value_dtype).to(acc_dtype)
+    return bias, vector, value
+
+
+@triton.jit
+def _at_end(row: tl.constexpr, first_row_start, first_row_stop, last_row_start, last_row_stop, bias_row, vec_head,
+            val_head, swn, swd, sun, sud, offs_d, rows, D, dtype: tl.constexpr, value_dtype: tl.constexpr,
+            acc_dtype: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VECTORS: tl.constexpr, HAS_VALUES: tl.constexpr):
+    """The blocks [start, stop) whose tiles lie at the tables' first row (`row` 0) or last (1), and that
+    row (`_end_row`)."""
+    start, stop = first_row_start, first_row_stop
+    if row == 1:
+        start, stop = last_row_start, last_row_stop
+    bias, vector, value = _end_row(bias_row, vec_head, val_head, swn, swd, sun, sud, offs_d, row * (rows - 1), D,
+                                   dtype, value_dtype, acc_dtype, HAS_BIAS, HAS_VECTORS, HAS_VALUES)
+    return start, stop, bias, vector, value
+
+
+@triton.jit
+def _end_term(qr, bias, vector, out_dtype: tl.constexpr, acc_dtype: tl.constexpr):
+    """Each query's term (BLOCK,) in a tile at an end of the tables (`_end_row`): qr_i . vector + bias,
+    rounded to `out_dtype` as `_logits` rounds a band's term."""
+    term = tl.sum(qr.to(acc_dtype) * vector.to(acc_dtype)[None, :], 1) + bias
+    return term.to(out_dtype).to(acc_dtype)
+
+
+@triton.jit
+def _near_keys(start, end, m0, first_column, rows, Tq, BLOCK: tl.constexpr):
+    """The blocks of keys [near_start, near_end) within [start, end) whose tiles with the block of
+    queries from m0 are not wholly at one end of the tables: those before lie at the first row, those
+    after at the last. A tile's columns are n0 - m0 + Tq - 1 - (BLOCK - 1) .. n0 - m0 + Tq - 1 + (BLOCK - 1)."""
+    low_end = tl.maximum(first_column + m0 - Tq + 2, 0) // BLOCK * BLOCK
+    high_start = (tl.maximum(first_column + rows - 1 + m0 - Tq + BLOCK, 0) + BLOCK - 1) // BLOCK * BLOCK
+    return _three_ranges(start, end, low_end, high_start)
+
+
+@triton.jit
+def _near_queries(start, end, n0, first_column, rows, Tq, BLOCK: tl.constexpr):
+    """`_near_keys` seen from the block of keys from n0: the blocks of queries [near_start, near_end)
+    within [start, end); those before lie at the tables' last row, those after at the first."""
+    high_end = tl.maximum(n0 - first_column - rows + 1 + Tq, 0) // BLOCK * BLOCK
+    low_start = (tl.maximum(n0 - first_column + Tq + BLOCK - 2, 0) + BLOCK - 1) // BLOCK * BLOCK
+    return _three_ranges(start, end, high_end, low_start)
+
+
+@triton.jit
+def _three_ranges(start, end, middle_start, middle_end):
+    """[start, end) cut at middle_start and middle_end (each clamped into the range, in order)."""
+    a = tl.minimum(tl.maximum(middle_start, start), end)
+    return a, tl.minimum(tl.maximum(middle_end, a), end)
 
 
 @triton.jit
@@ -130,18 +219,22 @@ def _kept(Seed, bh, offs_m, offs_n, Tk, dropout_p, HAS_DROPOUT: tl.constexpr):
 
 
 @triton.jit
-def _logits(qk, k_t, qr, m0, n0, bias_row, vec_head, svn, svd, offs_d, pad_row, fill, Tq, Tk, D,
-            HAS_BIAS: tl.constexpr, HAS_VECTORS: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr,
-            BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+def _logits(qk, k_t, qr, m0, n0, bias_row, vec_head, svn, svd, offs_d, pad_row, fill, end_term, Tq, Tk, D,
+            first_column, rows, HAS_BIAS: tl.constexpr, HAS_VECTORS: tl.constexpr, HAS_PADDING: tl.constexpr,
+            CAUSAL: tl.constexpr, AT_END: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
     """A tile's logits (BLOCK, BLOCK) with the term and the masks, where they are blocked, and the
-    band's vectors."""
-    rows = tl.arange(0, BLOCK)
-    offs_m, offs_n = m0 + rows, n0 + rows
+    band's vectors (zeros at an end of the tables, `AT_END`, whose term is `end_term` per query)."""
+    rows_in_tile = tl.arange(0, BLOCK)
+    offs_m, offs_n = m0 + rows_in_tile, n0 + rows_in_tile
     s = tl.dot(qk, k_t, input_precision=PRECISION)
-    term, vectors = _band(qr, n0 - m0 + (Tq - 1) - (BLOCK - 1), bias_row, vec_head, svn, svd, offs_d,
-                          Tq + Tk - 1, D, s.dtype, HAS_BIAS, HAS_VECTORS, BLOCK, PRECISION)
-    # column j - i + BLOCK - 1 of row i; the term rounded to the inputs' dtype, as the explicit path adds it
-    s += tl.gather(term, rows[None, :] - rows[:, None] + (BLOCK - 1), axis=1).to(qk.dtype).to(s.dtype)
+    vectors = tl.zeros([2 * BLOCK, offs_d.shape[0]], dtype=qr.dtype)
+    if AT_END:
+        s += end_term[:, None]
+    else:
+        term, vectors = _band(qr, n0 - m0 + (Tq - 1) - (BLOCK - 1), bias_row, vec_head, svn, svd, offs_d,
+                              Tq + Tk - 1, first_column, rows, D, s.dtype, HAS_BIAS, HAS_VECTORS, BLOCK, PRECISION)
+        # column j - i + BLOCK - 1 of row i; the term rounded to the inputs' dtype, as the explicit path adds it
+        s += tl.gather(term, rows_in_tile[None, :] - rows_in_tile[:, None] + (BLOCK - 1), axis=1).to(qk.dtype).to(s.dtype)
     blocked = (offs_m[:, None] < 0) & (offs_n[None, :] < 0)
     if CAUSAL:
         blocked = blocked | (offs_n[None, :] > offs_m[:, None] + (Tk - Tq))
@@ -154,36 +247,44 @@ def _logits(qk, k_t, qr, m0, n0, bias_row, vec_head, svn, svd, offs_d, pad_row, 
 
 
 @triton.jit
-def _key_tile(qk, qr, K, V, b, h, m0, n0, bias_row, vec_head, pad_row, fill, offs_d, skb, skh, skn, skd,
-              svb, svh, svn, svd, swn, swd, Tq, Tk, D, HAS_BIAS: tl.constexpr, HAS_VECTORS: tl.constexpr,
-              HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+def _key_tile(qk, qr, K, V, b, h, m0, n0, bias_row, vec_head, pad_row, fill, end_term, offs_d, skb, skh, skn, skd,
+              svb, svh, svn, svd, swn, swd, Tq, Tk, D, first_column, rows, HAS_BIAS: tl.constexpr,
+              HAS_VECTORS: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr, AT_END: tl.constexpr,
+              BLOCK: tl.constexpr, PRECISION: tl.constexpr):
     """k, v of the block of keys from n0 and the tile's logits, where they are blocked and the band's
     vectors (`_logits`)."""
     k, v = _key_rows(K, V, b, h, n0, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, Tk, D, BLOCK)
     s, blocked, vectors = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d, pad_row, fill,
-                                  Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
+                                  end_term, Tq, Tk, D, first_column, rows, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL,
+                                  AT_END, BLOCK, PRECISION)
     return k, v, s, blocked, vectors
 
 
 @triton.jit
-def _products(do, v, val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D,
-              HAS_VALUES: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
-    """dP of a tile: dO_i . (v_j + values[h, c]), the value vectors of the band gathered as the term."""
+def _products(do, v, val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, first_column, rows, end_value,
+              HAS_VALUES: tl.constexpr, AT_END: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    """dP of a tile: dO_i . (v_j + values[h, r]), the value vectors of the band gathered as the term
+    (at an end of the tables, dO_i . end_value for every key)."""
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if HAS_VALUES:
-        rows = tl.arange(0, BLOCK)
-        values = _values_band(val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, v.dtype, BLOCK)
-        per_column = tl.dot(do, tl.trans(values), input_precision=PRECISION)
-        dp += tl.gather(per_column, rows[None, :] - rows[:, None] + (BLOCK - 1), axis=1)
+        if AT_END:
+            dp += tl.sum(do.to(end_value.dtype) * end_value[None, :], 1)[:, None]
+        else:
+            tile_rows = tl.arange(0, BLOCK)
+            values = _values_band(val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, first_column, rows, v.dtype, BLOCK)
+            per_column = tl.dot(do, tl.trans(values), input_precision=PRECISION)
+            dp += tl.gather(per_column, tile_rows[None, :] - tile_rows[:, None] + (BLOCK - 1), axis=1)
     return dp
 
 
 @triton.jit
-def _values_band(val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, dtype: tl.constexpr, BLOCK: tl.constexpr):
+def _values_band(val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, first_column, rows, dtype: tl.constexpr,
+                 BLOCK: tl.constexpr):
     """The value vectors of a tile's band of distances, (2 BLOCK, BLOCK_D)."""
     column = n0 - m0 + (Tq - 1) - (BLOCK - 1) + tl.arange(0, 2 * BLOCK)
     inside = (column >= 0) & (column < Tq + Tk - 1)
-    return tl.load(val_head + column[:, None] * sun + offs_d[None, :] * sud,
+    row = _table_row(column, first_column, rows)
+    return tl.load(val_head + row[:, None] * sun + offs_d[None, :] * sud,
                    mask=inside[:, None] & (offs_d[None, :] < D), other=0.0).to(dtype)
 
 
@@ -214,10 +315,11 @@ def _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq, keep, dropout_p,
 
 @triton.jit
 def _tile_gradients(s, blocked, do, v, m_i, l_i, delta, Seed, bh, val_head, sun, sud, offs_d, offs_m, m0, n0, Tq, Tk,
-                    D, dropout_p, HAS_VALUES: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    D, first_column, rows, end_value, dropout_p, HAS_VALUES: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                    AT_END: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
     """The backward of a tile: its probabilities after dropout and dS (`_products`, `_probabilities`)."""
-    dp = _products(do, v, val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, HAS_VALUES, BLOCK, PRECISION)
+    dp = _products(do, v, val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, first_column, rows, end_value, HAS_VALUES,
+                   AT_END, BLOCK, PRECISION)
     keep = _kept(Seed, bh, offs_m, n0 + tl.arange(0, BLOCK), Tk, dropout_p, HAS_DROPOUT)
     return _probabilities(s, blocked, m_i, l_i, dp, delta, offs_m, Tq, keep, dropout_p, HAS_DROPOUT)
 
@@ -237,13 +339,46 @@ def _query_rows(Q, QR, dO, M, L, Delta, b, h, bh, offs_m, offs_d, sqb, sqh, sqm,
 
 
 @triton.jit
+def _forward_tiles(acc, m_i, l_i, start, end, qk, qr, K, V, Seed, b, h, bh, m0, offs_m, offs_d, bias_row, vec_head,
+                   val_head, pad_row, fill, end_term, end_value, skb, skh, skn, skd, svb, svh, svn, svd, swn, swd,
+                   sun, sud, Tq, Tk, D, dropout_p, first_column, rows, HAS_BIAS: tl.constexpr,
+                   HAS_VECTORS: tl.constexpr, HAS_VALUES: tl.constexpr, HAS_PADDING: tl.constexpr,
+                   CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, AT_END: tl.constexpr, BLOCK: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """The online softmax over the blocks of keys start, start + BLOCK, .. < end (all at one end of the
+    tables where AT_END): the running acc, m and l."""
+    for n0 in range(start, end, BLOCK):
+        k, v, s, blocked, vectors = _key_tile(qk, qr, K, V, b, h, m0, n0, bias_row, vec_head, pad_row, fill, end_term,
+                                              offs_d, skb, skh, skn, skd, svb, svh, svn, svd, swn, swd, Tq, Tk, D,
+                                              first_column, rows, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, AT_END,
+                                              BLOCK, PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:  # (the sum l is of the probabilities before dropout)
+            keep = _kept(Seed, bh, offs_m, n0 + tl.arange(0, BLOCK), Tk, dropout_p, HAS_DROPOUT)
+            p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if HAS_VALUES:  # sum_j p_ij values[h, r]
+            if AT_END:
+                acc += tl.sum(p, 1)[:, None] * end_value[None, :]
+            else:  # the probabilities skewed into the band's columns
+                values = _values_band(val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, first_column, rows, v.dtype,
+                                      BLOCK)
+                acc += tl.dot(_skewed(p, BLOCK).to(v.dtype), values, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _attention_forward(Q, QR, K, V, Bias, Vec, Val, Pad, Keys, Seed, Fill, Out, M, L,
                        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                        sbh, swh, swn, swd, suh, sun, sud, spb,
-                       H, Tq, Tk, D, dropout_p,
-                       BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VECTORS: tl.constexpr, HAS_VALUES: tl.constexpr,
-                       HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       H, Tq, Tk, D, dropout_p, first_column, rows,
+                       BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VECTORS: tl.constexpr,
+                       HAS_VALUES: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr,
+                       HAS_DROPOUT: tl.constexpr, CLAMPED: tl.constexpr, PRECISION: tl.constexpr):
     """(Q and QR share strides, as dO and Out do.)"""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -258,22 +393,25 @@ def _attention_forward(Q, QR, K, V, Bias, Vec, Val, Pad, Keys, Seed, Fill, Out, 
     l_i = tl.zeros([BLOCK], dtype=fill.dtype)
     acc = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
     start, end = _key_tiles(Keys, b, m0, Tq, Tk, HAS_PADDING, CAUSAL, BLOCK)
-    for n0 in range(start, end, BLOCK):
-        k, v, s, blocked, vectors = _key_tile(qk, qr, K, V, b, h, m0, n0, bias_row, vec_head, pad_row, fill, offs_d,
-                                              skb, skh, skn, skd, svb, svh, svn, svd, swn, swd, Tq, Tk, D, HAS_BIAS,
-                                              HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if HAS_DROPOUT:  # (the sum l is of the probabilities before dropout)
-            keep = _kept(Seed, bh, offs_m, n0 + tl.arange(0, BLOCK), Tk, dropout_p, HAS_DROPOUT)
-            p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        if HAS_VALUES:  # sum_j p_ij values[h, c]: the probabilities skewed into the band's columns
-            values = _values_band(val_head, sun, sud, offs_d, m0, n0, Tq, Tk, D, v.dtype, BLOCK)
-            acc += tl.dot(_skewed(p, BLOCK).to(v.dtype), values, input_precision=PRECISION)
-        m_i = m_new
+    near_start, near_end = start, end
+    if CLAMPED:  # the blocks of keys at the tables' first row, then those at their last
+        near_start, near_end = _near_keys(start, end, m0, first_column, rows, Tq, BLOCK)
+        for row in tl.static_range(2):
+            first_tile, stop, bias, vector, value = _at_end(row, start, near_start, near_end, end, bias_row, vec_head,
+                                                            val_head, swn, swd, sun, sud, offs_d, rows, D, qr.dtype,
+                                                            V.dtype.element_ty, fill.dtype, HAS_BIAS, HAS_VECTORS,
+                                                            HAS_VALUES)
+            end_term = _end_term(qr, bias, vector, qk.dtype, fill.dtype)
+            acc, m_i, l_i = _forward_tiles(acc, m_i, l_i, first_tile, stop, qk, qr, K, V, Seed, b, h, bh, m0,
+                                           offs_m, offs_d, bias_row, vec_head, val_head, pad_row, fill, end_term,
+                                           value, skb, skh, skn, skd, svb, svh, svn, svd, swn, swd, sun, sud, Tq, Tk,
+                                           D, dropout_p, first_column, rows, HAS_BIAS, HAS_VECTORS, HAS_VALUES,
+                                           HAS_PADDING, CAUSAL, HAS_DROPOUT, True, BLOCK, PRECISION)
+    acc, m_i, l_i = _forward_tiles(acc, m_i, l_i, near_start, near_end, qk, qr, K, V, Seed, b, h, bh, m0, offs_m,
+                                   offs_d, bias_row, vec_head, val_head, pad_row, fill, l_i, l_i, skb, skh, skn, skd,
+                                   svb, svh, svn, svd, swn, swd, sun, sud, Tq, Tk, D, dropout_p, first_column, rows,
+                                   HAS_BIAS, HAS_VECTORS, HAS_VALUES, HAS_PADDING, CAUSAL, HAS_DROPOUT, False, BLOCK,
+                                   PRECISION)
     out = acc / l_i[:, None]
     tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out.to(Out.dtype.element_ty),
              mask=(offs_m[:, None] < Tq) & (offs_d[None, :] < D))
@@ -283,13 +421,41 @@ def _attention_forward(Q, QR, K, V, Bias, Vec, Val, Pad, Keys, Seed, Fill, Out, 
 
 
 @triton.jit
+def _key_block_tiles(dk, dv, start, end, k, v, Q, QR, dO, M, L, Delta, Seed, b, h, bh, n0, offs_d, bias_row, vec_head,
+                     val_head, pad_row, fill, end_bias, end_vector, end_value, sqb, sqh, sqm, sqd, sob, soh, som, sod,
+                     swn, swd, sun, sud, Tq, Tk, D, dropout_p, first_column, rows, HAS_BIAS: tl.constexpr,
+                     HAS_VECTORS: tl.constexpr, HAS_VALUES: tl.constexpr, HAS_PADDING: tl.constexpr,
+                     CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, AT_END: tl.constexpr, BLOCK: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """dk, dv summed over the blocks of queries start, start + BLOCK, .. < end (all at one end of the
+    tables where AT_END: `_end_row`'s bias, vector and value)."""
+    for m0 in range(start, end, BLOCK):
+        offs_m = m0 + tl.arange(0, BLOCK)
+        qk, qr, do, m_i, l_i, delta = _query_rows(Q, QR, dO, M, L, Delta, b, h, bh, offs_m, offs_d, sqb, sqh, sqm,
+                                                  sqd, sob, soh, som, sod, Tq, D)
+        end_term = m_i
+        if AT_END:
+            end_term = _end_term(qr, end_bias, end_vector, qk.dtype, fill.dtype)
+        s, blocked, _ = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d, pad_row, fill,
+                                end_term, Tq, Tk, D, first_column, rows, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL,
+                                AT_END, BLOCK, PRECISION)
+        p, ds = _tile_gradients(s, blocked, do, v, m_i, l_i, delta, Seed, bh, val_head, sun, sud, offs_d, offs_m,
+                                m0, n0, Tq, Tk, D, first_column, rows, end_value, dropout_p, HAS_VALUES, HAS_DROPOUT,
+                                AT_END, BLOCK, PRECISION)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+        dk += tl.dot(tl.trans(ds.to(qk.dtype)), qk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
 def _attention_backward_keys(Q, QR, K, V, Bias, Vec, Val, Pad, Keys, Seed, Fill, dO, M, L, Delta, dK, dV,
                              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                              sbh, swh, swn, swd, suh, sun, sud, spb,
-                             H, Tq, Tk, D, dropout_p,
+                             H, Tq, Tk, D, dropout_p, first_column, rows,
                              BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             HAS_VECTORS: tl.constexpr, HAS_VALUES: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr,
-                             HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+                             HAS_VECTORS: tl.constexpr, HAS_VALUES: tl.constexpr, HAS_PADDING: tl.constexpr,
+                             CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, CLAMPED: tl.constexpr,
+                             PRECISION: tl.constexpr):
     """dk, dv of a block of keys (dK, dV share the strides of K, V)."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -308,16 +474,23 @@ def _attention_backward_keys(Q, QR, K, V, Bias, Vec, Val, Pad, Keys, Seed, Fill,
     live = (n0 + BLOCK > first_key) & (n0 < stop_key)
     # (rows that see no key: every block of queries from 0, the extra tiles harmless)
     start = tl.where(unseen > 0, 0, tl.where(live, start, Tq))
-    for m0 in range(start, Tq, BLOCK):
-        offs_m = m0 + tl.arange(0, BLOCK)
-        qk, qr, do, m_i, l_i, delta = _query_rows(Q, QR, dO, M, L, Delta, b, h, bh, offs_m, offs_d, sqb, sqh, sqm,
-                                                  sqd, sob, soh, som, sod, Tq, D)
-        s, blocked, _ = _logits(qk, tl.trans(k), qr, m0, n0, bias_row, vec_head, swn, swd, offs_d, pad_row, fill,
-                                Tq, Tk, D, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
-        p, ds = _tile_gradients(s, blocked, do, v, m_i, l_i, delta, Seed, bh, val_head, sun, sud, offs_d, offs_m,
-                                m0, n0, Tq, Tk, D, dropout_p, HAS_VALUES, HAS_DROPOUT, BLOCK, PRECISION)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-        dk += tl.dot(tl.trans(ds.to(qk.dtype)), qk, input_precision=PRECISION)
+    near_start, near_end = start, Tq
+    if CLAMPED:  # the blocks of queries at the tables' last row, then those at their first
+        near_start, near_end = _near_queries(start, Tq, n0, first_column, rows, Tq, BLOCK)
+        for row in tl.static_range(2):
+            first_tile, stop, bias, vector, value = _at_end(row, near_end, Tq, start, near_start, bias_row, vec_head,
+                                                            val_head, swn, swd, sun, sud, offs_d, rows, D,
+                                                            QR.dtype.element_ty, V.dtype.element_ty, fill.dtype,
+                                                            HAS_BIAS, HAS_VECTORS, HAS_VALUES)
+            dk, dv = _key_block_tiles(dk, dv, first_tile, stop, k, v, Q, QR, dO, M, L, Delta, Seed, b, h, bh, n0,
+                                      offs_d, bias_row, vec_head, val_head, pad_row, fill, bias, vector, value, sqb,
+                                      sqh, sqm, sqd, sob, soh, som, sod, swn, swd, sun, sud, Tq, Tk, D, dropout_p,
+                                      first_column, rows, HAS_BIAS, HAS_VECTORS, HAS_VALUES, HAS_PADDING, CAUSAL,
+                                      HAS_DROPOUT, True, BLOCK, PRECISION)
+    dk, dv = _key_block_tiles(dk, dv, near_start, near_end, k, v, Q, QR, dO, M, L, Delta, Seed, b, h, bh, n0, offs_d,
+                              bias_row, vec_head, val_head, pad_row, fill, dk, dk, dk, sqb, sqh, sqm, sqd, sob, soh,
+                              som, sod, swn, swd, sun, sud, Tq, Tk, D, dropout_p, first_column, rows, HAS_BIAS,
+                              HAS_VECTORS, HAS_VALUES, HAS_PADDING, CAUSAL, HAS_DROPOUT, False, BLOCK, PRECISION)
     tl.store(dK + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, dk.to(dK.dtype.element_ty),
              mask=(offs_n[:, None] < Tk) & (offs_d[None, :] < D))
     tl.store(dV + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, dv.to(dV.dtype.element_ty),
@@ -325,14 +498,46 @@ def _attention_backward_keys(Q, QR, K, V, Bias, Vec, Val, Pad, Keys, Seed, Fill,
 
 
 @triton.jit
+def _query_block_tiles(dqk, dqr, ds_sum, p_sum, start, end, qk, qr, do, m_i, l_i, delta, K, V, Seed, b, h, bh, m0,
+                       offs_m, offs_d, bias_row, vec_head, val_head, pad_row, fill, end_term, end_value, skb, skh, skn,
+                       skd, svb, svh, svn, svd, swn, swd, sun, sud, Tq, Tk, D, dropout_p, first_column, rows,
+                       HAS_BIAS: tl.constexpr, HAS_VECTORS: tl.constexpr, HAS_VALUES: tl.constexpr,
+                       HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                       AT_END: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    """dqk, dqr summed over the blocks of keys start, start + BLOCK, .. < end; at an end of the tables
+    (AT_END) dS and P summed per row instead of dqr."""
+    for n0 in range(start, end, BLOCK):
+        k, v, s, blocked, vectors = _key_tile(qk, qr, K, V, b, h, m0, n0, bias_row, vec_head, pad_row, fill, end_term,
+                                              offs_d, skb, skh, skn, skd, svb, svh, svn, svd, swn, swd, Tq, Tk, D,
+                                              first_column, rows, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, AT_END,
+                                              BLOCK, PRECISION)
+        p, ds = _tile_gradients(s, blocked, do, v, m_i, l_i, delta, Seed, bh, val_head, sun, sud, offs_d, offs_m,
+                                m0, n0, Tq, Tk, D, first_column, rows, end_value, dropout_p, HAS_VALUES, HAS_DROPOUT,
+                                AT_END, BLOCK, PRECISION)
+        dqk += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        if AT_END:
+            ds_sum += tl.sum(ds, 1)
+            p_sum += tl.sum(p, 1)
+        else:
+            if HAS_VECTORS:
+                dqr += tl.dot(_skewed(ds, BLOCK).to(vectors.dtype), vectors, input_precision=PRECISION)
+    return dqk, dqr, ds_sum, p_sum
+
+
+@triton.jit
 def _attention_backward_queries(Q, QR, K, V, Bias, Vec, Val, Pad, Keys, Seed, Fill, dO, M, L, Delta, dQ, dQR,
+                                EndBias, EndVec, EndVal,
                                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                                 sbh, swh, swn, swd, suh, sun, sud, spb,
-                                H, Tq, Tk, D, dropout_p,
+                                H, Tq, Tk, D, dropout_p, first_column, rows,
                                 BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                HAS_VECTORS: tl.constexpr, HAS_VALUES: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr,
-                                HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
-    """dqk (and dqr with vectors) of a block of queries (dQ, dQR share the strides of Q)."""
+                                HAS_VECTORS: tl.constexpr, HAS_VALUES: tl.constexpr, HAS_PADDING: tl.constexpr,
+                                CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, CLAMPED: tl.constexpr,
+                                BIAS_GRAD: tl.constexpr, VECTORS_GRAD: tl.constexpr, VALUES_GRAD: tl.constexpr,
+                                PRECISION: tl.constexpr):
+    """dqk (and dqr with vectors) of a block of queries (dQ, dQR share the strides of Q); with CLAMPED,
+    the tables' gradients from its tiles at their ends, [bh, block, end] (end 0: the first row, 1: the
+    last): EndBias the sum of dS, EndVec rowsum(dS) . qr, EndVal rowsum(P) . dO (BLOCK_D each)."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     m0 = block * BLOCK
@@ -345,15 +550,36 @@ def _attention_backward_queries(Q, QR, K, V, Bias, Vec, Val, Pad, Keys, Seed, Fi
     dqk = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
     dqr = tl.zeros([BLOCK, BLOCK_D], dtype=fill.dtype)
     start, end = _key_tiles(Keys, b, m0, Tq, Tk, HAS_PADDING, CAUSAL, BLOCK)
-    for n0 in range(start, end, BLOCK):
-        k, v, s, blocked, vectors = _key_tile(qk, qr, K, V, b, h, m0, n0, bias_row, vec_head, pad_row, fill, offs_d,
-                                              skb, skh, skn, skd, svb, svh, svn, svd, swn, swd, Tq, Tk, D, HAS_BIAS,
-                                              HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
-        _, ds = _tile_gradients(s, blocked, do, v, m_i, l_i, delta, Seed, bh, val_head, sun, sud, offs_d, offs_m,
-                                m0, n0, Tq, Tk, D, dropout_p, HAS_VALUES, HAS_DROPOUT, BLOCK, PRECISION)
-        dqk += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-        if HAS_VECTORS:
-            dqr += tl.dot(_skewed(ds, BLOCK).to(vectors.dtype), vectors, input_precision=PRECISION)
+    near_start, near_end = start, end
+    if CLAMPED:  # the blocks of keys at the tables' first row, then those at their last
+        near_start, near_end = _near_keys(start, end, m0, first_column, rows, Tq, BLOCK)
+        part = (bh * tl.num_programs(0) + block) * 2
+        for row in tl.static_range(2):
+            first_tile, stop, bias, vector, value = _at_end(row, start, near_start, near_end, end, bias_row, vec_head,
+                                                            val_head, swn, swd, sun, sud, offs_d, rows, D, qr.dtype,
+                                                            V.dtype.element_ty, fill.dtype, HAS_BIAS, HAS_VECTORS,
+                                                            HAS_VALUES)
+            ds_sum = tl.zeros([BLOCK], dtype=fill.dtype)
+            p_sum = tl.zeros([BLOCK], dtype=fill.dtype)
+            dqk, dqr, ds_sum, p_sum = _query_block_tiles(
+                dqk, dqr, ds_sum, p_sum, first_tile, stop, qk, qr, do, m_i, l_i, delta, K, V, Seed, b, h, bh, m0,
+                offs_m, offs_d, bias_row, vec_head, val_head, pad_row, fill, _end_term(qr, bias, vector, qk.dtype,
+                                                                                       fill.dtype),
+                value, skb, skh, skn, skd, svb, svh, svn, svd, swn, swd, sun, sud, Tq, Tk, D, dropout_p, first_column,
+                rows, HAS_BIAS, HAS_VECTORS, HAS_VALUES, HAS_PADDING, CAUSAL, HAS_DROPOUT, True, BLOCK, PRECISION)
+            if HAS_VECTORS:
+                dqr += ds_sum[:, None] * vector.to(fill.dtype)[None, :]
+            if BIAS_GRAD:
+                tl.store(EndBias + part + row + tl.zeros([1], dtype=tl.int32), tl.sum(ds_sum, 0) + tl.zeros([1], dtype=fill.dtype))
+            if VECTORS_GRAD:
+                tl.store(EndVec + (part + row) * BLOCK_D + offs_d, tl.sum(ds_sum[:, None] * qr.to(fill.dtype), 0))
+            if VALUES_GRAD:
+                tl.store(EndVal + (part + row) * BLOCK_D + offs_d, tl.sum(p_sum[:, None] * do.to(fill.dtype), 0))
+    dqk, dqr, _, _ = _query_block_tiles(
+        dqk, dqr, l_i, l_i, near_start, near_end, qk, qr, do, m_i, l_i, delta, K, V, Seed, b, h, bh, m0, offs_m,
+        offs_d, bias_row, vec_head, val_head, pad_row, fill, l_i, l_i, skb, skh, skn, skd, svb, svh, svn, svd, swn,
+        swd, sun, sud, Tq, Tk, D, dropout_p, first_column, rows, HAS_BIAS, HAS_VECTORS, HAS_VALUES, HAS_PADDING,
+        CAUSAL, HAS_DROPOUT, False, BLOCK, PRECISION)
     tl.store(dQ + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, dqk.to(dQ.dtype.element_ty),
              mask=(offs_m[:, None] < Tq) & (offs_d[None, :] < D))
     if HAS_VECTORS:
@@ -365,14 +591,15 @@ def _attention_backward_queries(Q, QR, K, V, Bias, Vec, Val, Pad, Keys, Seed, Fi
 def _attention_backward_distances(Q, QR, K, V, Bias, Vec, Val, Pad, Keys, Seed, Fill, dO, M, L, Delta, BiasPart, VecPart, ValPart,
                                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                                   sbh, swh, swn, swd, suh, sun, sud, spb,
-                                  H, Tq, Tk, D, dropout_p, query_blocks, key_blocks,
+                                  H, Tq, Tk, D, dropout_p, first_column, rows, query_blocks, key_blocks, first_diagonal,
                                   BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
                                   HAS_VECTORS: tl.constexpr, HAS_VALUES: tl.constexpr, HAS_PADDING: tl.constexpr, CAUSAL: tl.constexpr,
                                   HAS_DROPOUT: tl.constexpr, BIAS_GRAD: tl.constexpr, VECTORS_GRAD: tl.constexpr, VALUES_GRAD: tl.constexpr,
                                   PRECISION: tl.constexpr):
-    """The band gradients of diagonal `t` of tiles (key block - query block = t - (query_blocks - 1)):
-    BiasPart[bh, t] (2 BLOCK,), VecPart and ValPart[bh, t] (2 BLOCK, BLOCK_D), summed over its tiles."""
-    t, bh = tl.program_id(0), tl.program_id(1)
+    """The band gradients of diagonal `t` = first_diagonal + the program's of tiles (key block - query
+    block = t - (query_blocks - 1)), one not at an end of the tables (`backward`): BiasPart[bh, program]
+    (2 BLOCK,), VecPart and ValPart[bh, program] (2 BLOCK, BLOCK_D), summed over its tiles."""
+    t, bh = first_diagonal + tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     offs_d = tl.arange(0, BLOCK_D)
     fill = tl.load(Fill)
@@ -392,17 +619,19 @@ def _attention_backward_distances(Q, QR, K, V, Bias, Vec, Val, Pad, Keys, Seed, 
         last = tl.where(future, tl.minimum(last, (unseen + BLOCK - 1) // BLOCK), last)
     # (rows that see no key: every tile of their blocks, the extra tiles of the others harmless)
     first, last = tl.where(unseen > 0, first, live_first), tl.where(unseen > 0, last, live_last)
+    unused = tl.zeros([BLOCK], dtype=fill.dtype)
     for query_block in range(first, last):
         m0 = query_block * BLOCK
         n0 = (query_block + shift) * BLOCK
         offs_m = m0 + tl.arange(0, BLOCK)
         qk, qr, do, m_i, l_i, delta = _query_rows(Q, QR, dO, M, L, Delta, b, h, bh, offs_m, offs_d, sqb, sqh, sqm,
                                                   sqd, sob, soh, som, sod, Tq, D)
-        k, v, s, blocked, _ = _key_tile(qk, qr, K, V, b, h, m0, n0, bias_row, vec_head, pad_row, fill, offs_d,
-                                        skb, skh, skn, skd, svb, svh, svn, svd, swn, swd, Tq, Tk, D, HAS_BIAS,
-                                        HAS_VECTORS, HAS_PADDING, CAUSAL, BLOCK, PRECISION)
+        k, v, s, blocked, _ = _key_tile(qk, qr, K, V, b, h, m0, n0, bias_row, vec_head, pad_row, fill, unused, offs_d,
+                                        skb, skh, skn, skd, svb, svh, svn, svd, swn, swd, Tq, Tk, D, first_column,
+                                        rows, HAS_BIAS, HAS_VECTORS, HAS_PADDING, CAUSAL, False, BLOCK, PRECISION)
         p, ds = _tile_gradients(s, blocked, do, v, m_i, l_i, delta, Seed, bh, val_head, sun, sud, offs_d, offs_m,
-                                m0, n0, Tq, Tk, D, dropout_p, HAS_VALUES, HAS_DROPOUT, BLOCK, PRECISION)
+                                m0, n0, Tq, Tk, D, first_column, rows, unused, dropout_p, HAS_VALUES, HAS_DROPOUT,
+                                False, BLOCK, PRECISION)
         band = _skewed(ds, BLOCK)
         if VALUES_GRAD:
             val_grad += tl.dot(tl.trans(_skewed(p, BLOCK).to(do.dtype)), do, input_precision=PRECISION)
@@ -410,7 +639,7 @@ def _attention_backward_distances(Q, QR, K, V, Bias, Vec, Val, Pad, Keys, Seed, 
             bias_grad += tl.sum(band, 0)
         if VECTORS_GRAD:
             vec_grad += tl.dot(tl.trans(band.to(qr.dtype)), qr, input_precision=PRECISION)
-    part = bh * (query_blocks + key_blocks - 1) + t
+    part = bh * tl.num_programs(0) + tl.program_id(0)
     width = tl.arange(0, 2 * BLOCK)
     if BIAS_GRAD:
         tl.store(BiasPart + part * (2 * BLOCK) + width, bias_grad)
@@ -440,27 +669,32 @@ def settings(dtype: torch.dtype, head_dims: int, on_cuda: bool, vectors: bool) -
 
 class Inputs:
     """What every kernel reads: q (for the keys) and qr (for the vectors; q itself where no vectors),
-    k, v (B, H, T, D); per distance column (N = Tq + Tk - 1), or None: bias (H, N), vectors and the
-    value term's vectors `values` (H or 1, N, D); padding (B, Tk) int8 or None, and with it `keys`
-    (B, 3) int32, what the padding leaves of each sentence's keys (`sentence_keys`); `fill` a
-    one-element tensor of the accumulation dtype; attention dropout's probability `dropout_p` and, where
-    it is > 0, `seed` a one-element int64 tensor (`_kept`)."""
+    k, v (B, H, T, D); the tables, R rows for the distance columns first_column .. first_column + R - 1
+    (of N = Tq + Tk - 1), or None: bias (H, R), vectors and the value term's vectors `values` (H or 1,
+    R, D); padding (B, Tk) int8 or None, and with it `keys` (B, 3) int32, what the padding leaves of
+    each sentence's keys (`sentence_keys`); `fill` a one-element tensor of the accumulation dtype;
+    attention dropout's probability `dropout_p` and, where it is > 0, `seed` a one-element int64 tensor
+    (`_kept`)."""
 
-    def __init__(self, q, qr, k, v, bias, vectors, values, padding, keys, causal, fill, dropout_p, seed):
+    def __init__(self, q, qr, k, v, bias, vectors, values, padding, keys, causal, fill, dropout_p, seed,
+                 first_column=0):
         self.q, self.k, self.v, self.padding, self.keys = q, k, v, padding, keys
         self.bias, self.vectors, self.values = bias, vectors, values
         self.qr = qr if qr is not None else q
         self.causal, self.fill, self.dropout_p, self.seed = causal, fill, dropout_p, seed
         self.config = settings(q.dtype, q.size(-1), q.is_cuda, vectors is not None or values is not None)
+        self.first_column, self.rows = first_column, table_rows(q.size(2), k.size(2), bias, vectors, values,
+                                                                first_column)
+        self.clamped = (first_column, self.rows) != (0, q.size(2) + k.size(2) - 1)
 
     def pointers(self):
         tensors = (self.bias, self.vectors, self.values, self.padding, self.keys, self.seed)
         return [self.q, self.qr, self.k, self.v, *(x if x is not None else self.fill for x in tensors), self.fill]
 
     def sizes(self):
-        """H, Tq, Tk, D and the dropout probability."""
+        """H, Tq, Tk, D, the dropout probability and the tables' first column and rows."""
         heads, queries, dims = self.q.size(1), self.q.size(2), self.q.size(3)
-        return [heads, queries, self.k.size(2), dims, float(self.dropout_p)]
+        return [heads, queries, self.k.size(2), dims, float(self.dropout_p), self.first_column, self.rows]
 
     def strides(self, out):
         def per_head(table):  # (a table shared by the heads: head stride 0)
@@ -477,6 +711,21 @@ class Inputs:
                     HAS_DROPOUT=self.dropout_p > 0, **self.config)
 
 
+def table_rows(queries: int, keys: int, bias, vectors, values, first_column: int) -> int:
+    """The tables' rows R (all tables have the same; N = Tq + Tk - 1 without tables), checked to lie
+    within the N distance columns from `first_column` on."""
+    columns = queries + keys - 1
+    sizes = {table.size(-1 if index == 0 else -2) for index, table in enumerate((bias, vectors, values))
+             if table is not None}
+    if len(sizes) > 1:
+        raise ValueError(f"the tables have different numbers of rows: {sorted(sizes)}")
+    rows = sizes.pop() if sizes else columns
+    if not (0 <= first_column and rows >= 1 and first_column + rows <= columns):
+        raise ValueError(f"tables of {rows} rows from distance column {first_column}: outside the {columns} "
+                         f"columns of {queries} queries and {keys} keys")
+    return rows
+
+
 def forward(inputs: Inputs):
     """(out, m, l): the output (B, H, Tq, D) in q's dtype (contiguous), each row's maximum and sum
     (B, H, Tq) in the accumulation dtype."""
@@ -486,13 +735,27 @@ def forward(inputs: Inputs):
     m = torch.empty(batch, heads, queries, dtype=inputs.fill.dtype, device=q.device)
     l = torch.empty_like(m)  # noqa: E741
     grid = (triton.cdiv(queries, inputs.config["BLOCK"]), batch * heads)
-    _attention_forward[grid](*inputs.pointers(), out, m, l, *inputs.strides(out), *inputs.sizes(), **inputs.flags())
+    _attention_forward[grid](*inputs.pointers(), out, m, l, *inputs.strides(out), *inputs.sizes(),
+                             CLAMPED=inputs.clamped, **inputs.flags())
     return out, m, l
+
+
+def near_diagonals(query_blocks: int, key_blocks: int, block: int, queries: int, first_column: int,
+                   rows: int) -> range:
+    """The diagonals of tiles t (shift = key block - query block = t - (query_blocks - 1)) whose tiles
+    are not wholly at one end of the tables, as the kernels tell them (`_near_keys`): the tiles of a
+    shift meet the columns shift BLOCK + Tq - BLOCK .. shift BLOCK + Tq + BLOCK - 2."""
+    def at_an_end(t):
+        shift = t - (query_blocks - 1)
+        return (shift * block + block + queries - 2 <= first_column
+                or shift * block - block + queries >= first_column + rows - 1)
+    near = [t for t in range(query_blocks + key_blocks - 1) if not at_an_end(t)]
+    return range(near[0], near[-1] + 1) if near else range(0)
 
 
 def backward(inputs: Inputs, out, m, l, grad_out, tables_grad):  # noqa: E741
     """(dq, dqr, dk, dv, dbias, dvectors, dvalues): dqr None without vectors; each table's gradient
-    ((H, N); (H or 1, N, D)) in the accumulation dtype where `tables_grad` (three booleans: bias,
+    ((H, R); (H or 1, R, D)) in the accumulation dtype where `tables_grad` (three booleans: bias,
     vectors, values) asks for it and the table is given, else None. `grad_out` shares `out`'s strides."""
     q, k = inputs.q, inputs.k
     batch, heads, queries, dims = q.shape
@@ -507,31 +770,43 @@ def backward(inputs: Inputs, out, m, l, grad_out, tables_grad):  # noqa: E741
     common = [*inputs.pointers(), grad_out, m, l, delta]
     strides = inputs.strides(grad_out)
     query_blocks, key_blocks = triton.cdiv(queries, block), triton.cdiv(keys, block)
-    _attention_backward_keys[(key_blocks, batch * heads)](*common, dk, dv, *strides, *inputs.sizes(), **inputs.flags())
-    _attention_backward_queries[(query_blocks, batch * heads)](
-        *common, dq, dqr if has_vectors else dq, *strides, *inputs.sizes(), **inputs.flags())
     tables = (inputs.bias, inputs.vectors, inputs.values)
     wanted = [asked and table is not None for asked, table in zip(tables_grad, tables)]
+    widths = (1, block_d, block_d)
+    gradient_flags = dict(BIAS_GRAD=wanted[0], VECTORS_GRAD=wanted[1], VALUES_GRAD=wanted[2])
+    # the tables' gradients from the tiles at their ends, per (b x h, block of queries, end)
+    ends = [torch.zeros(batch * heads * query_blocks * 2 * width if want and inputs.clamped else 1,
+                        dtype=accumulate, device=q.device) for want, width in zip(wanted, widths)]
+    _attention_backward_keys[(key_blocks, batch * heads)](*common, dk, dv, *strides, *inputs.sizes(),
+                                                          CLAMPED=inputs.clamped, **inputs.flags())
+    _attention_backward_queries[(query_blocks, batch * heads)](
+        *common, dq, dqr if has_vectors else dq, *ends, *strides, *inputs.sizes(), CLAMPED=inputs.clamped,
+        **gradient_flags, **inputs.flags())
     grads = [None, None, None]
-    if any(wanted):
-        diagonals = query_blocks + key_blocks - 1
-        widths = (1, block_d, block_d)
-        parts = [torch.zeros(batch * heads * diagonals * 2 * block * width if want else 1, dtype=accumulate,
-                             device=q.device) for want, width in zip(wanted, widths)]
-        _attention_backward_distances[(diagonals, batch * heads)](
-            *common, *parts, *strides, *inputs.sizes(), query_blocks, key_blocks,
-            BIAS_GRAD=wanted[0], VECTORS_GRAD=wanted[1], VALUES_GRAD=wanted[2], **inputs.flags())
-        # the first column of diagonal t's band (t = 0: the lowest key block - query block)
-        first = (1 - query_blocks) * block + queries - block
-        for index, (want, part, width, table) in enumerate(zip(wanted, parts, widths, tables)):
-            if not want:
-                continue
-            columns = _bands_to_columns(part.view(batch, heads, diagonals, 2 * block, width), first,
-                                        queries + keys - 1).sum(0)  # (H, N, width)
-            if index == 0:
-                grads[0] = columns[..., 0]
-            else:
-                grads[index] = columns[..., :dims].sum(0, keepdim=True) if table.size(0) == 1 else columns[..., :dims]
+    if not any(wanted):
+        return (dq, dqr, dk, dv, *grads)
+    diagonals = near_diagonals(query_blocks, key_blocks, block, queries, inputs.first_column, inputs.rows)
+    parts = [torch.zeros(batch * heads * len(diagonals) * 2 * block * width if want else 1, dtype=accumulate,
+                         device=q.device) for want, width in zip(wanted, widths)]
+    if len(diagonals):
+        _attention_backward_distances[(len(diagonals), batch * heads)](
+            *common, *parts, *strides, *inputs.sizes(), query_blocks, key_blocks, diagonals.start,
+            **gradient_flags, **inputs.flags())
+    # the first column of diagonal t's band
+    first = (diagonals.start + 1 - query_blocks) * block + queries - block
+    for index, (want, part, end, width, table) in enumerate(zip(wanted, parts, ends, widths, tables)):
+        if not want:
+            continue
+        rows = _bands_to_rows(part.view(batch, heads, len(diagonals), 2 * block, width), first, inputs.first_column,
+                              inputs.rows).sum(0)  # (H, R, width)
+        if inputs.clamped:
+            at_ends = end.view(batch, heads, query_blocks, 2, width).sum((0, 2))
+            rows[:, 0] += at_ends[:, 0]
+            rows[:, -1] += at_ends[:, 1]
+        if index == 0:
+            grads[0] = rows[..., 0]
+        else:
+            grads[index] = rows[..., :dims].sum(0, keepdim=True) if table.size(0) == 1 else rows[..., :dims]
     return (dq, dqr, dk, dv, *grads)
 
 
@@ -571,14 +846,23 @@ def _dropout_keep(Seed, Keep, Tq, Tk, dropout_p, BLOCK: tl.constexpr, KEY_BLOCK:
              mask=(offs_m[:, None] < Tq) & (offs_n[None, :] < Tk))
 
 
-def _bands_to_columns(bands, first, columns):
+def _bands_to_rows(bands, first, first_column, rows):
     """(..., diagonals, 2 BLOCK, X) bands, diagonal t's starting at column first + t BLOCK, added into
-    (..., columns, X): each band's halves, the second half of t on the first half of t + 1, then the
-    columns 0..columns-1 (those outside hold zeros)."""
+    the tables' rows (..., rows, X): each band's halves, the second half of t on the first half of t + 1,
+    then column c onto row min(max(c - first_column, 0), rows - 1) (the columns outside 0..N-1 hold
+    zeros)."""
     *lead, diagonals, width, extra = bands.shape
     block = width // 2
-    low, high = bands[..., :block, :], bands[..., block:, :]
     spread = torch.zeros(*lead, (diagonals + 1) * block, extra, dtype=bands.dtype, device=bands.device)
-    spread[..., : diagonals * block, :] += low.reshape(*lead, diagonals * block, extra)
-    spread[..., block:, :] += high.reshape(*lead, diagonals * block, extra)
-    return spread[..., -first: -first + columns, :]
+    spread[..., : diagonals * block, :] += bands[..., :block, :].reshape(*lead, diagonals * block, extra)
+    spread[..., block:, :] += bands[..., block:, :].reshape(*lead, diagonals * block, extra)
+    out = torch.zeros(*lead, rows, extra, dtype=bands.dtype, device=bands.device)
+    zero = first_column - first  # spread's index of row 0's column
+    low, high = max(zero, 0), min(zero + rows, spread.size(-2))
+    if high > low:
+        out[..., low - zero: high - zero, :] += spread[..., low:high, :]
+    if zero > 0:  # the columns before the table's: its first row
+        out[..., 0, :] += spread[..., :zero, :].sum(-2)
+    if zero + rows < spread.size(-2):  # the columns after: its last
+        out[..., rows - 1, :] += spread[..., max(zero + rows, 0):, :].sum(-2)
+    return out

@@ -17,13 +17,15 @@ from devices import bound
 TERMS = ("bias", "shared vectors and values", "bias and vectors and values")
 
 
-def formula(q, qr, k, v, bias, vectors, values, padding, causal, keep=None, dropout_p=0.0):
-    """softmax_j(q k^T + bias[h, c] + qr . vectors[h, c], c = j - i + Tq - 1, blocked logits at the
-    dtype's finite minimum) (v_j + values[h, c]); with dropout the probabilities where `keep` (B, H, Tq,
-    Tk) is False are zero, the others scaled by 1 / (1 - dropout_p), as torch's dropout does."""
+def formula(q, qr, k, v, bias, vectors, values, padding, causal, keep=None, dropout_p=0.0, first_column=0):
+    """softmax_j(q k^T + bias[h, r] + qr . vectors[h, r], blocked logits at the dtype's finite minimum)
+    (v_j + values[h, r]), r = c - first_column clamped to the tables' rows, c = j - i + Tq - 1; with
+    dropout the probabilities where `keep` (B, H, Tq, Tk) is False are zero, the others scaled by
+    1 / (1 - dropout_p), as torch's dropout does."""
     queries, keys = q.size(2), k.size(2)
     i, j = torch.arange(queries)[:, None], torch.arange(keys)[None, :]
-    column = j - i + queries - 1
+    rows = next(x.size(-1 if x is bias else -2) for x in (bias, vectors, values) if x is not None)
+    column = (j - i + queries - 1 - first_column).clamp(0, rows - 1)  # (the table's row)
     logits = q @ k.transpose(-1, -2)
     if bias is not None:
         logits = logits + bias[:, column]
@@ -44,15 +46,16 @@ def formula(q, qr, k, v, bias, vectors, values, padding, causal, keep=None, drop
     return out
 
 
-def inputs(batch, heads, queries, keys, dims, dtype, term="bias", seed=0):
-    """q, qr, k, v, bias, vectors, values, grad_out (None where `term` has none)."""
+def inputs(batch, heads, queries, keys, dims, dtype, term="bias", seed=0, rows=None):
+    """q, qr, k, v, bias, vectors, values, grad_out (None where `term` has none); the tables of `rows`
+    rows (None: one per distance column)."""
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
         return torch.randn(*shape, generator=generator, dtype=dtype)
     q, qr = randn(batch, heads, queries, dims), randn(batch, heads, queries, dims)
     k, v = randn(batch, heads, keys, dims), randn(batch, heads, keys, dims)
-    columns = queries + keys - 1
+    columns = queries + keys - 1 if rows is None else rows
     bias = randn(heads, columns) if "bias" in term else None
     vectors = values = None
     table_heads = 1 if "shared" in term else heads
@@ -66,12 +69,14 @@ def inputs(batch, heads, queries, keys, dims, dtype, term="bias", seed=0):
 
 
 def compare(device, batch, heads, queries, keys, dims, causal, padding, term="bias", table_grad=True,
-            dtype=torch.float64, dropout_p=0.0):
+            dtype=torch.float64, dropout_p=0.0, window=None):
     """The kernel in `dtype` (float64: float32 on CUDA; the tables in float32 for half precision, as a
     model's) against `formula` in float64: output and gradients within the device's bound. With
     dropout, the formula takes the kernel's mask: the seed it draws from torch's generator, drawn
-    again here from the same state (`dropout_keep`)."""
-    *values, grad_out = inputs(batch, heads, queries, keys, dims, torch.float64, term)
+    again here from the same state (`dropout_keep`). `window`: (first column, rows) of the tables
+    (None: a row per column)."""
+    first_column, rows = window if window is not None else (0, None)
+    *values, grad_out = inputs(batch, heads, queries, keys, dims, torch.float64, term, rows=rows)
     keep = None
     if dropout_p > 0:
         torch.manual_seed(1)
@@ -84,7 +89,7 @@ def compare(device, batch, heads, queries, keys, dims, causal, padding, term="bi
         return [None if x is None else x.to(where, dtype_of(n)).requires_grad_(n not in tables or table_grad)
                 for n, x in enumerate(values)]
     expected_inputs = prepared(lambda n: torch.float64, "cpu")
-    expected = formula(*expected_inputs, padding, causal, keep, dropout_p)
+    expected = formula(*expected_inputs, padding, causal, keep, dropout_p, first_column)
     wanted = [x for x in expected_inputs if x is not None and x.requires_grad]
     expected_grads = torch.autograd.grad(expected, wanted, grad_out)
     kernel_dtype = torch.float32 if dtype == torch.float64 and device.type != "cpu" else dtype
@@ -92,7 +97,7 @@ def compare(device, batch, heads, queries, keys, dims, causal, padding, term="bi
     half = kernel_dtype in (torch.float16, torch.bfloat16)
     got_inputs = prepared(lambda n: torch.float32 if half and n in tables else kernel_dtype, device)
     got = fused.TritonAttention.apply(*got_inputs, padding.to(device) if padding is not None else None, causal,
-                                      dropout_p)
+                                      dropout_p, first_column)
     got_wanted = [x for x in got_inputs if x is not None and x.requires_grad]
     got_grads = torch.autograd.grad(got, got_wanted, grad_out.to(device, kernel_dtype))
     assert (got.cpu().double() - expected).abs().max() <= limit * (1 + expected.abs().max())
@@ -111,6 +116,49 @@ SHAPES = [  # (batch, heads, queries, keys, head dims): one tile; several, with 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_output_and_gradients_equal_the_formula(kernel_device, shape, causal, term):
     compare(kernel_device, *shape, causal=causal, padding=None, term=term)
+
+
+#: (shape, (first column, rows)): Shaw's k = 3 (rows for the distances -3..3); fewer queries than keys,
+#: the window off the middle (LFHC's floor(x / l) at a later layer is not symmetric)
+WINDOWS = [((1, 2, 70, 70, 16), (66, 7)), ((2, 1, 20, 75, 8), (30, 12))]
+
+
+@pytest.mark.parametrize("term", TERMS)
+@pytest.mark.parametrize("shape,window", WINDOWS, ids=["square", "off-centre"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_tables_whose_ends_stand_for_the_distances_beyond(kernel_device, shape, window, causal, term):
+    """Tables for a window of distance columns, their first and last rows standing for every column
+    before and after (Shaw, LFHC and T5 clip): the tiles wholly at an end take the kernels' end path
+    (one number per query, the tables' gradients summed per row by the queries' kernel), the others
+    the bands, and together they give the formula's output and gradients."""
+    kernels = fused._kernels()
+    block = kernels.settings(torch.float32, shape[-1], kernel_device.type == "cuda", "vectors" in term)["BLOCK"]
+    query_blocks, key_blocks = -(-shape[2] // block), -(-shape[3] // block)
+    near = kernels.near_diagonals(query_blocks, key_blocks, block, shape[2], *window)
+    if block == 16:  # (the interpreter's tiles; CUDA's larger ones leave some of these cases no end)
+        assert 0 < len(near) and near.start > 0 and near.stop < query_blocks + key_blocks - 1  # both ends
+    compare(kernel_device, *shape, causal=causal, padding=None, term=term, window=window)
+
+
+def test_clipped_tables_with_padding_and_dropout(kernel_device):
+    """The end path with padded keys, rows that see no key and attention dropout."""
+    padding = torch.zeros(3, 50, dtype=torch.bool)
+    padding[0, -9:] = True
+    padding[1, :] = True
+    padding[2, :30] = True
+    got = compare(kernel_device, 3, 2, 50, 50, 16, causal=True, padding=padding, term=TERMS[2], dropout_p=0.3,
+                  window=(45, 9))
+    assert torch.isfinite(got).all()
+
+
+def test_tables_outside_the_distance_columns_are_refused():
+    kernels = fused._kernels()
+    table = torch.zeros(2, 5)
+    for first_column, bias in ((-1, table), (6, table), (0, torch.zeros(2, 10))):
+        with pytest.raises(ValueError, match="outside the 9 columns"):
+            kernels.table_rows(4, 6, bias, None, None, first_column)
+    with pytest.raises(ValueError, match="different numbers of rows"):
+        kernels.table_rows(4, 6, table, torch.zeros(1, 4, 8), None, 0)
 
 
 @pytest.mark.parametrize("term", ["bias", "shared vectors and values"])
