@@ -117,9 +117,13 @@ def varying_columns(term: DistanceTerm) -> Tuple[int, int]:
     columns = term.high - term.low + 1
     if term.rows is None:
         return 0, columns - 1
-    (_, head, head_step), (_, tail, tail_step) = term.rows[0], term.rows[-1]
+    (_, head, head_step), (tail_row, tail, tail_step) = term.rows[0], term.rows[-1]
     first = head - 1 if head_step == 0 else 0
     last = columns - tail if tail_step == 0 else columns - 1
+    if tail_step == 0 and len(term.rows) > 1:  # (`row_runs` may end the piece before on the same row)
+        row, count, step = term.rows[-2]
+        if row + step * (count - 1) == tail_row:
+            last -= 1
     return first, max(first, last)
 
 

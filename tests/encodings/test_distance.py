@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from posenc_fairseq.encodings.distance import (DistanceTerm, dense_logits, dense_values, flex_table, rows_window,
-                                               step_terms, window)
+                                               step_terms, varying_columns, window)
 from posenc_fairseq.encodings.positions import row_runs, take_runs
 from position_terms import position_range, values_between
 
@@ -180,3 +180,23 @@ def test_values_of_arbitrary_and_consecutive_positions_are_the_definition():
     consecutive = values_between(encoding, "encoder", 0, probs, position_range(1, 5), position_range(0, 5))
     assert torch.allclose(consecutive, naive_values(probs, [1, 2, 3, 4], [0, 1, 2, 3, 4]), atol=1e-12)
     assert torch.allclose(dense_values(window(term, -4, 3), probs), consecutive, atol=1e-12)
+
+
+def test_varying_columns_bound_the_columns_whose_rows_differ():
+    """Shaw's clipped rows: the columns of each end take one row, from the first and last of the
+    clipped distance (what the Triton kernel's tiles at the tables' ends rely on); random rows: every
+    column before `first` has first's row and every column after `last` last's, and neither could be
+    moved further; rows per column: every column varies."""
+    rows = [0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 6, 6]  # clip(j - i, 3) + 3 over the distances -6..5
+    term = DistanceTerm(-6, 5, vectors=torch.zeros(1, 7, 4), rows=tuple(row_runs(rows)))
+    assert varying_columns(term) == (3, 9)
+    assert varying_columns(DistanceTerm(-6, 5, vectors=torch.zeros(1, 12, 4))) == (0, 11)
+    assert varying_columns(DistanceTerm(0, 4, bias=torch.zeros(1, 1), rows=tuple(row_runs([0] * 5)))) == (4, 4)
+    generator = random.Random(0)
+    for _ in range(200):
+        rows = [generator.choice([0, 0, 1, 2]) for _ in range(generator.randint(1, 12))]
+        term = DistanceTerm(0, len(rows) - 1, bias=torch.zeros(1, 3), rows=tuple(row_runs(rows)))
+        first, last = varying_columns(term)
+        assert 0 <= first <= last < len(rows)
+        assert all(row == rows[first] for row in rows[:first]) and all(row == rows[last] for row in rows[last:])
+        assert rows[first + 1] != rows[first] if first + 1 < len(rows) else True
