@@ -112,8 +112,8 @@ def column_rows(term: DistanceTerm, device) -> Optional[Tensor]:
 
 def varying_columns(term: DistanceTerm) -> Tuple[int, int]:
     """(first, last): the columns between which `term`'s rows vary. Every column before `first` takes
-    first's row and every column after `last` takes last's: the clipped ends of Shaw's, LFHC's and T5's
-    buckets. (0, N - 1) where the rows are the columns."""
+    first's row and every column after `last` takes last's: the clipped ends of Shaw's and LFHC's
+    rows. (0, N - 1) where the rows are the columns."""
     columns = term.high - term.low + 1
     if term.rows is None:
         return 0, columns - 1

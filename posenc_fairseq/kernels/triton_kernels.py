@@ -8,8 +8,8 @@ distance read inside the kernel, forward and backward, O(n) memory.
 the last Tq of the Tk keys.) T5/AT5/ALiBi give `bias`, Shaw/LFHC `vectors` (their table rows spread
 over the distances), XL/GCDF `vectors` (W_r R per distance); Shaw/LFHC's value term `values`. The tables
 hold R rows, the distance columns first_column .. first_column + R - 1: their first row stands for every
-column before, their last for every column after (the clipped ends of Shaw, LFHC and T5's buckets;
-XL's R rows are all N = Tq + Tk - 1 columns).
+column before, their last for every column after (the clipped ends of Shaw's and LFHC's rows;
+where each column has its own row, as XL's, R = N = Tq + Tk - 1).
 
 Tiles are square (BLOCK x BLOCK). A tile of queries m0.. and keys n0.. meets the 2 BLOCK - 1 distances
 from column band = n0 - m0 + Tq - 1 - (BLOCK - 1) on: its term is computed for that band, (BLOCK, 2 BLOCK)

@@ -128,7 +128,7 @@ WINDOWS = [((1, 2, 70, 70, 16), (66, 7)), ((2, 1, 20, 75, 8), (30, 12))]
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_tables_whose_ends_stand_for_the_distances_beyond(kernel_device, shape, window, causal, term):
     """Tables for a window of distance columns, their first and last rows standing for every column
-    before and after (Shaw, LFHC and T5 clip): the tiles wholly at an end take the kernels' end path
+    before and after (Shaw and LFHC clip): the tiles wholly at an end take the kernels' end path
     (one number per query, the tables' gradients summed per row by the queries' kernel), the others
     the bands, and together they give the formula's output and gradients."""
     kernels = fused._kernels()

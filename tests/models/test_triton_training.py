@@ -50,7 +50,9 @@ def test_models_train_with_the_same_gradients_as_the_default_paths(translation_d
 def test_long_uneven_batches_over_many_tiles(translation_data, kernel_device, monkeypatch, counted, encoding):
     """Sources and targets several tiles long (the interpreter's tiles are 16, CUDA's 32 or 64), the sources
     left-padded to uneven lengths, one of them a single token: padded tiles skipped, the causal
-    diagonal tiles, ragged ends. Every gradient as on the default paths."""
+    diagonal tiles, ragged ends, and for Shaw tiles at the tables' clipped ends (T5's term is a
+    value per distance, without rows). Every gradient
+    as on the default paths."""
     from fairseq.data import Dictionary
     from util import random_batch
 
@@ -64,9 +66,14 @@ def test_long_uneven_batches_over_many_tiles(translation_data, kernel_device, mo
     batch = (src, lengths, prev)
     # (one layer each in the interpreter, for time)
     layers = ["--encoder-layers", "1", "--decoder-layers", "1"] if kernel_device.type == "cpu" else []
+    kernels = fused._kernels()
+    clamped = []  # (whether each call's tables have ends: Shaw's clipped distances)
+    forward = kernels.forward
+    monkeypatch.setattr(kernels, "forward", lambda inputs: clamped.append(inputs.clamped) or forward(inputs))
     monkeypatch.setenv(fused.SWITCH, "on")
     model, got = gradients(translation_data, encoding, layers, device=kernel_device, batch=batch)
     assert len(counted) == 2 * (1 if encoding == "t5" or layers else 2)
+    assert any(clamped) == (encoding == "shaw")
     monkeypatch.setenv(fused.SWITCH, "off")
     _, expected = gradients(translation_data, encoding, layers, model.state_dict(), device=kernel_device, batch=batch)
     limit = bound(kernel_device, "triton vs default paths")
