@@ -243,11 +243,14 @@ def test_tables_without_gradient(kernel_device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("term", ["bias", "bias and vectors and values"])
-def test_float32_and_half_precision(kernel_device, dtype, term):
+@pytest.mark.parametrize("term,window", [("bias", None), ("bias and vectors and values", None),
+                                         ("bias and vectors and values", (30, 9))],
+                         ids=["bias", "bias and vectors and values", "clipped tables"])
+def test_float32_and_half_precision(kernel_device, dtype, term, window):
+    """(Clipped tables: the tiles at their ends round their term as the bands do.)"""
     padding = torch.zeros(2, 37, dtype=torch.bool)
     padding[0, 30:] = True
-    compare(kernel_device, 2, 3, 37, 37, 16, causal=True, padding=padding, term=term, dtype=dtype)
+    compare(kernel_device, 2, 3, 37, 37, 16, causal=True, padding=padding, term=term, dtype=dtype, window=window)
 
 
 def test_the_tables_gradients_are_the_same_on_every_run(kernel_device):
