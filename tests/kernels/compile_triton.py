@@ -3,7 +3,7 @@ cubin with the wheel's ptxas: no GPU needed. Run by tests/kernels/test_triton_at
 without TRITON_INTERPRET (under the interpreter `triton.jit` gives functions that do not compile).
 
     python tests/kernels/compile_triton.py CAPABILITY DTYPE...     e.g. 90 bf16 fp32
-Compiled with everything on (padding, the causal mask, dropout, tables with clipped ends).
+Compiled with everything on (padding, the causal mask, dropout; with vectors, tables with clipped ends).
 Prints one line per kernel and term: its name, dtype, term, tile and shared memory in bytes."""
 import sys
 
@@ -51,9 +51,12 @@ def main(capability, dtype_names):
                              HAS_BIAS=True, HAS_VECTORS=vectors, HAS_VALUES=vectors, HAS_PADDING=True, CAUSAL=True,
                              HAS_DROPOUT=True)
             gradients = {"BIAS_GRAD": True, "VECTORS_GRAD": vectors, "VALUES_GRAD": vectors}
-            kernels = ((triton_kernels._attention_forward, {"CLAMPED": True}),
-                       (triton_kernels._attention_backward_keys, {"CLAMPED": True}),
-                       (triton_kernels._attention_backward_queries, {"CLAMPED": True, **gradients}),
+            # (tables with clipped ends come with vectors, Shaw's and LFHC's; the bias-only encodings give a
+            # value per distance, without ends)
+            ends = {"CLAMPED": vectors}
+            kernels = ((triton_kernels._attention_forward, ends),
+                       (triton_kernels._attention_backward_keys, ends),
+                       (triton_kernels._attention_backward_queries, {**ends, **gradients}),
                        (triton_kernels._attention_backward_distances, gradients))
             for kernel, extra in kernels:
                 source = ASTSource(kernel, signature(kernel, dtype_name), constexprs={**constants, **extra})
