@@ -40,7 +40,7 @@ from fairseq.modules import MultiheadAttention
 
 from .encodings.base import HookUse, PassContext, hook_use, stack_of
 from .encodings.distance import for_heads
-from .encodings.positions import AnyPositions, is_shared_range, shared_range, tensor_of
+from .encodings.positions import AnyPositions, PaddedPositions, is_shared_range, shared_range, tensor_of
 from .kernels.masks import blocks_future
 from .kernels.plan import AttentionCall, Kernel, plan
 from .kernels.serve import serve
@@ -91,7 +91,9 @@ def first_of_each_beam(positions: AnyPositions, beam: int) -> AnyPositions:
     `shared_range` stays one (every row alike)."""
     if is_shared_range(positions):
         return shared_range(positions.rows // beam, positions.start, positions.stop, positions.device)
-    return tensor_of(positions).view(-1, beam, positions.size(1))[:, 0, :]
+    rows = tensor_of(positions)
+    firsts = rows.view(-1, beam, rows.size(1))[:, 0, :]  # (a sentence's beams share their source: same bound)
+    return PaddedPositions(firsts, positions.stop) if isinstance(positions, PaddedPositions) else firsts
 
 
 class PositionalAttention(MultiheadAttention):

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
 USER_DIR = str(REPO / "posenc_fairseq")
@@ -222,3 +223,39 @@ def built_once(tmp_path_factory, name, build):
                 raise
             done.touch()
     return folder
+
+
+class HostReads(TorchDispatchMode):
+    """While active, records each read of a tensor's value by the host (`int()`, `bool()`, `.item()`,
+    `torch.equal`, and on a GPU a blocking copy to the CPU): on CUDA each one waits for the device.
+    `reads`: (owner, function) per read, the owner being the package whose code made it
+    ('posenc_fairseq', 'fairseq', or 'other'), found from the innermost frame outside torch."""
+    SCALAR_READS = ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::item")
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name
+        to_host = name in ("aten::_to_copy", "aten::copy_") and not kwargs.get("non_blocking", False) and \
+            not (name == "aten::copy_" and len(args) > 2 and args[2]) and \
+            any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args) and \
+            isinstance(out, torch.Tensor) and out.device.type == "cpu"
+        if name in self.SCALAR_READS or to_host:
+            self.reads.append(self._owner())
+        return out
+
+    @staticmethod
+    def _owner():
+        import traceback
+
+        for frame in reversed(traceback.extract_stack()[:-2]):  # (not this mode's own frames)
+            path = frame.filename.replace(os.sep, "/")
+            if "/torch/" in path or path == __file__.replace(os.sep, "/"):
+                continue
+            owner = "posenc_fairseq" if "/posenc_fairseq/" in path else "fairseq" if "/fairseq/" in path else "other"
+            return owner, frame.name
+        return "other", "?"

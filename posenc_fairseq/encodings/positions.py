@@ -49,8 +49,18 @@ class Positions:
         return self.made[0]
 
 
-#: what the hooks take as positions: `Positions`, or a tensor of arbitrary positions
-AnyPositions = Union[Positions, Tensor]
+@dataclass(frozen=True, slots=True)
+class PaddedPositions:
+    """The (B, T) `tensor` of a padded batch's token positions, each real token's count of real
+    tokens before it in its row (pads 0: `token_positions`), and one more than the largest, `stop`
+    (at least 1), known on the host: the stack read it with its padding check (one host read for
+    both), so an encoding that needs the bound (FLOATER's table rows) reads nothing more."""
+    tensor: Tensor
+    stop: int
+
+
+#: what the hooks take as positions: `Positions`, `PaddedPositions`, or a tensor of arbitrary positions
+AnyPositions = Union[Positions, PaddedPositions, Tensor]
 
 
 def shared_range(batch: int, start: int, stop: int, device=None) -> Positions:
@@ -61,8 +71,8 @@ def shared_range(batch: int, start: int, stop: int, device=None) -> Positions:
 
 
 def tensor_of(positions: AnyPositions) -> Tensor:
-    """The tensor of `positions` (`Positions` or a tensor)."""
-    return positions.tensor if isinstance(positions, Positions) else positions
+    """The tensor of `positions` (`Positions`, `PaddedPositions` or a tensor)."""
+    return positions.tensor if isinstance(positions, (Positions, PaddedPositions)) else positions
 
 
 def is_shared_range(positions: Optional[AnyPositions]) -> bool:
@@ -71,10 +81,13 @@ def is_shared_range(positions: Optional[AnyPositions]) -> bool:
 
 
 def bounds(positions: AnyPositions) -> Tuple[int, int]:
-    """(min, max) of `positions`: known for `Positions`; read from a tensor of arbitrary positions
-    (a device synchronisation)."""
+    """(min, max) of `positions`: known for `Positions`, and for `PaddedPositions` (whose pads are 0)
+    unless empty; read from a tensor of arbitrary positions (a device synchronisation)."""
     if isinstance(positions, Positions):
         return positions.start, positions.stop - 1
+    if isinstance(positions, PaddedPositions) and positions.tensor.numel() > 0:
+        return 0, positions.stop - 1
+    positions = tensor_of(positions)
     return int(positions.min()), int(positions.max())
 
 

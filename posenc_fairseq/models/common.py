@@ -15,7 +15,7 @@ from ..attention import bound_attentions, use_positional_attention
 from ..layer_checkpoint import checkpoint_layer
 from ..encodings import ENCODINGS, ModelDims, build_encoding
 from ..encodings.base import hook_use, overrides
-from ..encodings.positions import AnyPositions, shared_range, tensor_of
+from ..encodings.positions import AnyPositions, PaddedPositions, shared_range, tensor_of
 
 INPUT_POSITIONS = ("none", "sinusoidal", "learned", "stock")
 
@@ -52,12 +52,15 @@ def real_token_positions(real: Tensor) -> AnyPositions:
     """`token_positions` from the (B, T) mask of real tokens; a `shared_range` 0..T-1 when every
     row's real tokens come first and some row has no padding (an unpadded or right-padded batch:
     the real tokens' positions are the same, and the pads after a row's last real token continue
-    its count, which nothing reads: pads are masked as keys and their outputs dropped). One host
-    sync per stack, as fairseq's own padding checks; an encoding then computes one row for the
-    whole batch and reads the bounds without another sync."""
-    if bool((real[:, 1:] <= real[:, :-1]).all() & real[:, -1].any()):
+    its count, which nothing reads: pads are masked as keys and their outputs dropped), else
+    `PaddedPositions` with the longest row's count. One host read per stack for both facts, as
+    fairseq's own padding checks; an encoding then computes one row for the whole batch, or reads
+    the bounds, without another."""
+    in_order = (real[:, 1:] <= real[:, :-1]).all() & real[:, -1].any()
+    longest = int(torch.where(in_order, -1, real.sum(dim=1).max()))
+    if longest < 0:
         return shared_range(real.size(0), 0, real.size(1), real.device)
-    return ((real.cumsum(dim=1) - 1) * real).long()
+    return PaddedPositions(((real.cumsum(dim=1) - 1) * real).long(), max(longest, 1))
 
 
 def check_length(embed_positions, length: int, limit: int):

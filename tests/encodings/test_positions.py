@@ -56,8 +56,8 @@ def test_position_range_knows_its_bounds():
 def test_token_positions_are_a_shared_range_without_padding_or_with_right_padding():
     """Hand-computed positions among each row's real tokens; a batch without padding, or right-padded
     with one full row, gets a `shared_range` (the same 0..T-1 in every row, bounds known), other
-    padding the plain tensor."""
-    from posenc_fairseq.encodings.positions import is_shared_range, shared_range
+    padding `PaddedPositions` with the longest row's count (its bounds known too)."""
+    from posenc_fairseq.encodings.positions import PaddedPositions, bounds, is_shared_range, shared_range
     from posenc_fairseq.models.common import token_positions
 
     pad = 1
@@ -65,12 +65,18 @@ def test_token_positions_are_a_shared_range_without_padding_or_with_right_paddin
     assert unpadded.tensor.tolist() == [[0, 1, 2], [0, 1, 2]] and is_shared_range(unpadded)
     assert (unpadded.start, unpadded.stop) == (0, 3)
     padded = token_positions(torch.tensor([[1, 1, 7], [8, 9, 1]]), pad)  # left- and right-padded rows
-    assert padded.tolist() == [[0, 0, 0], [0, 1, 0]] and not is_shared_range(padded)
+    assert isinstance(padded, PaddedPositions) and not is_shared_range(padded)
+    assert padded.tensor.tolist() == [[0, 0, 0], [0, 1, 0]] and bounds(padded) == (0, 1)
+    left = token_positions(torch.tensor([[1, 1, 7, 8], [1, 5, 6, 2]]), pad)  # every row left-padded
+    assert left.tensor.tolist() == [[0, 0, 0, 1], [0, 0, 1, 2]] and bounds(left) == (0, 2)
+    only_pads = token_positions(torch.tensor([[1, 1], [1, 1]]), pad)  # (pads are at position 0)
+    assert only_pads.tensor.tolist() == [[0, 0], [0, 0]] and bounds(only_pads) == (0, 0)
     # right padding with one full row: the real tokens' positions are the range's (pads continue it)
     right = token_positions(torch.tensor([[5, 1, 1], [8, 9, 2]]), pad)
     assert is_shared_range(right) and right.tensor[0, 0] == 0 and right.tensor[1].tolist() == [0, 1, 2]
     every_row_padded = token_positions(torch.tensor([[5, 1, 1], [8, 9, 1]]), pad)  # (the range would pass them)
-    assert every_row_padded.tolist() == [[0, 0, 0], [0, 1, 0]] and not is_shared_range(every_row_padded)
+    assert every_row_padded.tensor.tolist() == [[0, 0, 0], [0, 1, 0]] and not is_shared_range(every_row_padded)
+    assert bounds(every_row_padded) == (0, 1)
     step = shared_range(3, 4, 5)  # a decoding step at position 4
     assert step.tensor.tolist() == [[4]] * 3 and (step.start, step.stop) == (4, 5) and is_shared_range(step)
     assert not is_shared_range(position_range(0, 3))  # 1-D: a stack's own positions, not per row

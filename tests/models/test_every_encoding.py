@@ -11,8 +11,8 @@ from fairseq.models import ARCH_MODEL_REGISTRY
 from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
 from posenc_fairseq.encodings.base import PROJECTION_HOOKS, RELATIVE_HOOKS, PositionalEncoding
 from devices import bound, on
-from util import (QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, encoding_options, random_batch,
-                  run_distributed)
+from util import (QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, HostReads, build_model, encoding_options,
+                  random_batch, run_distributed)
 
 EVERY_ENCODING = sorted(ENCODINGS)
 
@@ -181,6 +181,36 @@ def test_every_parameter_receives_a_gradient(translation_data, masked_lm_data, d
     output.float().pow(2).mean().backward()
     unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
     assert not unused
+
+
+@pytest.mark.parametrize("encoding,options", [(name, ()) for name in EVERY_ENCODING] +
+                         [("floater", ("--floater-recompute-every", "2"))])
+def test_a_training_step_reads_from_the_device_only_where_stock_does(translation_data, device, encoding, options):
+    """On a GPU each read of a value by the host waits for the device. In three training steps (forward
+    and backward; a left-padded source, target rows padded at both ends) the package's own code reads
+    only in the stacks' padding check (`real_token_positions`: one per stack and the decoder's
+    source, as fairseq's own checks do), and on the CPU the check of the thread's subnormal setting;
+    every other read is fairseq's. (FLOATER: its table's overflow check is read by the next pass
+    from host memory, and its rows come from the stacks' bounds.)"""
+    torch.manual_seed(0)
+    model, task, _ = build_model(translation_data, f"transformer_{encoding}", [*TINY_TRANSFORMER, *options])
+    model.train()
+    perturb_away_from_identity(model)
+    model.to(device)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
+    prev[0, 0], prev[1, -1] = task.target_dictionary.pad(), task.target_dictionary.pad()
+    src, src_lengths, prev = on(device, src, src_lengths, prev)
+    allowed = {("posenc_fairseq", "real_token_positions")} | (
+        {("posenc_fairseq", "_flushing_subnormals")} if torch.device(device).type == "cpu" else set())
+    for update in range(3):
+        model.set_num_updates(update)
+        with HostReads() as host:
+            output, _ = model(src, src_lengths, prev)
+            output.float().pow(2).mean().backward()
+        ours = [read for read in host.reads if read[0] == "posenc_fairseq"]
+        assert set(ours) <= allowed, (update, ours)
+        assert ours.count(("posenc_fairseq", "real_token_positions")) == 3
+        assert len(host.reads) > len(ours)  # (the counting sees fairseq's reads too)
 
 
 def assert_half_precision_close(model, inputs, dtype, has_position_term=True):

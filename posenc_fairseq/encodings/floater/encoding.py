@@ -16,11 +16,11 @@ from torch import Tensor, nn
 
 from ..base import ROLES, PositionalEncoding, register_encoding, stack_of
 from ..option_types import OptionValueError, float_in_range, int_in_range, one_of, option, positive_int
-from ..positions import AnyPositions, Positions, is_shared_range, tensor_of
+from ..positions import AnyPositions, Positions, bounds, is_shared_range, tensor_of
 from . import solver
 from .dynamics import Dynamics
 from .solver import METHODS, SolverOptions
-from .table import PassTables, Tables, Window, snapshot
+from .table import PassTables, Tables, Window, overflow_error, snapshot
 
 INITS = ("zero", "small")
 DELTA = float_in_range(0.0, 1000.0, low_open=True)
@@ -332,9 +332,8 @@ class Floater(PositionalEncoding):
             self._fill_step_biases(positions, state)
             return context
         for given in (positions, source_positions):
-            if given is not None and tensor_of(given).numel() > 0:  # (`Positions`: no host sync)
-                last = given.stop - 1 if isinstance(given, Positions) else int(given.max())
-                state.needed = max(state.needed, last + 1)
+            if given is not None and tensor_of(given).numel() > 0:  # (the stacks' positions: no host read)
+                state.needed = max(state.needed, bounds(given)[1] + 1)
         if torch.is_grad_enabled() and self._slots:
             self._prepare_biases(role)
         return context
@@ -392,11 +391,7 @@ class Floater(PositionalEncoding):
         solved = self.tables.table(self, rows, state.tables)
         if rows > solved.first_overflow:
             peak = float(solved.values[solved.first_overflow].abs().max())
-            raise ValueError(
-                f"FLOATER position biases overflow at position {solved.first_overflow} (|b(t) - b(0)| = {peak:.3g}, "
-                f"more than {self.dynamics.fc1.weight.dtype} holds) for an input of {rows} positions: the learned "
-                "dynamics grow without bound beyond the lengths seen in training. Train on longer inputs, use a "
-                "smaller --floater-delta, or shorten the input (docs/floater.md)")
+            raise overflow_error(solved.first_overflow, peak, self.model_dtype(), rows)
         group = self._groups[(role, which)]
         biases = self._gathered(solved.values, group, positions, dtype, state)
         if self.tables.is_evaluation(self, solved.values) and group == self._groups.get(("decoder", "q")) \

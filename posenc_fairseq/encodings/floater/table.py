@@ -15,6 +15,8 @@ to a fresh solve). Three kinds, each valid for one stated thing and kept where t
     every b(0) (`Floater.kept_value_inputs`); the entry also holds the options it was solved with.
     Grown in chunks of EVAL_CHUNK positions.
 Tables are never stored in checkpoints: they would be averaged by checkpoint averaging and EMA.
+A table with a position the model's dtype cannot hold raises when a pass needs it: at once outside
+training, from the next pass in training (`OverflowCheck`: the pass does not wait for its solve).
 """
 import math
 from typing import NamedTuple, Optional
@@ -27,18 +29,65 @@ EVAL_CHUNK = 64  # evaluation extends the table in chunks of this many positions
 
 
 class Solved(NamedTuple):
-    """A table and the first position whose bias the model's dtype cannot hold (len if none)."""
+    """A table and the first position whose bias the model's dtype cannot hold (len if none, or if
+    the check is read later: `OverflowCheck`)."""
     values: Tensor
     first_overflow: int
 
 
-def checked(values: Tensor, model_dtype: torch.dtype) -> Solved:
-    """`values` with the first position `model_dtype` cannot hold (inf/NaN, or beyond fp16's range)."""
-    limit = torch.finfo(model_dtype).max
+def overflow_error(first: int, peak: float, dtype: torch.dtype, rows: int, earlier_pass: bool = False) -> ValueError:
+    """The error for a table whose position `first` (|b(t) - b(0)| = `peak`) `dtype` cannot hold."""
+    where = "in an earlier training pass, " if earlier_pass else ""
+    return ValueError(
+        f"FLOATER position biases overflow at position {first} (|b(t) - b(0)| = {peak:.3g}, more than {dtype} "
+        f"holds) {where}for an input of {rows} positions: the learned dynamics grow without bound beyond the "
+        "lengths seen in training. Train on longer inputs, use a smaller --floater-delta, or shorten the input "
+        "(docs/floater.md)")
+
+
+def overflow_on_device(values: Tensor, model_dtype: torch.dtype) -> Tensor:
+    """(2,) float64 on `values`' device, without a host read: the first position whose bias
+    `model_dtype` cannot hold (inf/NaN, or beyond its range; len(values) if none) and that row's
+    peak |b(t) - b(0)| (the last row's if none)."""
     peaks = values.detach().abs().flatten(1).amax(dim=1)
-    bad = ~(peaks <= limit)  # also NaN
-    first = int(bad.nonzero()[0, 0]) if bool(bad.any()) else values.size(0)
-    return Solved(values, first)
+    bad = ~(peaks <= torch.finfo(model_dtype).max)  # also NaN
+    count = peaks.size(0)
+    first = torch.where(bad, torch.arange(count, device=peaks.device), count).min()
+    peak = peaks.gather(0, first.clamp(max=count - 1).view(1))
+    return torch.cat([first.view(1).double(), peak.double()])
+
+
+def checked(values: Tensor, model_dtype: torch.dtype) -> Solved:
+    """`values` with the first position `model_dtype` cannot hold, read now (one host read)."""
+    if values.size(0) == 0:
+        return Solved(values, 0)
+    return Solved(values, int(overflow_on_device(values, model_dtype)[0]))
+
+
+class OverflowCheck:
+    """A training table's overflow check, read on the host when a later pass asks for a table: the
+    answer (`overflow_on_device`) is copied to host memory without blocking, so the pass that solved
+    the table never waits for the solve to finish, and by the next pass the device has long computed
+    it (fairseq's trainer reads the gradients' norm after each backward). An overflow makes that
+    pass's loss inf/NaN, which fairseq's trainer skips (fp16) or stops on; the next pass names it."""
+
+    def __init__(self, values: Tensor, model_dtype: torch.dtype):
+        found = overflow_on_device(values, model_dtype)
+        on_cuda = found.is_cuda
+        self.answer = torch.empty(2, dtype=torch.float64, pin_memory=on_cuda)
+        self.answer.copy_(found, non_blocking=on_cuda)
+        self.copied = None
+        if on_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record(torch.cuda.current_stream(found.device))
+        self.dtype, self.rows = model_dtype, values.size(0)
+
+    def raise_if_overflowed(self):
+        if self.copied is not None:
+            self.copied.synchronize()
+        first, peak = self.answer.numpy().tolist()  # (host memory: no device read)
+        if first < self.rows:
+            raise overflow_error(int(first), peak, self.dtype, self.rows, earlier_pass=True)
 
 
 def snapshot(tensors, dtype: torch.dtype) -> Tensor:
@@ -82,6 +131,7 @@ class Tables:
 
     def __init__(self):
         self.window: Optional[Window] = None
+        self.pending = []  # (the pass, its `OverflowCheck`): training tables' checks not yet read
 
     def start_window_pass(self, encoding, index: int, in_pass: PassTables):
         """A training pass with K > 1: the window's table if the window goes on, else a new window
@@ -100,12 +150,14 @@ class Tables:
 
     def table(self, encoding, rows: int, in_pass: PassTables) -> Solved:
         """The table serving at least positions 0..rows-1 in this pass."""
+        if self.pending:
+            self._read_checks(in_pass)
         grad = torch.is_grad_enabled() and any(p.requires_grad for p in encoding.solve_inputs())
         if encoding.training and in_pass.window_pass:
             key = ("window", grad)
             solved = in_pass.solved.get(key)
             if solved is None or solved.values.size(0) < rows:  # once per pass, shared by the layers
-                solved = self._window_table(encoding, rows)
+                solved = self._window_table(encoding, rows, in_pass)
                 if grad:  # keep h in the graph (zero gradient): DDP sees no unused parameters
                     touch = torch.stack([p.sum() for p in encoding.dynamics.parameters() if p.requires_grad]).sum()
                     solved = Solved(solved.values + 0.0 * touch, solved.first_overflow)
@@ -117,14 +169,35 @@ class Tables:
         solved = in_pass.solved.get(key)
         if solved is None or solved.values.size(0) < rows:
             values = encoding.solve(rows) if solved is None else encoding.extend(solved.values, rows)
-            solved = in_pass.solved[key] = checked(values, encoding.model_dtype())
+            solved = in_pass.solved[key] = self._checked(encoding, values, in_pass)
             window = self.window
             if encoding.training and window is not None and (
                     window.table is None or window.table.values.size(0) < values.size(0)):
                 window.table = Solved(values.detach(), solved.first_overflow)
         return solved
 
-    def _window_table(self, encoding, rows: int) -> Solved:
+    def _checked(self, encoding, values: Tensor, in_pass: PassTables) -> Solved:
+        """`values` with their overflow check: in training read by a later pass (`OverflowCheck`:
+        no host read while the solve runs), else now."""
+        if not encoding.training:
+            return checked(values, encoding.model_dtype())
+        self.pending.append((in_pass, OverflowCheck(values, encoding.model_dtype())))
+        return Solved(values, values.size(0))
+
+    def _read_checks(self, in_pass: PassTables):
+        """Read the checks of earlier passes' tables (not this pass's: it would wait for its solve)."""
+        earlier = [check for made_in, check in self.pending if made_in is not in_pass]
+        if not earlier:
+            return
+        self.pending = [(made_in, check) for made_in, check in self.pending if made_in is in_pass]
+        for check in earlier:
+            try:
+                check.raise_if_overflowed()
+            except ValueError:
+                self.window = None  # (its table overflowed: a later pass solves and checks a new one)
+                raise
+
+    def _window_table(self, encoding, rows: int, in_pass: PassTables) -> Solved:
         window = self.window
         solved = window.table
         if solved is None or solved.values.size(0) < rows:
@@ -132,7 +205,7 @@ class Tables:
                 parameters = from_snapshot(window.parameters, encoding.solve_inputs(), encoding.dims.embed_dim)
                 values = encoding.solve(rows, parameters) if solved is None else \
                     encoding.extend(solved.values, rows, parameters)
-            solved = window.table = checked(values, encoding.model_dtype())
+            solved = window.table = self._checked(encoding, values, in_pass)
         return solved
 
     @staticmethod

@@ -161,6 +161,35 @@ def test_overflowing_biases_fail_with_a_message_naming_the_position(translation_
             model(src, src_lengths, prev)
 
 
+@pytest.mark.parametrize("recompute_every", [1, 3])
+def test_an_overflow_in_training_is_named_by_the_next_pass(translation_data, device, recompute_every):
+    """In training the table's overflow check is read by the next pass (`OverflowCheck`: no host read
+    while the solve runs): the pass whose table overflowed runs on with a loss that is not finite
+    (which fairseq's trainer skips or stops on), and the next pass, whatever its input, raises the
+    message naming the position. The K-window's overflowed table is not reused after: the next long
+    pass solves again, and is named again by the pass after it."""
+    model, task, encoding = floater_model(
+        translation_data, ["--max-source-positions", "2048", "--floater-recompute-every", str(recompute_every)])
+    exploding(model, encoding)
+    model.to(device).eval()
+    peaks = encoding.table(400).abs().flatten(1).amax(dim=1)  # (the evaluation table)
+    expected = int((~(peaks <= torch.finfo(torch.float32).max)).nonzero()[0, 0])
+    assert 8 < expected < 400
+    model.train()
+    short = on(device, *random_batch(task.source_dictionary, batch=1, src_len=8, tgt_len=8))
+    long = on(device, *random_batch(task.source_dictionary, batch=1, src_len=400, tgt_len=8))
+    model.set_num_updates(0)
+    for attempt in range(2):
+        output, _ = model(*short)
+        output.float().sum().backward()
+        assert torch.isfinite(output).all()
+        output, _ = model(*long)  # the table overflows: this pass does not wait to find out
+        assert not torch.isfinite(output).all()
+        with pytest.raises(ValueError, match=rf"overflow at position {expected} .*in an earlier training pass, "
+                                             r"for an input of 400 positions: .*--floater-delta"):
+            model(*short)
+
+
 def test_decoding_steps_into_the_overflow_fail_with_the_message(translation_data, device):
     """Step-by-step decoding of a model whose biases overflow fp16 near position 60: every step
     before runs, the step at the first position fp16 cannot hold fails with the message (the later
