@@ -252,10 +252,10 @@ class HostReads(TorchDispatchMode):
     def _owner():
         import traceback
 
-        for frame in reversed(traceback.extract_stack()[:-2]):  # (not this mode's own frames)
+        for frame in reversed(traceback.extract_stack()):
             path = frame.filename.replace(os.sep, "/")
-            if "/torch/" in path or path == __file__.replace(os.sep, "/"):
-                continue
+            if "/torch/" in path or path == __file__.replace(os.sep, "/") or frame.name == "__torch_dispatch__":
+                continue  # (torch, and this mode's own frames or a subclass's)
             owner = "posenc_fairseq" if "/posenc_fairseq/" in path else "fairseq" if "/fairseq/" in path else "other"
             return owner, frame.name
         return "other", "?"

@@ -200,11 +200,30 @@ def value_copies(tensors: Iterable[Tensor]) -> List[Tensor]:
 def same_values(copies: Optional[List[Tensor]], tensors: Iterable[Tensor]) -> bool:
     """Whether `value_copies` still equal `tensors` exactly (count, dtype, device, shape, values): a
     check by value, which fairseq's optimizers' writes through p.data cannot escape (an in-place
-    version counter would)."""
+    version counter would). CPU tensors one by one (`equal_values`), the others at once
+    (`equal_at_once`: one host read, where torch.equal would wait for the device once per tensor)."""
     tensors = list(tensors)
-    return copies is not None and len(copies) == len(tensors) and all(
-        copy.dtype == tensor.dtype and copy.device == tensor.device and copy.shape == tensor.shape
-        and equal_values(copy, tensor) for copy, tensor in zip(copies, tensors))
+    if copies is None or len(copies) != len(tensors) or any(
+            (copy.dtype, copy.device, copy.shape) != (tensor.dtype, tensor.device, tensor.shape)
+            for copy, tensor in zip(copies, tensors)):
+        return False
+    pairs = list(zip(copies, tensors))
+    return all(equal_values(copy, tensor) for copy, tensor in pairs if tensor.device.type == "cpu") and \
+        equal_at_once([(copy, tensor) for copy, tensor in pairs if tensor.device.type != "cpu"])
+
+
+def equal_at_once(pairs: List[Tuple[Tensor, Tensor]]) -> bool:
+    """Whether each (copy, tensor) pair (one dtype, device and shape per pair) is equal as torch.equal
+    says (NaN unequal, -0.0 == 0.0), with one host read per device and dtype: each group's tensors
+    flattened into one and compared elementwise on their device. (On the CPU the copies would cost
+    more than `equal_values`: docs/benchmarks.md.)"""
+    groups: Dict[Tuple[torch.device, torch.dtype], List[Tuple[Tensor, Tensor]]] = {}
+    for copy, tensor in pairs:
+        groups.setdefault((tensor.device, tensor.dtype), []).append((copy, tensor))
+    return not any(
+        bool((torch.cat([copy.reshape(-1) for copy, _ in group]) !=
+              torch.cat([tensor.detach().reshape(-1) for _, tensor in group])).any())
+        for group in groups.values())
 
 
 #: dtypes whose CPU tensors `equal_values` compares through numpy, and from how many elements on

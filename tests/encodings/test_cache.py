@@ -6,10 +6,10 @@ import pickle
 import torch
 
 from posenc_fairseq.encodings import ModelDims, build_encoding
-from posenc_fairseq.encodings.cache import equal_values, same_values, use_kept_values, value_copies
+from posenc_fairseq.encodings.cache import equal_at_once, equal_values, same_values, use_kept_values, value_copies
 from posenc_fairseq.encodings.positions import bounds, shared_range, tensor_of
 from position_terms import position_range
-from util import encoding_options
+from util import HostReads, encoding_options
 
 
 def t5(**overrides):
@@ -108,6 +108,29 @@ def test_the_check_by_value_answers_as_torch_equal():
     with torch.no_grad():
         parameter.data[199, 99] += 1.0  # as fairseq's optimizers: through .data
     assert not same_values(copies, [parameter])
+
+
+def test_the_check_on_an_accelerator_answers_as_torch_equal_in_one_read(device):
+    """`equal_at_once` (what `same_values` runs for tensors off the CPU) answers as torch.equal per pair,
+    over every pair at once: a change in one element of any tensor, NaN, -0.0, strided views, two
+    dtypes; on a GPU `same_values` then waits for the device once per dtype, not once per tensor."""
+    torch.manual_seed(0)
+    tensors = [torch.randn(40, 30), torch.randn(30).t(), torch.randn(16, 8)[:, ::2], torch.randn(7).double()]
+    tensors = [tensor.to(device) for tensor in tensors]
+    copies = value_copies(tensors)
+    assert equal_at_once(list(zip(copies, tensors))) and same_values(copies, tensors)
+    for index, position in [(0, (39, 29)), (2, (15, 3)), (3, (6,))]:
+        changed = [tensor.clone() for tensor in tensors]
+        changed[index][position] += 1e-6 if changed[index].dtype == torch.float32 else 1e-12
+        assert not equal_at_once(list(zip(copies, changed))) and not same_values(copies, changed)
+    nan = tensors[0].clone()
+    nan[1, 1] = float("nan")
+    zero = torch.zeros(4, device=device)
+    for copy_, tensor in [(nan, nan.clone()), (zero, -zero), (tensors[0], tensors[0].clone())]:
+        assert equal_at_once([(copy_, tensor)]) == torch.equal(copy_, tensor)
+    with HostReads() as host:
+        assert same_values(copies, tensors)
+    assert len(host.reads) == (len(tensors) if torch.device(device).type == "cpu" else 2)  # (two dtypes)
 
 
 def test_copies_of_an_encoding_start_with_an_empty_cache_of_their_own():
