@@ -189,3 +189,24 @@ def test_converter_honours_floater_init_small(stock_transformer_checkpoint):
     model, _, _ = load_from_state(small, "transformer")
     assert model.positional_encoding.init == "small"
     assert torch.equal(model.state_dict()[fc2], small["model"][fc2])
+
+
+def test_fairseq_train_stops_on_an_overflowing_table_with_the_message(translation_data, tmp_path):
+    """Through fairseq's trainer: a checkpoint whose h overflows fp32 within the toy sentences' lengths
+    (db/dt = 300 b), resumed by fairseq-train, stops with FLOATER's overflow message, not fairseq's bare
+    "gradients are Nan/Inf": the training pass does not wait for its table's check, the trainer finds
+    its gradients not finite and runs the batch again, and that pass reads the check and names it."""
+    train(translation_data, tmp_path, "--max-update", "1")
+    state = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    fc1 = [key for key in state["model"] if key.endswith("dynamics.fc1.weight")]
+    assert len(fc1) == 1
+    prefix = fc1[0][: -len("fc1.weight")]
+    weights, dim = state["model"], state["model"][prefix + "fc2.weight"].size(0)
+    weights[prefix + "fc1.weight"].zero_()[:dim, :dim] = torch.eye(dim)
+    weights[prefix + "fc1.bias"].fill_(10.0)
+    weights[prefix + "fc2.weight"].zero_()[:, :dim] = 300 * torch.eye(dim)
+    torch.save(state, tmp_path / "exploding.pt")
+    with pytest.raises(AssertionError, match=r"FLOATER position biases overflow at position \d+ \(.*\) in an "
+                                             r"earlier training pass"):
+        train(translation_data, tmp_path / "resumed", "--restore-file", tmp_path / "exploding.pt",
+              "--reset-optimizer", "--reset-dataloader", "--max-update", "3")
