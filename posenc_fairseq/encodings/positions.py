@@ -49,7 +49,7 @@ class Positions:
         return self.made[0]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # (equal only to itself: its tensor has no one truth value)
 class PaddedPositions:
     """The (B, T) `tensor` of a padded batch's token positions, each real token's count of real
     tokens before it in its row (pads 0: `token_positions`), and one more than the largest, `stop`
