@@ -82,6 +82,22 @@ def test_token_positions_are_a_shared_range_without_padding_or_with_right_paddin
     assert not is_shared_range(position_range(0, 3))  # 1-D: a stack's own positions, not per row
 
 
+def test_first_of_each_beam_keeps_what_the_host_knows():
+    """fairseq's beamable cross-attention keeps one source row per sentence: the first of its `beam`
+    rows (hand-picked here), as the same kind of value with the same bounds."""
+    from posenc_fairseq.attention import first_of_each_beam
+    from posenc_fairseq.encodings.positions import PaddedPositions, bounds, is_shared_range, shared_range
+
+    shared = first_of_each_beam(shared_range(6, 0, 4), beam=3)
+    assert is_shared_range(shared) and (shared.rows, shared.start, shared.stop) == (2, 0, 4)
+    rows = torch.tensor([[0, 0, 1], [0, 0, 1], [0, 1, 2], [0, 1, 2]])  # 2 sentences x beam 2, left-padded
+    padded = first_of_each_beam(PaddedPositions(rows, 3), beam=2)
+    assert isinstance(padded, PaddedPositions) and padded.tensor.tolist() == [[0, 0, 1], [0, 1, 2]]
+    assert bounds(padded) == (0, 2)
+    plain = first_of_each_beam(rows + 5, beam=2)
+    assert isinstance(plain, torch.Tensor) and plain.tolist() == [[5, 5, 6], [5, 6, 7]]
+
+
 @pytest.mark.parametrize("queries,keys", [(1, 5), (5, 1), (4, 4), (3, 7), (7, 3)])
 def test_toeplitz_equals_index_by_distance_with_gradients(queries, keys):
     from posenc_fairseq.encodings.positions import toeplitz
