@@ -218,11 +218,16 @@ class PositionalAttention(MultiheadAttention):
         if projects and context is not None:
             query_positions, key_positions = context.positions, context.key_positions(binding.role)
         source_keys = 0  # keys (cached or not) that are source tokens, before the target keys
-        if cross_self:
-            source_positions = context.source if context is not None else None
-            source_keys = tensor_of(source_positions).size(1) if source_positions is not None else 0
-            if projects and key is not None and key.size(0) == source_keys + tgt_len and source_positions is not None:
-                key_positions = torch.cat([tensor_of(source_positions), tensor_of(key_positions)], dim=1)
+        if cross_self and context is not None:
+            # counted in this call's own keys (a later step: in its decode's cached keys, which hold the
+            # source and the earlier target tokens), not in the context's source: another decode's
+            # first step may have given that since
+            if saved_state is not None and "prev_key" in saved_state:
+                source_keys = saved_state["prev_key"].size(2) - context.earlier
+            elif key is not None:
+                source_keys = key.size(0) - tgt_len
+                if projects and source_keys and context.source is not None:
+                    key_positions = torch.cat([tensor_of(context.source), tensor_of(key_positions)], dim=1)
         q = self._project("q", query, query_positions, projects)
         k = v = None
         if self.self_attention:

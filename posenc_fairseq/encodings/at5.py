@@ -198,6 +198,9 @@ class AT5Bias(ScalarBias):
                   help="at5_nob: MLP input min(|d|/L, 1) (distance: the paper's text, default) or sigmoid of a "
                        "learned scalar per head and relative position clipped to +-L (learned: the authors' code)")
 
+    def bias_options(self):
+        return (self.length_scale, self.nob_input, getattr(self, "max_distance", None))
+
     def directions(self, key: str):
         """The encoder looks both ways; the causal decoder only at d <= 0."""
         return ("minus", "plus") if self.key_role(key) == "encoder" else ("minus",)

@@ -12,7 +12,8 @@ each kept in a scope that says how long it stays valid.
   (`kept_value_inputs`: its parameters; FLOATER's also the attention biases b(0)) by value (and dtype, device, shape) once per
   pass that starts a decode or runs whole (`begin` with no earlier step), and emptied when any
   differs: this sees every change, fairseq's optimizers' writes through p.data included (which
-  move no version counter). The steps of one decode use it unchecked, as fairseq's incremental
+  move no version counter). Emptied too when autocast is not as it was (`autocast_state`): values
+  computed under it keep its rounding in float32 tensors, which a check of dtypes would not see. The steps of one decode use it unchecked, as fairseq's incremental
   state uses the keys and values it cached at the earlier steps. Entries are named by a `TermKey`
   as well; each holds what else it was computed from (options, dtype) and is recomputed when that
   differs.
@@ -58,6 +59,7 @@ class EncodingCache:
         self.constants: Dict[Hashable, Any] = {}
         self.inference_checked = False  # this pass has checked `inference_values` against the parameters
         self.parameter_copies: Optional[List[Tensor]] = None
+        self.inference_autocast: Optional[tuple] = None  # `autocast_state` when `inference_values` were computed
         self.run: Optional[_RunRecord] = None  # the `recorded` run in progress
 
     def __reduce__(self):  # copies and pickles start empty
@@ -79,7 +81,7 @@ class EncodingCache:
     def clear(self):
         """Forget every value but the constants (what they were computed from changed shape)."""
         self.pass_values, self.model_pass, self.decode_values, self.inference_values = {}, {}, {}, {}
-        self.parameter_copies, self.inference_checked = None, False
+        self.parameter_copies, self.inference_checked, self.inference_autocast = None, False, None
 
     # --- pass scope -----------------------------------------------------------------------------
     def memoize(self, key: TermKey, compute: Callable[[], Any]) -> Any:
@@ -99,8 +101,10 @@ class EncodingCache:
     @contextmanager
     def apart(self):
         """Compute outside the current pass: what is memoized inside is dropped, the pass's own
-        values are kept (e.g. a prior plotted between two forwards)."""
+        values are kept (e.g. a prior plotted between two forwards), and the inference scope is
+        checked against the parameters again (they may have changed since the last pass)."""
         saved, self.pass_values = self.pass_values, {}
+        self.inference_checked = False
         try:
             yield
         finally:
@@ -133,13 +137,16 @@ class EncodingCache:
     # --- inference scope ------------------------------------------------------------------------
     def inference(self, module: nn.Module) -> Dict:
         """The inference scope (for `range_values` and `inference_value`), checked once per pass
-        (not per decoding step) by value against copies of `module.kept_value_inputs()` and emptied
-        when any differs."""
+        (not per decoding step) by value against copies of `module.kept_value_inputs()` and against
+        the autocast state, and emptied when any differs."""
         if not self.inference_checked:
             self.inference_checked = True
-            if not same_values(self.parameter_copies, module.kept_value_inputs()):
+            autocast = autocast_state()
+            if autocast != self.inference_autocast or not same_values(self.parameter_copies,
+                                                                      module.kept_value_inputs()):
                 self.inference_values.clear()
                 self.parameter_copies = value_copies(module.kept_value_inputs())
+                self.inference_autocast = autocast
         return self.inference_values
 
     def inference_value(self, module: nn.Module, key: TermKey, depends_on: tuple, compute: Callable[[], Any]) -> Any:
@@ -180,6 +187,12 @@ class _RunRecord:
             return memo[entry]
         with torch.no_grad():  # the pass scope was cleared meanwhile: the same value, no operation recorded
             return compute()
+
+
+def autocast_state() -> tuple:
+    """Whether autocast is on, and in which dtype, on the CPU and on CUDA: values computed under it
+    (AT5's MLP, XL's projections of the prior) are rounded as its dtype, though kept as float32."""
+    return tuple(torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) for device in ("cpu", "cuda"))
 
 
 def use_kept_values(module: torch.nn.Module) -> bool:

@@ -142,12 +142,17 @@ class ScalarBias(PositionalEncoding):
         for parameter set `key`; subclasses implement it."""
         raise NotImplementedError
 
+    def bias_options(self) -> tuple:
+        """The options `distance_bias` reads besides the parameters: a kept bias is recomputed when
+        they change."""
+        return ()
+
     def distance_values(self, key: str, low: int, high: int) -> Tensor:
         """`distance_bias`, kept across calls in inference (positions.py: a decoding step reads a
         slice of it)."""
         if use_kept_values(self):
             kept_key = self.term_key(self.key_role(key), "per distance", key)
-            return range_values(self.cache.inference(self), kept_key, (),
+            return range_values(self.cache.inference(self), kept_key, self.bias_options(),
                                 low, high, lambda a, b: self.distance_bias(key, a, b), dim=1)
         return self.distance_bias(key, low, high)
 
@@ -194,6 +199,9 @@ class _TableBias(ScalarBias):
         """The option(s) that size the tables, as the user gave them (for the size error)."""
         return f"--t5-max-distance {self.max_distance}"
 
+    def bias_options(self):
+        return (self.max_distance,)
+
     def rows_of(self, distances: Tensor, bidirectional: bool) -> Tensor:
         raise NotImplementedError
 
@@ -229,6 +237,9 @@ class T5Bias(_TableBias):
 
     def size_option(self):
         return f"--t5-num-buckets {self.num_buckets}"
+
+    def bias_options(self):
+        return (self.num_buckets, self.max_distance)
 
     def rows_of(self, distances, bidirectional):
         return relative_position_bucket(distances, bidirectional, self.num_buckets, self.max_distance)

@@ -1,6 +1,7 @@
 """T5 and T5-NoB scalar biases: bucket ids against an independent reference of the HF algorithm,
 the bias each head receives against a naive double loop over (i, j), the prior, long inputs,
 identity reset and training through fairseq-train."""
+import copy
 import math
 
 import pytest
@@ -166,6 +167,32 @@ def test_prior_in_the_models_dtype(dtype):
     rows = relative_position_bucket(torch.arange(20) - 7, True, 32, 128)
     expected = torch.softmax(table[rows, 1].float(), dim=-1)  # the bias the model adds, in its dtype
     assert prior.dtype == torch.float32 and torch.allclose(prior, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["t5", "at5"])
+def test_prior_follows_the_parameters_between_passes(name):
+    """The prior outside a forward pass reads the bias kept in inference, which is checked against
+    the parameters: after a pass and a prior, an in-place change and a load_state_dict each give the
+    prior of a copy that never kept anything. (Before, both gave the kept, stale prior.)"""
+    encoding = make(name)
+    other = make(name)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    encoding.eval()
+    with torch.no_grad():
+        encoding.begin("encoder")
+        encoding.distance_term("encoder", 0, -9, 9, 10, torch.float32)  # kept in inference
+    before = prior_distribution(encoding, "encoder", 0, 7, range(20), head=1)
+    changes = [lambda: [parameter.data.mul_(1.5) for parameter in encoding.parameters()],
+               lambda: encoding.load_state_dict(other.state_dict())]
+    for change in changes:
+        change()
+        fresh = copy.deepcopy(encoding)  # (copies start with an empty cache)
+        prior = prior_distribution(encoding, "encoder", 0, 7, range(20), head=1)
+        assert torch.equal(prior, prior_distribution(fresh, "encoder", 0, 7, range(20), head=1))
+        assert (prior - before).abs().max() > 1e-3
+        before = prior
 
 
 def test_reset_to_identity_adds_zero():

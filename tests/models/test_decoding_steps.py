@@ -11,8 +11,8 @@ from posenc_fairseq.encodings.cache import range_values
 from posenc_fairseq.encodings.positions import bounds
 from devices import bound, on
 from position_terms import position_range
-from test_every_encoding import decoder_logits_full_and_stepwise, perturbed_translation_model
-from util import random_batch
+from test_every_encoding import decoder_logits_full_and_stepwise, perturb_away_from_identity, perturbed_translation_model
+from util import TINY_TRANSFORMER, build_model, random_batch
 
 STEP_ENCODINGS = ["t5", "t5_nob", "at5", "at5_nob", "alibi", "rotary", "shaw", "lfhc", "xl", "gcdf"]
 
@@ -155,6 +155,67 @@ def test_kept_values_follow_a_change_of_dtype(translation_data, device, encoding
     assert stepwise.dtype == torch.float64
     assert (full - stepwise).abs().max() <= 1e-10
     assert (reference - stepwise).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize("encoding", ["at5", "at5_nob", "xl", "gcdf"])
+def test_kept_values_follow_autocast(translation_data, encoding):
+    """Decode under bf16 autocast, then without it: the values that decode kept (AT5's MLP and XL's
+    projections run in bf16 under autocast, their results float32 again) are not used, and the full pass
+    and the steps equal a copy that never ran under autocast. Before, they differed by 4e-3 to 6e-2."""
+    model, task = perturbed_translation_model(translation_data, encoding)
+    fresh = copy.deepcopy(model)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=6, tgt_len=9)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            decoder_logits_full_and_stepwise(model, src, src_lengths, prev)
+        full, stepwise = decoder_logits_full_and_stepwise(model, src, src_lengths, prev)
+        reference_full, reference_steps = decoder_logits_full_and_stepwise(fresh, src, src_lengths, prev)
+    assert torch.equal(full, reference_full) and torch.equal(stepwise, reference_steps)
+
+
+@pytest.mark.parametrize("encoding", ["t5", "at5", "at5_nob"])
+def test_kept_values_follow_the_options_they_were_computed_with(translation_data, encoding):
+    """An option the bias reads changed on a built model (T5's M, AT5's L): the next decode recomputes
+    the kept bias, as a copy changed before any decode does (the model then computes something else)."""
+    model, task = perturbed_translation_model(translation_data, encoding)
+    # (T5's buckets below 16 are exact whatever M is: longer targets)
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=6, tgt_len=24)
+    name, value = ("max_distance", 17) if encoding == "t5" else ("length_scale", 4.0)
+    with torch.no_grad():
+        before = decoder_logits_full_and_stepwise(model, src, src_lengths, prev)
+        fresh = copy.deepcopy(model)
+        for changed in (model, fresh):
+            setattr(changed.positional_encoding, name, value)
+        after = decoder_logits_full_and_stepwise(model, src, src_lengths, prev)
+        reference = decoder_logits_full_and_stepwise(fresh, src, src_lengths, prev)
+    assert all(torch.equal(a, r) for a, r in zip(after, reference))
+    assert (after[1] - before[1]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("encoding", ["t5", "xl", "alibi", "shaw"])
+def test_interleaved_decodes_with_cross_self_attention(translation_data, encoding):
+    """Two decodes step by step in turn, each with its own incremental state, sources of different
+    lengths (--cross-self-attention: the decoder's self-attention keys are the source, then the
+    target): each equals its full pass. A later step counts its source keys in its own cached keys;
+    before, it took the length of whichever decode had made the last first step (off by up to 0.24,
+    or "keys cannot hold")."""
+    torch.manual_seed(0)
+    model, task, _ = build_model(translation_data, f"transformer_{encoding}", [*TINY_TRANSFORMER, "--cross-self-attention"])
+    model.eval()
+    perturb_away_from_identity(model)
+    batches = [random_batch(task.source_dictionary, batch=2, src_len=length, tgt_len=5, seed=seed)
+               for length, seed in ((11, 1), (6, 2))]
+    with torch.no_grad():
+        encoder_outs = [model.encoder(src, src_lengths=src_lengths) for src, src_lengths, _ in batches]
+        fulls = [model.decoder(prev, encoder_out=out)[0] for (_, _, prev), out in zip(batches, encoder_outs)]
+        states, steps = [{}, {}], [[], []]
+        for t in range(5):
+            for index in (1, 0):
+                prev = batches[index][2]
+                steps[index].append(model.decoder(prev[:, : t + 1], encoder_out=encoder_outs[index],
+                                                  incremental_state=states[index])[0])
+    for full, stepwise in zip(fulls, steps):
+        assert (full - torch.cat(stepwise, dim=1)).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("encoding", STEP_ENCODINGS)
