@@ -294,7 +294,8 @@ class Floater(PositionalEncoding):
 
     def extend(self, table: Tensor, rows: int, parameters=None) -> Tensor:
         """`table` continued to `rows` positions by integrating onward from its last point
-        (the same grid as one solve: equal to a fresh solve)."""
+        (fixed-grid methods: the same grid as one solve, equal to a fresh one; dopri5 chooses its steps
+        per extension, within its tolerance of one solve)."""
         if table.size(0) >= rows:
             return table
         if table.size(0) == 0:
@@ -306,10 +307,12 @@ class Floater(PositionalEncoding):
         return torch.cat([table, states[1:] - b0], dim=0)
 
     def table(self, rows: int) -> Tensor:
-        """b(t_i) - b(0) for at least positions 0..rows-1, as a forward pass now would use it
-        (outside a forward pass the kept evaluation table is checked against the parameters)."""
-        self.cache.inference_checked = False
-        return self.tables.table(self, rows, self.pass_state().tables).values
+        """b(t_i) - b(0) for at least positions 0..rows-1 from the parameters as they are now, as
+        evaluation reads it (the kept evaluation table, checked against the parameters), in either
+        mode and without gradient: for plots and checks outside a forward pass, whose own tables may
+        be older (a training pass's, before an optimizer step)."""
+        with torch.no_grad(), self.cache.apart():
+            return self.tables.evaluation_table(self, rows).values
 
     # --- called by the trainer, the stacks and the attention ---------------------------------------
     def set_num_updates(self, num_updates: int):

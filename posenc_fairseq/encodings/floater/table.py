@@ -164,7 +164,7 @@ class Tables:
                 in_pass.solved[key] = solved
             return solved
         if not encoding.training and not grad:
-            return self._evaluation_table(encoding, rows)
+            return self.evaluation_table(encoding, rows)
         key = (grad,)
         solved = in_pass.solved.get(key)
         if solved is None or solved.values.size(0) < rows:
@@ -209,7 +209,9 @@ class Tables:
         return solved
 
     @staticmethod
-    def _evaluation_table(encoding, rows: int) -> Solved:
+    def evaluation_table(encoding, rows: int) -> Solved:
+        """The table of the parameters as they are, kept in the inference scope (which checks them by
+        value) and extended in chunks of EVAL_CHUNK positions."""
         kept = encoding.cache.inference(encoding)  # (checked by value once per pass)
         options = encoding.table_options()
         entry = kept.get(encoding.evaluation_key)

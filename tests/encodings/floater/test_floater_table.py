@@ -210,3 +210,21 @@ def test_decoding_steps_into_the_overflow_fail_with_the_message(translation_data
     peaks = encoding.table(100).abs().flatten(1).amax(dim=1)
     first_overflow = int((peaks > torch.finfo(torch.float16).max).nonzero()[0, 0])
     assert 8 < steps == first_overflow < 100  # every position fp16 holds was decoded
+
+
+def test_the_table_outside_a_pass_follows_an_optimizer_step(translation_data):
+    """`Floater.table` between training passes: the parameters' table as they are after the step
+    (the evaluation table), not the last pass's, which was solved before it (before: 0.058 apart)."""
+    model, task, encoding = floater_model(translation_data)
+    perturb(model)
+    model.train()
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=10, tgt_len=8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    output, _ = model(src, src_lengths, prev)
+    output.float().logsumexp(-1).mean().backward()
+    optimizer.step()
+    table = encoding.table(10)
+    assert not table.requires_grad and model.training
+    with torch.no_grad():
+        assert torch.equal(table, encoding.solve(64))  # (the evaluation table: chunks of 64 positions)
+        assert (table[:10] - encoding.solve(10)).abs().max() <= 1e-6
