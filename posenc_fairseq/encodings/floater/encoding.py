@@ -19,7 +19,7 @@ from ..option_types import OptionValueError, float_in_range, int_in_range, one_o
 from ..positions import AnyPositions, Positions, bounds, is_shared_range, tensor_of
 from . import solver
 from .dynamics import Dynamics
-from .solver import METHODS, SolverOptions
+from .solver import MAX_STEPS_PER_POSITION, METHODS, SolverOptions
 from .table import PassTables, Tables, Window, overflow_error, snapshot
 
 INITS = ("zero", "small")
@@ -30,7 +30,6 @@ HIDDEN = int_in_range(1, 65536)
 LR_SCALE = float_in_range(0.0, 1e4, low_open=True)
 MAX_SPEED = float_in_range(0.0, 1e4, low_open=True)
 DECAY = float_in_range(0.0, 1e3)
-MAX_SUBSTEPS = 1000  # steps per position above this are a typo (e.g. --floater-step-size 1e-7)
 
 
 class PassState:
@@ -102,9 +101,9 @@ class Floater(PositionalEncoding):
         self.method = floater("method", one_of(*METHODS), "rk4")
         self.step_size = floater("step_size", STEP_SIZE, self.delta / 5)
         self.substeps = max(1, math.ceil(self.delta / self.step_size - 1e-9))
-        if self.substeps > MAX_SUBSTEPS:
+        if self.substeps > MAX_STEPS_PER_POSITION:
             raise OptionValueError(f"--floater-step-size {self.step_size:g}: {self.substeps} solver steps per position "
-                                   f"(--floater-delta {self.delta:g}); at most {MAX_SUBSTEPS} are allowed")
+                                   f"(--floater-delta {self.delta:g}); at most {MAX_STEPS_PER_POSITION} are allowed")
         self.tolerance = floater("tolerance", TOLERANCE, 1e-6)
         self.adjoint = bool(floater("adjoint", bool, False))
         self.first_block_only = bool(floater("first_block_only", bool, False))
@@ -159,7 +158,7 @@ class Floater(PositionalEncoding):
         group.add_argument("--floater-method", choices=METHODS, help="ODE solver (default rk4)")
         group.add_argument("--floater-step-size", type=STEP_SIZE, metavar="S",
                            help=f"fixed-grid solver step (default delta/5; rounded so it divides delta; "
-                                f"at most {MAX_SUBSTEPS} steps per position)")
+                                f"at most {MAX_STEPS_PER_POSITION} steps per position)")
         group.add_argument("--floater-tolerance", type=TOLERANCE, metavar="TOL", help="rtol = atol of dopri5 (default 1e-6)")
         group.add_argument("--floater-adjoint", action="store_true", default=None,
                            help="gradients by torchdiffeq's continuous adjoint (odeint_adjoint)")

@@ -19,11 +19,15 @@ from typing import List, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from ..option_types import OptionValueError
 from .dynamics import Dynamics
 from .loops import Memo, _HiddenRun, _Run, _hidden_backward_loops, _hidden_forward_loops, computed_now
 
 FIXED_GRID = ("rk4", "midpoint", "euler")
 METHODS = (*FIXED_GRID, "dopri5")
+# solver steps per position above this are a typo (--floater-step-size 1e-7) or a tolerance the solve's
+# dtype cannot meet (dopri5 would shrink its steps without end)
+MAX_STEPS_PER_POSITION = 1000
 KEEP_STAGES_BYTES = 256 * 2**20  # a solve keeps its stages for backward up to this size, else recomputes
 # The compiled loops split a CPU solve's rows over the torch threads when rows * hidden * d reaches this
 # (a stage's product is then long enough that running parts side by side gains more than a thread costs)
@@ -69,14 +73,27 @@ def torchdiffeq_solve(dynamics: Dynamics, options: SolverOptions, y0: Tensor, fi
     if options.method in FIXED_GRID:
         kwargs = dict(method=options.method, options=dict(grid_constructor=subdivided_grid(options.substeps)))
     else:
-        kwargs = dict(method=options.method, rtol=options.tolerance, atol=options.tolerance)
+        resolution = torch.finfo(y0.dtype).eps
+        if options.tolerance < resolution:  # its error estimate would never come below it
+            raise OptionValueError(f"--floater-tolerance {options.tolerance:g}: below what the solve's {y0.dtype} "
+                                   f"resolves ({resolution:.2g}); dopri5 cannot meet it: give {resolution:.2g} or more")
+        kwargs = dict(method=options.method, rtol=options.tolerance, atol=options.tolerance,
+                      options=dict(max_num_steps=MAX_STEPS_PER_POSITION * max(last - first, 1)))
     func = dynamics.function(weights)
-    if options.adjoint:
-        # gradients to b(0) flow through y0 (the adjoint returns dL/dy0); h's parameters are
-        # the only ones inside the integrand
-        params = tuple(p for p in dynamics.parameters() if p.requires_grad)
-        return torchdiffeq.odeint_adjoint(func, y0, times, adjoint_params=params, **kwargs)
-    return torchdiffeq.odeint(func, y0, times, **kwargs)
+    try:
+        if options.adjoint:
+            # gradients to b(0) flow through y0 (the adjoint returns dL/dy0); h's parameters are
+            # the only ones inside the integrand
+            params = tuple(p for p in dynamics.parameters() if p.requires_grad)
+            return torchdiffeq.odeint_adjoint(func, y0, times, adjoint_params=params, **kwargs)
+        return torchdiffeq.odeint(func, y0, times, **kwargs)
+    except AssertionError as error:  # torchdiffeq's adaptive step gave up
+        if not any(sign in str(error) for sign in ("max_num_steps exceeded", "underflow in dt")):
+            raise
+        raise OptionValueError(
+            f"FLOATER's dopri5 solve cannot meet --floater-tolerance {options.tolerance:g} in {y0.dtype} over positions "
+            f"{first}..{last} (torchdiffeq: {error}; at most {MAX_STEPS_PER_POSITION} steps per position are allowed); "
+            "give a larger tolerance or a fixed-grid --floater-method") from None
 
 
 class Tableau(NamedTuple):

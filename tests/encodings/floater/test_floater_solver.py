@@ -238,3 +238,27 @@ def test_the_solve_stays_float32_under_autocast(translation_data, variant, monke
         grads = grads or torch.autograd.grad(loss, inputs)
         assert table.dtype == torch.float32 and torch.equal(table, reference)
         assert all(torch.equal(grad, expected) for grad, expected in zip(grads, reference_grads))
+
+
+def test_a_dopri5_tolerance_the_solve_cannot_meet_is_refused_with_the_option(translation_data, monkeypatch):
+    """dopri5's error estimate is rounded in the solve's dtype: a tolerance below its resolution is
+    refused at the first solve (before, 1e-17 ran validation for minutes, 1e-30 ended in torchdiffeq's
+    "underflow in dt"); one the dtype resolves but the steps cannot meet within MAX_STEPS_PER_POSITION
+    per position names the option too, instead of solving on without end."""
+    from posenc_fairseq.encodings.floater import solver
+    from posenc_fairseq.encodings.option_types import OptionValueError
+
+    model, _, encoding = floater_model(translation_data, ["--floater-method", "dopri5", "--floater-tolerance", "1e-07"])
+    perturb(model)
+    with torch.no_grad(), pytest.raises(OptionValueError, match=r"^--floater-tolerance 1e-07: below what the "
+                                                                 r"solve's torch.float32 resolves \(1.2e-07\)"):
+        encoding.solve(8)
+    model.double()  # float64 resolves it
+    with torch.no_grad():
+        assert torch.isfinite(encoding.solve(8)).all()
+    encoding.tolerance = 1e-6
+    model.float()
+    monkeypatch.setattr(solver, "MAX_STEPS_PER_POSITION", 0)  # (no step allowed)
+    with torch.no_grad(), pytest.raises(OptionValueError, match=r"^FLOATER's dopri5 solve cannot meet "
+                                                                 r"--floater-tolerance 1e-06 .*max_num_steps exceeded"):
+        encoding.solve(8)
