@@ -3,6 +3,7 @@ token positions, and attaching one encoding to a model."""
 import argparse
 import copy
 import re
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -15,6 +16,7 @@ from ..attention import bound_attentions, use_positional_attention
 from ..layer_checkpoint import checkpoint_layer
 from ..encodings import ENCODINGS, ModelDims, build_encoding
 from ..encodings.base import hook_use, overrides
+from ..encodings.option_types import OptionValueError
 from ..encodings.positions import AnyPositions, PaddedPositions, shared_range, tensor_of
 
 INPUT_POSITIONS = ("none", "sinusoidal", "learned", "stock")
@@ -25,21 +27,47 @@ def add_position_args(parser: argparse.ArgumentParser):
                         help="position information inside attention: " + ", ".join(sorted(ENCODINGS)))
     parser.add_argument("--input-positions", choices=INPUT_POSITIONS,
                         help="absolute embedding added to the input tokens (fairseq's own modules); "
-                             "'stock' keeps the base architecture's; default: the encoding's choice")
+                             "'stock' keeps the base architecture's; default: what fairseq's own "
+                             "--no-token-positional-embeddings / --encoder-learned-pos / --decoder-learned-pos ask "
+                             "where given, else the encoding's choice")
     for name in sorted(ENCODINGS):
         ENCODINGS[name].add_args(parser)
 
 
-def set_position_defaults(args, encoding: str):
-    """Architecture defaults; must run before fairseq's base architecture fills in the rest."""
+def set_position_defaults(args, encoding: str, stacks=("encoder", "decoder")):
+    """Architecture defaults; must run before fairseq's base architecture fills in the rest. The input
+    embedding: --input-positions where given (also from a stored config), else what fairseq's own
+    flags ask (`fairseq_input_positions`), else the encoding's choice."""
     args.positional_encoding = getattr(args, "positional_encoding", None) or encoding
-    choice = getattr(args, "input_positions", None) or ENCODINGS[args.positional_encoding].default_input_positions
+    choice = getattr(args, "input_positions", None)
+    if choice is None:
+        choice = fairseq_input_positions(args, stacks)
+    if choice is None:
+        choice = ENCODINGS[args.positional_encoding].default_input_positions
+    if choice not in INPUT_POSITIONS:  # (argparse checks the command line; a stored config or an override, here)
+        raise OptionValueError(f"--input-positions {choice}: expected one of {', '.join(INPUT_POSITIONS)}")
     args.input_positions = choice
     if choice == "none":
         args.no_token_positional_embeddings = True
     elif choice in ("sinusoidal", "learned"):
         args.no_token_positional_embeddings = False
         args.encoder_learned_pos = args.decoder_learned_pos = choice == "learned"
+
+
+#: the stacks of each model family (register_architectures' model names), whose --STACK-learned-pos fairseq reads
+STACKS = {"posenc_transformer": ("encoder", "decoder"), "posenc_lm": ("decoder",), "posenc_roberta": ("encoder",)}
+
+
+def fairseq_input_positions(args, stacks=("encoder", "decoder")) -> Optional[str]:
+    """What fairseq's own flags ask of the input embedding of a model with `stacks`, where they ask
+    something (they are off unless given): 'none' for --no-token-positional-embeddings, 'learned'
+    where every stack's --STACK-learned-pos is on, 'stock' where some are (fairseq's mix); else None."""
+    if getattr(args, "no_token_positional_embeddings", False):
+        return "none"
+    learned = [bool(getattr(args, f"{stack}_learned_pos", False)) for stack in stacks]
+    if all(learned):
+        return "learned"
+    return "stock" if any(learned) else None
 
 
 def token_positions(tokens: Tensor, padding_idx: int) -> AnyPositions:
@@ -345,7 +373,7 @@ def register_architectures(model_name: str, prefix: str, sizes: dict):
 
     def register(encoding, suffix, size_architecture):
         def architecture(args):
-            set_position_defaults(args, encoding)
+            set_position_defaults(args, encoding, STACKS[model_name])
             size_architecture(args)
 
         register_model_architecture(model_name, f"{prefix}_{encoding}{suffix}")(architecture)

@@ -1,6 +1,7 @@
 """With no encoding term, our models ARE fairseq's: same initialisation (the attention class is
 swapped after fairseq builds it), same outputs, same beam search (which exercises fairseq's
 beamable cross-attention and cache reordering inside our attention)."""
+import pytest
 import torch
 
 from fairseq import search
@@ -44,3 +45,39 @@ def test_roberta_learned_is_stock_roberta(masked_lm_data):
     tokens = torch.randint(task.source_dictionary.nspecial, len(task.source_dictionary), (3, 11))
     with torch.no_grad():
         assert (stock(tokens)[0] - ours(tokens)[0]).abs().max() <= 1e-5
+
+
+def test_fairseq_input_position_flags_build_what_stock_builds(translation_data):
+    """fairseq's own --no-token-positional-embeddings and --*-learned-pos are honoured where
+    --input-positions is not given (before, the encoding's default silently replaced them):
+    transformer_sinusoidal without input embedding is stock `transformer` without it, weights and
+    outputs; T5 with both learned flags gets learned tables, with one fairseq's mix. A stored
+    value that is not a choice is refused when the model is built."""
+    from fairseq.modules import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
+    from posenc_fairseq.encodings.option_types import OptionValueError
+    from posenc_fairseq.models.common import set_position_defaults
+
+    flag = ["--no-token-positional-embeddings"]
+    torch.manual_seed(0)
+    stock, task, _ = build_model(translation_data, "transformer", [*TINY_TRANSFORMER, *flag])
+    torch.manual_seed(0)
+    ours, _, args = build_model(translation_data, "transformer_sinusoidal", [*TINY_TRANSFORMER, *flag])
+    assert args.input_positions == "none" and ours.encoder.embed_positions is None
+    ours_state = {k: v for k, v in ours.state_dict().items() if not k.startswith("positional_encoding.")}
+    assert ours_state.keys() == stock.state_dict().keys()
+    assert all(torch.equal(ours_state[k], v) for k, v in stock.state_dict().items())
+    stock.eval(), ours.eval()
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=9, tgt_len=7)
+    with torch.no_grad():
+        assert (stock(src, src_lengths, prev)[0] - ours(src, src_lengths, prev)[0]).abs().max() <= 1e-5
+    for flags, expected, kinds in [
+            (["--encoder-learned-pos", "--decoder-learned-pos"], "learned", (LearnedPositionalEmbedding,) * 2),
+            (["--encoder-learned-pos"], "stock", (LearnedPositionalEmbedding, SinusoidalPositionalEmbedding)),
+            (["--encoder-learned-pos", "--input-positions", "none"], "none", (type(None),) * 2),  # given: it wins
+            ([], "none", (type(None),) * 2)]:  # T5's own choice
+        model, _, args = build_model(translation_data, "transformer_t5", [*TINY_TRANSFORMER, *flags])
+        assert args.input_positions == expected, flags
+        assert (type(model.encoder.embed_positions), type(model.decoder.embed_positions)) == kinds, flags
+    args.input_positions = "bogus"  # as a stored config or --model-overrides would give it
+    with pytest.raises(OptionValueError, match=r"^--input-positions bogus: expected one of none, sinusoidal"):
+        set_position_defaults(args, "t5")
