@@ -127,7 +127,8 @@ def check_paths(kind: str, src: str, dst: str, force: bool):
     if os.path.lexists(dst):
         if not os.path.isfile(dst):
             raise CLIError(f"DST {dst} exists and is not a regular file; refusing to replace it")
-        if _same_file(os.path.dirname(os.path.abspath(src)), os.path.dirname(os.path.abspath(dst))):
+        source_folders = {os.path.dirname(os.path.abspath(src)), os.path.dirname(os.path.realpath(src))}  # (SRC a link)
+        if any(_same_file(folder, os.path.dirname(os.path.abspath(dst))) for folder in source_folders):
             raise CLIError(f"DST {dst} is an existing file in SRC's folder; refusing to overwrite files beside "
                            "the source (not even with --force): choose another DST")
         if not force:

@@ -106,6 +106,12 @@ def _hard_link(root):
     os.link(root / "src" / "transformer.pt", root / "link.pt")
 
 
+def _src_through_a_link(root):
+    (root / "links").mkdir()
+    os.symlink("../src/transformer.pt", root / "links" / "model.pt")
+    (root / "src" / "notes.pt").write_text("a file beside the real source\n")
+
+
 REFUSALS = [
     ("existing dst", "transformer", ["src/transformer.pt", "out/notes.pt", "--encoding", "t5"], _existing_dst,
      "exists; refusing to overwrite it (use --force"),
@@ -115,6 +121,8 @@ REFUSALS = [
                                                           "--encoding", "t5"], None, "in SRC's folder"),
     ("file beside src, even with --force", "roberta", ["src/roberta.base/model.pt", "src/roberta.base/dict.txt", "--force"],
      None, "would be the dictionary"),
+    ("file beside src reached through a link, with --force", "transformer",
+     ["links/model.pt", "src/notes.pt", "--encoding", "t5", "--force"], _src_through_a_link, "in SRC's folder"),
     ("dst is src", "transformer", ["src/transformer.pt", "src/./transformer.pt", "--force"], None, "DST is SRC"),
     ("dst hard link to src", "transformer", ["src/transformer.pt", "link.pt", "--force"], _hard_link, "DST is SRC"),
     ("dst is a folder", "transformer", ["src/transformer.pt", "src", "--encoding", "t5"], None, "is a folder; give the file"),
