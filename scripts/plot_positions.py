@@ -404,20 +404,25 @@ def plot_checkpoint(checkpoint, out, data=None, length=128, max_distance=None, l
         all_layers = range(max(encoding.dims.encoder_layers, encoding.dims.decoder_layers))
         chosen = set(all_layers if layers is None else layers)
         if isinstance(encoding, (ScalarBias, ALiBi)):
-            plot_logit_bias(model, encoding, writer, length, max_distance or 128)
+            plot_logit_bias(model, encoding, writer, length, given_or(max_distance, 128))
         elif isinstance(encoding, Shaw):
             deepest = max(encoding.dims.encoder_layers, encoding.dims.decoder_layers)
-            plot_relative_embeddings(model, encoding, writer, max_distance or encoding.k * (deepest + 1))
+            plot_relative_embeddings(model, encoding, writer, given_or(max_distance, encoding.k * (deepest + 1)))
         elif isinstance(encoding, TransformerXL):
-            plot_projected_prior(model, encoding, writer, max_distance or length)
+            plot_projected_prior(model, encoding, writer, given_or(max_distance, length))
         elif isinstance(encoding, Floater):
             plot_floater(model, encoding, writer, length, chosen, mark)
         else:
             # sinusoidal / learned / nope / rotary, or an encoding added later: try the generic logit bias
-            plot_logit_bias(model, encoding, writer, length, max_distance or 128)
+            plot_logit_bias(model, encoding, writer, length, given_or(max_distance, 128))
     writer.prefix = ""
     plot_input_positions(model, writer, length)
     return whole.name, writer.written
+
+
+def given_or(value, default):
+    """`value` where the user gave it (None: not given), else `default`."""
+    return default if value is None else value
 
 
 def main(argv=None):
@@ -441,6 +446,10 @@ def main(argv=None):
         parser.error(f"no checkpoint file {args.checkpoint}")
     if args.length < 2:
         parser.error("--length must be at least 2")
+    if args.max_distance is not None and args.max_distance < 1:
+        parser.error(f"--max-distance {args.max_distance}: must be at least 1")
+    if args.dpi < 1:
+        parser.error(f"--dpi {args.dpi}: must be at least 1")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     out = args.out or args.checkpoint.parent / "positions"
     name, written = plot_checkpoint(args.checkpoint, out, args.data, args.length, args.max_distance,

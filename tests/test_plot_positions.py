@@ -82,6 +82,15 @@ def test_t5_bias_and_prior_match_the_table(tiny_checkpoint, tmp_path):
     assert not (tmp_path / "bias_encoder_layer1.csv").exists()  # --scalar-bias-layers first
 
 
+@pytest.mark.parametrize("option, value", [("--max-distance", 0), ("--max-distance", -5), ("--dpi", 0)])
+def test_bad_values_end_in_a_usage_error(tiny_checkpoint, tmp_path, option, value):
+    """Before, --max-distance 0 became the default (128) and -5 a traceback inside torch."""
+    done = subprocess.run([sys.executable, str(SCRIPT), str(tiny_checkpoint("transformer_alibi")), "--out",
+                           str(tmp_path), option, str(value)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and f"error: {option} {value}: must be at least 1" in done.stderr
+    assert "Traceback" not in done.stderr and not any(tmp_path.iterdir())
+
+
 def test_alibi_bias_is_minus_slope_times_distance(tiny_checkpoint, tmp_path):
     plot(tiny_checkpoint("transformer_alibi"), tmp_path, "--max-distance", 50)
     slopes = torch.tensor([2 ** (-8 * h / 4) for h in range(1, 5)], dtype=torch.float64)
