@@ -227,14 +227,12 @@ class AT5Bias(ScalarBias):
         if self.key_role(key) != "encoder":  # causal: one branch, future keys as d = 0
             distance = torch.arange(low, high + 1, device=device).neg().clamp(min=0)
             return self.side_bias(f"{key}_minus", distance)
-        parts = []
-        if low <= 0:  # d = low .. min(high, 0)
-            distance = torch.arange(low, min(high, 0) + 1, device=device).neg()
-            parts.append(self.side_bias(f"{key}_minus", distance))
-        if high > 0:  # d = max(low, 1) .. high
-            distance = torch.arange(max(low, 1), high + 1, device=device)
-            parts.append(self.side_bias(f"{key}_plus", distance))
-        return torch.cat(parts, dim=1)
+        # d = low .. min(high, 0), then d = max(low, 1) .. high; a side without distances (one token)
+        # still runs on none, so that its parameters get a (zero) gradient: DDP sees no unused parameter
+        minus_end, plus_start = min(high, 0), max(low, 1)
+        minus = torch.arange(low, max(low, minus_end + 1), device=device).neg()
+        plus = torch.arange(plus_start, max(plus_start, high + 1), device=device)
+        return torch.cat([self.side_bias(f"{key}_minus", minus), self.side_bias(f"{key}_plus", plus)], dim=1)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):

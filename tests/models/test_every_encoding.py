@@ -161,9 +161,10 @@ def test_trains_in_two_gloo_processes_and_resumes(translation_data, tmp_path, en
 
 
 @pytest.mark.parametrize("encoding", EVERY_ENCODING)
-@pytest.mark.parametrize("family", ["transformer", "roberta"])
-def test_every_parameter_receives_a_gradient(translation_data, masked_lm_data, device, encoding, family):
-    """What DDP's unused-parameter check (pytorch_ddp) demands; legacy_ddp would not notice."""
+@pytest.mark.parametrize("family,length", [("transformer", 6), ("roberta", 8), ("roberta", 1)])
+def test_every_parameter_receives_a_gradient(translation_data, masked_lm_data, device, encoding, family, length):
+    """What DDP's unused-parameter check (pytorch_ddp) demands; legacy_ddp would not notice. Also a batch
+    of one-token rows, which has no distance but 0 (AT5's d > 0 side once got no gradient there)."""
     torch.manual_seed(0)
     if family == "transformer":
         model, task, _ = build_model(translation_data, f"transformer_{encoding}", TINY_TRANSFORMER)
@@ -173,10 +174,10 @@ def test_every_parameter_receives_a_gradient(translation_data, masked_lm_data, d
     perturb_away_from_identity(model)  # a zero last layer would block the gradient behind it
     model.to(device)
     if family == "transformer":
-        src, src_lengths, prev = on(device, *random_batch(task.source_dictionary, batch=2, src_len=6, tgt_len=5))
+        src, src_lengths, prev = on(device, *random_batch(task.source_dictionary, batch=2, src_len=length, tgt_len=5))
         output, _ = model(src, src_lengths, prev)
     else:
-        tokens = torch.randint(task.source_dictionary.nspecial, len(task.source_dictionary), (2, 8))
+        tokens = torch.randint(task.source_dictionary.nspecial, len(task.source_dictionary), (2, length))
         output, _ = model(tokens.to(device))
     output.float().pow(2).mean().backward()
     unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
