@@ -293,7 +293,8 @@ class Floater(PositionalEncoding):
 
     def extend(self, table: Tensor, rows: int, parameters=None) -> Tensor:
         """`table` continued to `rows` positions by integrating onward from its last point
-        (fixed-grid methods: the same grid as one solve, equal to a fresh one; dopri5 chooses its steps
+        (fixed-grid methods: the same grid as one solve, equal to a fresh one up to the rounding of the
+        restart point, b(0) + (b(t) - b(0)); dopri5 chooses its steps
         per extension, within its tolerance of one solve)."""
         if table.size(0) >= rows:
             return table

@@ -266,7 +266,8 @@ class HiddenSpaceSolve(torch.autograd.Function):
     starting from z = W1_b b(t_i); b itself is linear in the relu outputs:
     b(t_i+1) = b(t_i) + dt W2_b (sum over the interval's stages of b_j r_j) + dt sum b_j bias2.
     The same Runge-Kutta steps as `FixedGridSolve` in exact arithmetic, and each interval depends
-    on b(t_i) alone (as there), so a table extended from its last row equals a fresh solve.
+    on b(t_i) alone (as there), so a table extended from its last row equals a fresh solve (up to
+    the rounding of its restart point, b(0) + (b(t) - b(0))).
     Backward is the exact discrete adjoint of these operations, also one product per stage.
 
     The loops run compiled on CPU (csrc/floater_solve.cpp, the same operations as loops.py's

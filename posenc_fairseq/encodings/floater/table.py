@@ -2,7 +2,7 @@
 
 A table is b(t_i) - b(0) for positions 0..rows-1 of every slot, (rows, slots, d) in the solve dtype.
 A table for more rows is the kept one integrated onward from its last row (`Floater.extend`: equal
-to a fresh solve). Three kinds, each valid for one stated thing and kept where that is said:
+to a fresh solve up to the rounding of its restart point, b(0) + (b(t) - b(0))). Three kinds, each valid for one stated thing and kept where that is said:
   - this pass's (`PassTables`, an entry of the encoding cache's model-pass scope), keyed by grad
     mode (and whether it is a K-window pass): training with K = 1 and every pass with gradient
     solve from the live parameters, once per forward pass, shared by the layers;
