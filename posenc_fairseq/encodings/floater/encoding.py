@@ -20,7 +20,7 @@ from ..positions import AnyPositions, Positions, bounds, is_shared_range, tensor
 from . import solver
 from .dynamics import Dynamics
 from .solver import MAX_STEPS_PER_POSITION, METHODS, SolverOptions
-from .table import PassTables, Tables, Window, overflow_error, snapshot
+from .table import BiasLimit, PassTables, Tables, Window, bias_limit, overflow_error, snapshot
 
 INITS = ("zero", "small")
 DELTA = float_in_range(0.0, 1000.0, low_open=True)
@@ -280,6 +280,10 @@ class Floater(PositionalEncoding):
         """The dtype the biases are used in (a table's rows must fit it)."""
         return self.dynamics.fc1.weight.dtype
 
+    def bias_limit(self) -> BiasLimit:
+        """The largest |b(t) - b(0)| the model takes (`table.bias_limit`, over the width d)."""
+        return bias_limit(self.model_dtype(), self.dims.embed_dim)
+
     def _live_parameters(self):
         dtype = self.solve_dtype()
         return self.dynamics.weights(dtype), self.initial_values().to(dtype)
@@ -394,7 +398,7 @@ class Floater(PositionalEncoding):
         solved = self.tables.table(self, rows, state.tables)
         if rows > solved.first_overflow:
             peak = float(solved.values[solved.first_overflow].abs().max())
-            raise overflow_error(solved.first_overflow, peak, self.model_dtype(), rows)
+            raise overflow_error(solved.first_overflow, peak, self.bias_limit(), rows)
         group = self._groups[(role, which)]
         biases = self._gathered(solved.values, group, positions, dtype, state)
         if self.tables.is_evaluation(self, solved.values) and group == self._groups.get(("decoder", "q")) \

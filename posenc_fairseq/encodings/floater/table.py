@@ -29,39 +29,53 @@ EVAL_CHUNK = 64  # evaluation extends the table in chunks of this many positions
 
 
 class Solved(NamedTuple):
-    """A table and the first position whose bias the model's dtype cannot hold (len if none, or if
-    the check is read later: `OverflowCheck`)."""
+    """A table and the first position whose bias the model cannot take (len if none, or if the check is
+    read later: `OverflowCheck`)."""
     values: Tensor
     first_overflow: int
 
 
-def overflow_error(first: int, peak: float, dtype: torch.dtype, rows: int, earlier_pass: bool = False) -> ValueError:
-    """The error for a table whose position `first` (|b(t) - b(0)| = `peak`) `dtype` cannot hold."""
+class BiasLimit(NamedTuple):
+    """The largest |b(t) - b(0)| a model takes (`bias_limit`), and its dtype (for the message)."""
+    dtype: torch.dtype
+    largest: float
+
+
+def bias_limit(model_dtype: torch.dtype, width: int) -> BiasLimit:
+    """What the model's dtype holds, and no more than keeps the attention's products of two such biases
+    over `width` coordinates finite where they are computed (float32, or float64 for a float64 model):
+    sqrt(max / width). Below it in fp16 (65504); beyond 1e17 in float32 and bf16 at any usual width,
+    where only a runaway flow reaches (a bias that float32 holds gave inf logits, then NaN outputs)."""
+    products = torch.finfo(torch.promote_types(model_dtype, torch.float32)).max
+    return BiasLimit(model_dtype, min(torch.finfo(model_dtype).max, math.sqrt(products / width)))
+
+
+def overflow_error(first: int, peak: float, limit: BiasLimit, rows: int, earlier_pass: bool = False) -> ValueError:
+    """The error for a table whose position `first` (|b(t) - b(0)| = `peak`) is beyond `limit`."""
     where = "in an earlier training pass, " if earlier_pass else ""
     return ValueError(
-        f"FLOATER position biases overflow at position {first} (|b(t) - b(0)| = {peak:.3g}, more than {dtype} "
-        f"holds) {where}for an input of {rows} positions: the learned dynamics grow without bound beyond the "
-        "lengths seen in training. Train on longer inputs, use a smaller --floater-delta, or shorten the input "
-        "(docs/floater.md)")
+        f"FLOATER position biases overflow at position {first} (|b(t) - b(0)| = {peak:.3g}, more than the "
+        f"{limit.largest:.3g} a {limit.dtype} model's attention takes) {where}for an input of {rows} positions: the "
+        "learned dynamics grow without bound beyond the lengths seen in training. Train on longer inputs, use a "
+        "smaller --floater-delta, or shorten the input (docs/floater.md)")
 
 
-def overflow_on_device(values: Tensor, model_dtype: torch.dtype) -> Tensor:
-    """(2,) float64 on `values`' device, without a host read: the first position whose bias
-    `model_dtype` cannot hold (inf/NaN, or beyond its range; len(values) if none) and that row's
-    peak |b(t) - b(0)| (the last row's if none)."""
+def overflow_on_device(values: Tensor, limit: BiasLimit) -> Tensor:
+    """(2,) float64 on `values`' device, without a host read: the first position whose bias is beyond
+    `limit` (or inf/NaN; len(values) if none) and that row's peak |b(t) - b(0)| (the last row's if none)."""
     peaks = values.detach().abs().flatten(1).amax(dim=1)
-    bad = ~(peaks <= torch.finfo(model_dtype).max)  # also NaN
+    bad = ~(peaks <= limit.largest)  # also NaN
     count = peaks.size(0)
     first = torch.where(bad, torch.arange(count, device=peaks.device), count).min()
     peak = peaks.gather(0, first.clamp(max=count - 1).view(1))
     return torch.cat([first.view(1).double(), peak.double()])
 
 
-def checked(values: Tensor, model_dtype: torch.dtype) -> Solved:
-    """`values` with the first position `model_dtype` cannot hold, read now (one host read)."""
+def checked(values: Tensor, limit: BiasLimit) -> Solved:
+    """`values` with the first position beyond `limit`, read now (one host read)."""
     if values.size(0) == 0:
         return Solved(values, 0)
-    return Solved(values, int(overflow_on_device(values, model_dtype)[0]))
+    return Solved(values, int(overflow_on_device(values, limit)[0]))
 
 
 class OverflowCheck:
@@ -71,8 +85,8 @@ class OverflowCheck:
     it (fairseq's trainer reads the gradients' norm after each backward). An overflow makes that
     pass's loss inf/NaN, which fairseq's trainer skips (fp16) or stops on; the next pass names it."""
 
-    def __init__(self, values: Tensor, model_dtype: torch.dtype):
-        found = overflow_on_device(values, model_dtype)
+    def __init__(self, values: Tensor, limit: BiasLimit):
+        found = overflow_on_device(values, limit)
         on_cuda = found.is_cuda
         self.answer = torch.empty(2, dtype=torch.float64, pin_memory=on_cuda)
         self.answer.copy_(found, non_blocking=on_cuda)
@@ -80,14 +94,14 @@ class OverflowCheck:
         if on_cuda:
             self.copied = torch.cuda.Event()
             self.copied.record(torch.cuda.current_stream(found.device))
-        self.dtype, self.rows = model_dtype, values.size(0)
+        self.limit, self.rows = limit, values.size(0)
 
     def raise_if_overflowed(self):
         if self.copied is not None:
             self.copied.synchronize()
         first, peak = self.answer.numpy().tolist()  # (host memory: no device read)
         if first < self.rows:
-            raise overflow_error(int(first), peak, self.dtype, self.rows, earlier_pass=True)
+            raise overflow_error(int(first), peak, self.limit, self.rows, earlier_pass=True)
 
 
 def snapshot(tensors, dtype: torch.dtype) -> Tensor:
@@ -180,8 +194,8 @@ class Tables:
         """`values` with their overflow check: in training read by a later pass (`OverflowCheck`:
         no host read while the solve runs), else now."""
         if not encoding.training:
-            return checked(values, encoding.model_dtype())
-        self.pending.append((in_pass, OverflowCheck(values, encoding.model_dtype())))
+            return checked(values, encoding.bias_limit())
+        self.pending.append((in_pass, OverflowCheck(values, encoding.bias_limit())))
         return Solved(values, values.size(0))
 
     def _read_checks(self, in_pass: PassTables):
@@ -220,6 +234,6 @@ class Tables:
             target = EVAL_CHUNK * math.ceil(rows / EVAL_CHUNK)
             with torch.no_grad():
                 values = encoding.solve(target) if solved is None else encoding.extend(solved.values, target)
-            solved = checked(values, encoding.model_dtype())
+            solved = checked(values, encoding.bias_limit())
             kept[encoding.evaluation_key] = (options, solved)
         return solved

@@ -1,6 +1,8 @@
 """Which table FLOATER's forward pass reads (table.py): the K-update window's, an extended table equal to
 a fresh solve, the evaluation table tied to the options and to every tensor it is solved from and
 reused across decoding steps, and clear failure where the biases overflow the model's dtype."""
+import math
+
 import pytest
 import torch
 
@@ -161,6 +163,26 @@ def test_overflowing_biases_fail_with_a_message_naming_the_position(translation_
             model(src, src_lengths, prev)
 
 
+def test_biases_float32_holds_whose_products_overflow_fail_too(translation_data):
+    """A bias float32 still holds can make the attention's products of two biases infinite: an audit
+    found NaN outputs there (leaking to earlier positions through masked keys), no error. The limit is
+    sqrt(float32 max / d): an input that reaches a bias beyond it fails with the message, one just
+    before it runs finite."""
+    model, task, encoding = floater_model(translation_data, ["--max-source-positions", "2048"])
+    model.eval()
+    exploding(model, encoding)
+    peaks = encoding.table(400).abs().flatten(1).amax(dim=1)
+    limit = math.sqrt(torch.finfo(torch.float32).max / encoding.dims.embed_dim)
+    first = int((peaks > limit).nonzero()[0, 0])
+    assert bool(peaks[first] < torch.finfo(torch.float32).max)  # float32 holds the bias itself
+    with torch.no_grad():
+        fine, _ = model(*random_batch(task.source_dictionary, batch=1, src_len=first, tgt_len=8))
+        assert torch.isfinite(fine).all()
+        message = f"overflow at position {first} .*more than the {limit:.3g} a torch.float32 model's attention takes"
+        with pytest.raises(ValueError, match=message.replace("+", r"\+")):
+            model(*random_batch(task.source_dictionary, batch=1, src_len=first + 1, tgt_len=8))
+
+
 @pytest.mark.parametrize("recompute_every", [1, 3])
 def test_an_overflow_in_training_is_named_by_the_next_pass(translation_data, device, recompute_every):
     """In training the table's overflow check is read by the next pass (`OverflowCheck`: no host read
@@ -173,7 +195,8 @@ def test_an_overflow_in_training_is_named_by_the_next_pass(translation_data, dev
     exploding(model, encoding)
     model.to(device).eval()
     peaks = encoding.table(400).abs().flatten(1).amax(dim=1)  # (the evaluation table)
-    expected = int((~(peaks <= torch.finfo(torch.float32).max)).nonzero()[0, 0])
+    # the products of two biases over d coordinates must stay finite in float32
+    expected = int((~(peaks <= math.sqrt(torch.finfo(torch.float32).max / encoding.dims.embed_dim))).nonzero()[0, 0])
     assert 8 < expected < 400
     model.train()
     short = on(device, *random_batch(task.source_dictionary, batch=1, src_len=8, tgt_len=8))
