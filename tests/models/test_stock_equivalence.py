@@ -9,18 +9,27 @@ from fairseq.sequence_generator import SequenceGenerator
 from util import TINY_ROBERTA, TINY_TRANSFORMER, build_model, random_batch
 
 
-def test_transformer_sinusoidal_is_the_stock_transformer(translation_data):
+def stock_and_sinusoidal(data, options=()):
+    """Stock `transformer` and `transformer_sinusoidal` built from one seed with `options`, in eval mode,
+    checked to hold the same weights (ours also its encoding's) and to give the same outputs on a batch;
+    (stock, ours, task, our args, the batch)."""
     torch.manual_seed(0)
-    stock, task, _ = build_model(translation_data, "transformer", TINY_TRANSFORMER)
+    stock, task, _ = build_model(data, "transformer", [*TINY_TRANSFORMER, *options])
     torch.manual_seed(0)
-    ours, _, _ = build_model(translation_data, "transformer_sinusoidal", TINY_TRANSFORMER)
+    ours, _, args = build_model(data, "transformer_sinusoidal", [*TINY_TRANSFORMER, *options])
     ours_state = {k: v for k, v in ours.state_dict().items() if not k.startswith("positional_encoding.")}
     assert ours_state.keys() == stock.state_dict().keys()
     assert all(torch.equal(ours_state[k], v) for k, v in stock.state_dict().items())
     stock.eval(), ours.eval()
-    src, src_lengths, prev = random_batch(task.source_dictionary, batch=4, src_len=9, tgt_len=7)
+    batch = random_batch(task.source_dictionary, batch=4, src_len=9, tgt_len=7)
     with torch.no_grad():
-        assert (stock(src, src_lengths, prev)[0] - ours(src, src_lengths, prev)[0]).abs().max() <= 1e-5
+        assert (stock(*batch)[0] - ours(*batch)[0]).abs().max() <= 1e-5
+    return stock, ours, task, args, batch
+
+
+def test_transformer_sinusoidal_is_the_stock_transformer(translation_data):
+    stock, ours, task, _, (src, src_lengths, prev) = stock_and_sinusoidal(translation_data)
+    with torch.no_grad():
         sample = {"net_input": {"src_tokens": src, "src_lengths": src_lengths}}
         outputs = []
         for model in (stock, ours):
@@ -57,19 +66,8 @@ def test_fairseq_input_position_flags_build_what_stock_builds(translation_data):
     from posenc_fairseq.encodings.option_types import OptionValueError
     from posenc_fairseq.models.common import set_position_defaults
 
-    flag = ["--no-token-positional-embeddings"]
-    torch.manual_seed(0)
-    stock, task, _ = build_model(translation_data, "transformer", [*TINY_TRANSFORMER, *flag])
-    torch.manual_seed(0)
-    ours, _, args = build_model(translation_data, "transformer_sinusoidal", [*TINY_TRANSFORMER, *flag])
+    _, ours, _, args, _ = stock_and_sinusoidal(translation_data, ["--no-token-positional-embeddings"])
     assert args.input_positions == "none" and ours.encoder.embed_positions is None
-    ours_state = {k: v for k, v in ours.state_dict().items() if not k.startswith("positional_encoding.")}
-    assert ours_state.keys() == stock.state_dict().keys()
-    assert all(torch.equal(ours_state[k], v) for k, v in stock.state_dict().items())
-    stock.eval(), ours.eval()
-    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=9, tgt_len=7)
-    with torch.no_grad():
-        assert (stock(src, src_lengths, prev)[0] - ours(src, src_lengths, prev)[0]).abs().max() <= 1e-5
     for flags, expected, kinds in [
             (["--encoder-learned-pos", "--decoder-learned-pos"], "learned", (LearnedPositionalEmbedding,) * 2),
             (["--encoder-learned-pos"], "stock", (LearnedPositionalEmbedding, SinusoidalPositionalEmbedding)),
