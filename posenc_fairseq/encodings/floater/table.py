@@ -2,7 +2,8 @@
 
 A table is b(t_i) - b(0) for positions 0..rows-1 of every slot, (rows, slots, d) in the solve dtype.
 A table for more rows is the kept one integrated onward from its last row (`Floater.extend`: equal
-to a fresh solve up to the rounding of its restart point, b(0) + (b(t) - b(0))). Three kinds, each valid for one stated thing and kept where that is said:
+to a fresh solve up to the rounding of its restart point, b(0) + (b(t) - b(0))). Three kinds, each
+valid for one stated thing and kept where that is said:
   - this pass's (`PassTables`, an entry of the encoding cache's model-pass scope), keyed by grad
     mode (and whether it is a K-window pass): training with K = 1 and every pass with gradient
     solve from the live parameters, once per forward pass, shared by the layers;
@@ -44,8 +45,8 @@ class BiasLimit(NamedTuple):
 def bias_limit(model_dtype: torch.dtype, width: int) -> BiasLimit:
     """What the model's dtype holds, and no more than keeps the attention's products of two such biases
     over `width` coordinates finite where they are computed (float32, or float64 for a float64 model):
-    sqrt(max / width). Below it in fp16 (65504); beyond 1e17 in float32 and bf16 at any usual width,
-    where only a runaway flow reaches (a bias that float32 holds gave inf logits, then NaN outputs)."""
+    sqrt(max / width). In fp16 its dtype's 65504; in float32 and bf16 about 1e18 at usual widths, which
+    only a runaway flow reaches (there a bias float32 holds gave inf logits, then NaN outputs)."""
     products = torch.finfo(torch.promote_types(model_dtype, torch.float32)).max
     return BiasLimit(model_dtype, min(torch.finfo(model_dtype).max, math.sqrt(products / width)))
 
