@@ -14,9 +14,9 @@ each kept in a scope that says how long it stays valid.
   differs: this sees every change, fairseq's optimizers' writes through p.data included (which
   move no version counter). Emptied too when autocast is not as it was (`autocast_state`): values
   computed under it keep its rounding in float32 tensors, which a check of dtypes would not see. The
-  steps of one decode use it unchecked, as fairseq's incremental state uses the keys and values it cached at the earlier steps. Entries are named by a `TermKey`
-  as well; each holds what else it was computed from (options, dtype) and is recomputed when that
-  differs.
+  steps of one decode use it unchecked, as fairseq's incremental state uses the keys and values it
+  cached at the earlier steps. Entries are named by a `TermKey` as well; each holds what else it was
+  computed from (options, dtype) and is recomputed when that differs.
 - model pass (`model_pass`): values of one forward pass of the model, which may span both stacks:
   it starts with the encoder's `begin`, and a decoder call continues it where it reads that
   encoder's output (its stack gave the source positions right after the encoder's `begin`);
