@@ -10,8 +10,13 @@ B, H, D = 2, 3, 8
 LARGE = biased.MIN_LOGITS
 
 
-def explicit(q, k, v, additive):
-    return torch.softmax(q @ k.transpose(-1, -2) + additive, dim=-1) @ v
+def explicit(q, k, v, additive, blocked=None):
+    """The explicit path's formula: blocked logits filled (no gradient through them), so a row that
+    sees no key weighs every key alike whatever q, k and A, and gives them no gradient."""
+    logits = q @ k.transpose(-1, -2) + additive
+    if blocked is not None:
+        logits = logits.masked_fill(blocked, blocked_fill_value(logits.dtype))
+    return torch.softmax(logits, dim=-1) @ v
 
 
 def compare(q_len, k_len, shape, blocked=None, needs=(True, True, True, True), seed=0, future_blocked=False):
@@ -23,7 +28,7 @@ def compare(q_len, k_len, shape, blocked=None, needs=(True, True, True, True), s
     inputs = [x.clone().requires_grad_(need) for x, need in zip((q, k, v, additive), needs)]
     grad_out = torch.randn(B, H, q_len, D, generator=generator)
     wanted = [x for x in inputs if x.requires_grad]
-    expected_out = explicit(*inputs)
+    expected_out = explicit(*inputs, blocked)
     expected = torch.autograd.grad(expected_out, wanted, grad_out)
     out = biased.attend(*inputs, future_blocked=future_blocked)
     got = torch.autograd.grad(out, wanted, grad_out)
@@ -47,6 +52,23 @@ def test_blocked_keys_padding_and_a_fully_blocked_row():
     blocked[0, :, 2, :] = True  # a row that sees no key: uniform weights, as the explicit softmax gives
     blocked = blocked | torch.ones(6, 6, dtype=torch.bool).triu(1)  # and the future
     compare(6, 6, (1, H, 6, 6), blocked=blocked)
+
+
+def test_a_row_that_sees_no_key_passes_no_gradient_to_q_k_or_the_term():
+    """Its output is the mean of v whatever q, k and A: only v gets a gradient (1/Tk of the row's)."""
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 1, 4, 3, generator=generator).requires_grad_() for _ in range(3))
+    blocked = torch.zeros(1, 1, 4, 4, dtype=torch.bool)
+    blocked[..., 1, :] = True
+    additive = torch.randn(1, 1, 4, 4, generator=generator).masked_fill(blocked, blocked_fill_value(torch.float32))
+    additive.requires_grad_()
+    grad_out = torch.zeros(1, 1, 4, 3)
+    grad_out[..., 1, :] = 1.0  # through that row alone
+    out = biased.attend(q, k, v, additive)
+    assert torch.allclose(out[0, 0, 1], v[0, 0].mean(0).detach(), atol=1e-6)
+    grad_q, grad_k, grad_v, grad_additive = torch.autograd.grad(out, (q, k, v, additive), grad_out)
+    assert grad_q.abs().max() == 0 and grad_k.abs().max() == 0 and grad_additive.abs().max() == 0
+    assert torch.allclose(grad_v, torch.full_like(grad_v, 1 / 4))
 
 
 def future(q_len, k_len):

@@ -14,6 +14,9 @@ backward by hand one block of queries at a time, so each block's probabilities s
     dv = P^T do,   dP = do v^T,   dS = P * (dP - rowsum(do * out))
     dq = dS k,     dk = dS^T q,   dA = dS   (summed over the dimensions A broadcasts)
 
+A row whose keys are all blocked gives the mean of v (uniform weights over every key, as the explicit
+softmax of the filled logits does) and, like the explicit path, no gradient to q, k or A (dS = 0).
+
 Chosen by plan.py on CPU in float32 without attention dropout (the kernel has none), for
 calls of at least MIN_LOGITS logits; otherwise the explicit softmax serves (tests:
 `tests/test_biased_attention.py`, against autograd of the explicit formula). Under fairseq's future
@@ -54,10 +57,15 @@ def _flash(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, causal: bool) -> Tuple
                                                                       scale=1.0)
 
 
-def _sees_no_key(logsumexp: Tensor) -> bool:
-    """Whether a row's keys are all blocked (filled with the dtype's finite minimum): its L equals
+def _without_keys(logsumexp: Tensor) -> Tensor:
+    """Where a row's keys are all blocked (filled with the dtype's finite minimum): its L equals
     that minimum, which absorbs log(Tk), so exp(S - L) would give 1 instead of 1/Tk there."""
-    return bool((logsumexp < torch.finfo(logsumexp.dtype).min / 2).any())
+    return logsumexp < torch.finfo(logsumexp.dtype).min / 2
+
+
+def _sees_no_key(logsumexp: Tensor) -> bool:
+    """Whether some row's keys are all blocked (`_without_keys`)."""
+    return bool(_without_keys(logsumexp).any())
 
 
 def _with_column(x: Tensor, column) -> Tensor:
@@ -127,7 +135,10 @@ class BiasedAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         row_term = (grad_out * out).sum(-1, keepdim=True)  # rowsum(do * out), (B, H, Tq, 1)
         # Rows that see no key take the softmax over every key, as the explicit path does.
-        sees_no_key = _sees_no_key(logsumexp)
+        without_keys = _without_keys(logsumexp).unsqueeze(-1)  # (B, H, Tq, 1)
+        sees_no_key = bool(without_keys.any())
+        # ... and, their output being the mean of v whatever q, k and the terms, no logit gradient
+        without_keys = without_keys if sees_no_key else None
         # Under the future mask a block of queries needs the keys up to its last query only (the
         # queries are the last Tq of the keys); the others' probabilities and gradients are zero.
         skip_future = ctx.future_blocked and not sees_no_key
@@ -164,6 +175,8 @@ class BiasedAttention(torch.autograd.Function):
             grad_logits = (grad_additive[..., rows, :keys] if direct else grads_buffer[:, :, :count, :keys])
             torch.matmul(grad_query[:, :, rows], values_t[..., :keys], out=grad_logits)
             grad_logits *= probs
+            if without_keys is not None:
+                grad_logits.masked_fill_(without_keys[:, :, rows], 0)
             if need_q:
                 torch.matmul(grad_logits, k[:, :, :keys], out=grad_q[:, :, rows])
             if need_k:
