@@ -59,18 +59,26 @@ def run_both(monkeypatch, enc, call, queries, size=4):
 
 @pytest.mark.parametrize("name,argv", CASES)
 @pytest.mark.parametrize("role", ["encoder", "decoder"])
-def test_blocked_equals_whole_with_gradients(monkeypatch, name, argv, role):
+@pytest.mark.parametrize("padded", ["right", "left", "left, the stack's mask"])
+def test_blocked_equals_whole_with_gradients(monkeypatch, name, argv, role, padded):
+    """Left padding under the future mask leaves the first queries no key: each weighs every key of
+    the call alike (and passes no gradient to q, k or the terms), in blocks as in the whole call."""
     enc = perturbed_encoding(name, *argv, dims=ModelDims(EMBED, HEADS, 3, 3))
     module = bound_attention(enc, role, 2, EMBED, HEADS)
     length, batch = 11, 2
     torch.manual_seed(4)
     x = torch.randn(length, batch, EMBED, dtype=torch.float64, requires_grad=True)
     padding = torch.zeros(batch, length, dtype=torch.bool)
-    padding[1, -3:] = True
+    if padded == "right":
+        padding[1, -3:] = True
+    else:
+        padding[1, :6] = True  # (under the future mask: queries 0-5 of row 1, across two blocks, see no key)
     mask = torch.triu(torch.full((length, length), float("-inf"), dtype=torch.float64), 1) if role == "decoder" else None
 
     def call():
         enc.begin(role)
+        if padded.endswith("mask") and mask is not None:
+            enc.contexts["decoder"].future_mask = mask  # (known to block exactly the future, not read)
         out, _ = module(x, x, x, key_padding_mask=padding, attn_mask=mask, need_weights=False)
         return out, [x, *enc.parameters(), *module.parameters()]
 

@@ -1,9 +1,10 @@
 """Long inputs whose terms depend on the query (Shaw, LFHC, XL, GCDF): a kernel serves one block
 of queries at a time, so that a block's relative terms are all that exist at once (its window of
-the call's distances); the result is the same. Under fairseq's future mask a block leaves out the keys after its
-last query (all blocked). In training each block is recomputed during backward (activation
-checkpointing of the block alone), so a step keeps only the blocks' inputs, not the probabilities
-(B, H, n, n) of every layer, at the price of computing the blocked attention twice."""
+the call's distances); the result is the same. Under fairseq's future mask a block leaves out the
+keys after its last query (all blocked), unless some query sees no key at all (left padding). In
+training each block is recomputed during backward (activation checkpointing of the block alone),
+so a step keeps only the blocks' inputs, not the probabilities (B, H, n, n) of every layer, at the
+price of computing the blocked attention twice."""
 from typing import Callable
 
 import torch
@@ -12,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..block_size import BLOCK_ELEMENTS
 from ..encodings.distance import window
+from .terms import blocked_entries
 
 #: queries per block when relative terms are computed a block at a time (see `query_block_size`)
 QUERY_BLOCK = 128
@@ -31,6 +33,18 @@ def query_block_size(batch_heads: int, keys: int, fused: bool = False) -> int:
     return max(QUERY_BLOCK, elements // max(1, batch_heads * keys))
 
 
+def every_query_sees_a_key(call) -> bool:
+    """Whether no query of the `AttentionCall` `call` (under fairseq's future mask, `future_blocked`)
+    has all its keys blocked. Such a query weighs every key of the call alike, as the explicit
+    softmax of the filled logits does, so its block may not leave out the keys after it. The stack's
+    future mask leaves each query the first key: only a padded first key can take it (one host read
+    where there is padding); any other mask is read whole."""
+    if call.stack_mask:
+        return call.key_padding_mask is None or not bool(call.key_padding_mask[:, 0].any())
+    blocked = blocked_entries(call)
+    return not bool(blocked.all(-1).any())
+
+
 def attend(call, block: int, recompute: bool, serve: Callable) -> Tensor:
     """The output (B, H, Tq, D) of the `AttentionCall` `call`, `serve(block_call)` of each block of
     `block` queries, concatenated; `recompute`: each block is checkpointed (same dropout mask in
@@ -39,10 +53,11 @@ def attend(call, block: int, recompute: bool, serve: Callable) -> Tensor:
     queries, source_keys = q.size(2), call.source_keys
     target_len = call.k.size(2) - source_keys
     first = target_len - queries  # position of the first query
+    leave_out_future = call.future_blocked and every_query_sees_a_key(call)
     parts = []
     for start in range(0, queries, block):
         rows = slice(start, min(start + block, queries))
-        target_keys = first + rows.stop if call.future_blocked else target_len
+        target_keys = first + rows.stop if leave_out_future else target_len
         keys = source_keys + target_keys
         # the block's distances: its last query to the first key .. its first query to the last key
         low, high = -(first + rows.stop - 1), target_keys - 1 - (first + rows.start)
