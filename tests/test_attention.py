@@ -105,6 +105,38 @@ def test_distance_term_hook_and_incremental_positions(need_weights):
     assert (torch.cat(steps) - expected_causal).abs().max() <= 1e-5
 
 
+class ContentOnly(PositionalEncoding):
+    """A test encoding whose term is a content vector alone: u_h . k_j (no bias, no vectors)."""
+
+    def __init__(self, dims):
+        super().__init__(None, dims)
+        self.content = torch.nn.Parameter(torch.randn(HEADS, 1, EMBED // HEADS, generator=torch.Generator().manual_seed(2)))
+
+    def distance_term(self, role, layer, low, high, queries, dtype):
+        return DistanceTerm(low, high, content=self.content.to(dtype))
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_term_of_a_content_vector_alone(need_weights, grad):
+    """Every kernel folds it into the queries, (q + u).k_j, leaving no dense term to add."""
+    _, ours = pair("self")
+    encoding = ContentOnly(ModelDims(EMBED, HEADS, 1, 1))
+    ours.bind_position(encoding, "encoder", 0)
+    x = torch.randn(5, 2, EMBED)
+    q, k, v = ours.q_proj(x) * ours.scaling, ours.k_proj(x), ours.v_proj(x)
+    outputs = []
+    for h in range(HEADS):
+        part = slice(h * ours.head_dim, (h + 1) * ours.head_dim)
+        logits = torch.einsum("tbd,sbd->bts", q[..., part] + encoding.content[h, 0], k[..., part])
+        outputs.append(torch.einsum("bts,sbd->tbd", logits.softmax(-1), v[..., part]))
+    expected = ours.out_proj(torch.cat(outputs, dim=-1))
+    with torch.set_grad_enabled(grad):
+        encoding.begin("encoder")
+        got, _ = ours(x, x, x, need_weights=need_weights)
+    assert (expected - got).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_masks_do_not_produce_nan(dtype):
     _, ours = pair("self")

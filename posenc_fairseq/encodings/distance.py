@@ -166,13 +166,14 @@ def _scores(term: DistanceTerm, query: Tensor) -> Tensor:
 
 # --- the forms ---------------------------------------------------------------------------------------
 def dense_logits(term: DistanceTerm, query: Tensor, key: Tensor, future_blocked: bool = False,
-                 content_folded: bool = False, memoize=None) -> Tensor:
+                 content_folded: bool = False, memoize=None) -> Optional[Tensor]:
     """The term of consecutive positions, (B or 1, H, Tq, Tk) (a bias-only term: (H, Tq, Tk)), for
     `query` (B, H, Tq, D) and `key` (B, H, Tk, D). `future_blocked`: keys after their query are
     blocked (their entries may hold any finite value), so the query-dependent part is computed for
     the first Tk + 1 distances only; `content_folded`: the caller adds `content` to the queries
-    of its product with the keys, so content.k_j is left out here. `memoize(key, compute)`: shares
-    a bias-only term's dense form across the layers of a forward (`term.key`)."""
+    of its product with the keys, so content.k_j is left out here (None: nothing else is left).
+    `memoize(key, compute)`: shares a bias-only term's dense form across the layers of a forward
+    (`term.key`)."""
     queries, keys = query.size(2), key.size(2)
     assert term.high - term.low + 1 == queries + keys - 1, (term.low, term.high, queries, keys)
     out = None

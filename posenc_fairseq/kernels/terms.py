@@ -27,7 +27,10 @@ def position_terms(call, content_folded: bool) -> Optional[Tensor]:
     if call.term is None:
         return None
     term = dense_logits(call.term, call.q, call.k_target, call.future_blocked, content_folded,
-                        memoize=call.memoize).to(call.q.dtype)
+                        memoize=call.memoize)
+    if term is None:  # (a content vector alone, folded into the queries)
+        return None
+    term = term.to(call.q.dtype)
     return F.pad(term, (call.source_keys, 0)) if call.source_keys else term
 
 
