@@ -148,6 +148,13 @@ class PositionalStack:
         return self.held.encoding
 
 
+def every_layer(layers) -> list:
+    """A stack's layers, all of them in order: under --encoder/decoder-layerdrop fairseq's
+    `LayerDropModuleList` skips layers at random when iterated in training mode (a model is built
+    in training mode), so iterating it would bind a random subset at shifted indices."""
+    return [layers[index] for index in range(len(layers))]
+
+
 class PositionalTransformerEncoder(PositionalStack, TransformerEncoder):
     """fairseq's encoder with PositionalAttention; tells the encoding the source positions."""
 
@@ -166,7 +173,7 @@ class PositionalTransformerEncoder(PositionalStack, TransformerEncoder):
 
     def bind_encoding(self, encoding):
         self.held.encoding = encoding
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(every_layer(self.layers)):
             layer.self_attn.bind_position(encoding, "encoder", index)
 
     def forward(self, src_tokens, *args, **kwargs):
@@ -195,7 +202,7 @@ class PositionalTransformerDecoder(PositionalStack, TransformerDecoder):
 
     def bind_encoding(self, encoding):
         self.held.encoding = encoding
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(every_layer(self.layers)):
             layer.self_attn.bind_position(encoding, "decoder", index)
             if layer.encoder_attn is not None:
                 layer.encoder_attn.bind_position(encoding, "cross", index)

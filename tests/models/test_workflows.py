@@ -177,6 +177,32 @@ def test_layerdrop_pruning_keeps_each_layers_own_position_parameters(translation
         assert (pruned(src, src_lengths, prev)[0] - model(src, src_lengths, prev)[0]).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("family", ["transformer", "roberta"])
+def test_layerdrop_binds_every_layer_at_its_own_index(translation_data, masked_lm_data, family):
+    """With --encoder/decoder-layerdrop the layers are a LayerDropModuleList, which skips layers at
+    random when iterated in training mode, the mode a model is built in: every layer is still bound,
+    self- and cross-attention, at its own index, whatever the random state."""
+    for seed in range(4):
+        torch.manual_seed(seed)
+        if family == "transformer":
+            extra = ["--encoder-layers", "4", "--decoder-layers", "4", "--encoder-layerdrop", "0.5",
+                     "--decoder-layerdrop", "0.5"]
+            model, _, _ = build_model(translation_data, "transformer_shaw", [*TINY_TRANSFORMER, *extra])
+            stacks = {"encoder": model.encoder, "decoder": model.decoder}
+        else:
+            extra = ["--encoder-layers", "4", "--encoder-layerdrop", "0.5"]
+            model, _, _ = build_model(masked_lm_data, "roberta_shaw", [*TINY_ROBERTA, *extra], task="masked_lm")
+            stacks = {"encoder": model.encoder.sentence_encoder}
+        for role, stack in stacks.items():
+            layers = [stack.layers[index] for index in range(len(stack.layers))]
+            assert len(layers) == 4
+            bound = [(layer.self_attn.position_binding.role, layer.self_attn.position_binding.layer)
+                     if layer.self_attn.position_binding is not None else None for layer in layers]
+            assert bound == [(role, index) for index in range(4)], (seed, role, bound)
+            if role == "decoder":
+                assert [layer.encoder_attn.position_binding.layer for layer in layers] == list(range(4))
+
+
 @pytest.mark.parametrize("encoding", ["shaw", "t5", "floater"])
 def test_layerdrop_pruning_roberta(masked_lm_data, tmp_path, encoding):
     extra = ["--encoder-layers", "3", "--scalar-bias-layers", "all"]
