@@ -141,6 +141,9 @@ class Floater(PositionalEncoding):
         self._groups = {}  # (role, which) -> the slots whose biases are gathered together (same positions)
         self._target_keys = []  # the slot keys of the target tokens' group, in its order
         self._num_updates = 0
+        # a loaded checkpoint's window and the update count it was loaded at (`_after_load`), until
+        # `set_num_updates` or a training pass decides whether training resumes it
+        self._resumable_window = None
         # the keys of FLOATER's entries in its cache: the pass's state (model-pass scope); the
         # evaluation table, each group's b(t) on it and the rows a decoding step reads (inference
         # scope); whether this decode's first call made those rows (decode scope)
@@ -320,6 +323,16 @@ class Floater(PositionalEncoding):
 
     # --- called by the trainer, the stacks and the attention ---------------------------------------
     def set_num_updates(self, num_updates: int):
+        """Each training step's update count (fairseq's task calls this before the step). The first
+        call after loading a checkpoint adopts its window if the count goes on from the saved one
+        (a resume); a run that counts again from 0 (--finetune-from-model, --reset-optimizer) starts
+        a window of its own: the saved one was solved from parameters it no longer starts from."""
+        resumable, self._resumable_window = self._resumable_window, None
+        if resumable is not None:
+            window, saved_updates = resumable
+            if saved_updates > 0 and num_updates == saved_updates and \
+                    num_updates // self.recompute_every == window.index:
+                self.tables.window = window
         self._num_updates = num_updates
 
     def begin(self, role, positions=None, source_positions=None, earlier=0):
@@ -328,6 +341,8 @@ class Floater(PositionalEncoding):
         state = model_pass.get(self.pass_key)
         if state is None:  # a new forward pass of the model (the cache's model-pass scope)
             state = model_pass[self.pass_key] = PassState()
+            if self.training:
+                self._resumable_window = None  # (trained without being told the update count)
             if self.training and self.recompute_every > 1:
                 self.tables.start_window_pass(self, self._num_updates // self.recompute_every, state.tables)
         if earlier > 0:
@@ -483,7 +498,8 @@ class Floater(PositionalEncoding):
 
     @staticmethod
     def _after_load(module, incompatible_keys):
-        """After the whole model is loaded: forget every table; adopt the saved window (exact resume)."""
+        """After the whole model is loaded: forget every table; keep the saved window for an exact
+        resume, adopted by `set_num_updates` only where training goes on from the saved update."""
         parameters, index = getattr(module, "_loaded_window", (None, None))
         module._loaded_window = (None, None)
         module._forget_tables()
@@ -491,5 +507,7 @@ class Floater(PositionalEncoding):
         if (module.recompute_every > 1 and parameters is not None and index is not None
                 and parameters.numel() == expected and float(index) >= 0 and float(index) == int(float(index))):
             device = module.dynamics.fc1.weight.device
-            module.tables.window = Window(int(float(index)), module.table_options(),
-                                          parameters.to(device=device, dtype=module.solve_dtype()))
+            window = Window(int(float(index)), module.table_options(),
+                            parameters.to(device=device, dtype=module.solve_dtype()))
+            # fairseq's trainer sets the checkpoint's update count on the model before loading it
+            module._resumable_window = (window, module._num_updates)

@@ -119,6 +119,33 @@ def test_resume_inside_a_k_update_window_is_exact(translation_data, tmp_path):
     assert any(not torch.equal(differs[key], expected[key]) for key in expected if "window_" not in key)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("restart", [["--finetune-from-model"], ["--reset-optimizer", "--restore-file"]])
+def test_training_that_counts_again_from_zero_starts_its_own_window(translation_data, tmp_path, restart):
+    """A checkpoint saved inside window 0 (update 3 of K = 4), fine-tuned or trained on with
+    --reset-optimizer: the update count starts again at 0, and so does the window, from the loaded
+    parameters. The saved window (solved from the first run's parameters at update 0) would serve
+    stale biases and give h no gradient for K updates: the result must equal a run from the same
+    checkpoint without its window."""
+    options = ["--floater-recompute-every", "4", "--dropout", "0"]
+    first = tmp_path / "first"
+    train(translation_data, first, *options, "--max-update", "3")
+    saved = first / "checkpoint_last.pt"
+    assert float(final_parameters(saved)["positional_encoding.window_index"]) == 0
+    state = torch.load(saved, map_location="cpu", weights_only=False)
+    state["model"] = {k: v for k, v in state["model"].items() if "window_" not in k}
+    without_window = tmp_path / "without_window.pt"
+    torch.save(state, without_window)
+    finals = []
+    for name, source in (("with", saved), ("without", without_window)):
+        train(translation_data, tmp_path / name, *options, "--max-update", "2", *restart, source)
+        finals.append(final_parameters(tmp_path / name / "checkpoint_last.pt"))
+    with_window, expected = finals
+    h = [key for key in expected if ".dynamics." in key]
+    assert h and any(not torch.equal(expected[key], final_parameters(saved)[key]) for key in h)  # h trained
+    assert all(torch.equal(with_window[key], expected[key]) for key in expected if "window_" not in key)
+
+
 def test_loading_with_other_options_solves_for_those_options(translation_data, tiny_checkpoint):
     path = tiny_checkpoint("transformer_floater", "--floater-init", "small")  # (shared with test_plot_positions.py)
     model, task = load(path)
