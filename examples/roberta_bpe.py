@@ -23,4 +23,6 @@ def dictionary_for(parser, args) -> Path:
         return args.bpe_dir / "dict.txt"
     if args.dict is None:
         parser.error("--bpe none needs --dict")
+    if not args.dict.is_file():
+        parser.error(f"no dictionary file {args.dict}")
     return args.dict

@@ -12,13 +12,15 @@ evaluated on --subset according to the task stored in it:
 - translation: BLEU (sacrebleu) of `fairseq-generate --scoring sacrebleu` (--generate-args are
   passed on, e.g. `--bpe sentencepiece --sentencepiece-model M`), and with --length-bins the BLEU
   of each source-length bin;
-- sentence_prediction: accuracy (%) from `fairseq-validate`;
-- masked_lm / language_modeling (and anything else): perplexity from `fairseq-validate`.
+- sentence_prediction (any task whose criterion logs an accuracy): accuracy (%) from `fairseq-validate`;
+- masked_lm / language_modeling (and anything else): perplexity from `fairseq-validate`, or its loss
+  where the criterion logs no perplexity (e.g. sentence_prediction with --regression-target).
 
 Writes DIR/results.md (the table, also printed), DIR/results.csv and DIR/compare.png; each
-architecture's logs are in DIR/ARCH/. An architecture that fails is reported in the table and the
-others still run. `--preset demo` adds the demo's model and training settings
-(examples/demo/run_demo.py) for the toy data `make demo` prepares in work/demo/data/.
+architecture's logs are in DIR/ARCH/. An architecture that fails (a command, or reading its
+results: DIR/ARCH/error.log) is reported in the table, the others still run, and the exit status is
+then 1. `--preset demo` adds the demo's model and training settings (examples/demo/run_demo.py) for
+the toy data `make demo` prepares in work/demo/data/.
 """
 import argparse
 import csv
@@ -29,6 +31,7 @@ import shlex
 import shutil
 import sys
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,6 +48,17 @@ def demo_module():
 DEMO = demo_module()  # its runner (live progress lines, full log) and the demo's settings
 
 
+def length_bins(text):
+    """--length-bins B1,B2,...: increasing word counts >= 1."""
+    try:
+        edges = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of word counts: {text!r}") from None
+    if edges[0] < 1 or any(b <= a for a, b in zip(edges, edges[1:])):
+        raise argparse.ArgumentTypeError(f"word counts must be at least 1 and increasing: {text!r}")
+    return edges
+
+
 def parse_args(argv):
     argv = list(sys.argv[1:] if argv is None else argv)
     train_options = []
@@ -58,8 +72,8 @@ def parse_args(argv):
     parser.add_argument("--arch", nargs="+", required=True, help="architectures to train and compare")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--subset", help="evaluation subset (default: test for translation, valid otherwise)")
-    parser.add_argument("--length-bins", type=lambda text: [int(x) for x in text.split(",")], metavar="B1,B2,...",
-                        help="translation: also BLEU per source length (words) bin: <=B1, B1+1..B2, ..., >Bn")
+    parser.add_argument("--length-bins", type=length_bins, metavar="B1,B2,...",
+                        help="translation: also BLEU per source length (words) bin: 0..B1, B1+1..B2, ..., >Bn")
     parser.add_argument("--generate-args", default="", help="extra fairseq-generate options (one string)")
     parser.add_argument("--preset", choices=("demo",), help="add the demo's model/training settings")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -104,23 +118,27 @@ def stored_task(checkpoint: Path):
 
 
 def bleu_by_length(generate_output: str, bins):
-    """[(label, BLEU, sentences)] per source-length bin from fairseq-generate's S/T/D lines."""
+    """[(label, BLEU, sentences)] per source-length bin from fairseq-generate's S/T/D lines: 0..B1
+    words, B1+1..B2, ..., more than Bn, so that every sentence is in one bin (an empty source too).
+    With --nbest N the first (best) hypothesis of each sentence is scored."""
     import sacrebleu
 
     source, reference, hypothesis = {}, {}, {}
-    for line in generate_output.splitlines():
+    for line in generate_output.split("\n"):  # only fairseq's line ends (a sentence may hold U+2028)
         found = re.match(r"^([STD])-(\d+)\t(.*)$", line)
         if not found:
             continue
         kind, index, text = found.groups()
         if kind == "D":
             text = text.split("\t", 1)[1] if "\t" in text else ""  # D-i <score> <detokenized>
-        {"S": source, "T": reference, "D": hypothesis}[kind][int(index)] = text
+        {"S": source, "T": reference, "D": hypothesis}[kind].setdefault(int(index), text)
     edges = [0] + sorted(bins) + [float("inf")]
+    lengths = {i: len(source.get(i, "").split()) for i in hypothesis if i in reference}
     result = []
-    for low, high in zip(edges[:-1], edges[1:]):
-        ids = [i for i in hypothesis if i in reference and low < len(source.get(i, "").split()) <= high]
-        label = f"{low + 1}-{high}" if high != float("inf") else f">{low}"
+    for number, (low, high) in enumerate(zip(edges[:-1], edges[1:])):
+        above = low - 1 if number == 0 else low  # the first bin holds its low edge (0 words), the rest start above
+        ids = [i for i, length in lengths.items() if above < length <= high]
+        label = f"{above + 1}-{high}" if high != float("inf") else f">{low}"
         score = sacrebleu.corpus_bleu([hypothesis[i] for i in ids], [[reference[i] for i in ids]]).score if ids else None
         result.append((label, score, len(ids)))
     return result
@@ -154,10 +172,13 @@ def evaluate(args, arch, work, checkpoint, env, device):
     line = [line for line in text.splitlines() if f"valid on '{subset}' subset" in line]
     if not line:
         raise DEMO.CommandFailed(f"no validation result in {output}")
-    fields = dict(re.findall(r"\| (\w+) ([0-9.e+-]+)", line[-1]))
-    if task == "sentence_prediction" and "accuracy" in fields:
-        return {"metric": f"accuracy % ({subset})", "value": float(fields["accuracy"]), "bins": []}
-    return {"metric": f"perplexity ({subset})", "value": float(fields["ppl"]), "bins": []}
+    fields = dict(re.findall(r"\| (\w+) ([0-9.e+-]+|inf|nan)", line[-1]))
+    # accuracy for a classifier, perplexity for a language model; the loss where neither is logged
+    # (sentence_prediction with --regression-target logs its mean squared error as loss)
+    for field, metric in (("accuracy", "accuracy %"), ("ppl", "perplexity"), ("loss", "loss")):
+        if field in fields:
+            return {"metric": f"{metric} ({subset})", "value": float(fields[field]), "bins": []}
+    raise DEMO.CommandFailed(f"no accuracy, ppl or loss in the validation result of {output}")
 
 
 def train_and_evaluate(args, arch, env, device):
@@ -189,10 +210,12 @@ def markdown_table(results):
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for result in results:
         if "error" in result:
-            lines.append(f"| {result['arch']} | failed: {result['error']} |" + " |" * (len(header) - 2))
+            error = result["error"].replace("|", "/").replace("\n", " ")  # one table cell
+            lines.append(f"| {result['arch']} | failed: {error} |" + " |" * (len(header) - 2))
             continue
+        value = f"{result['value']:.2f}" + (f" ({result['metric']})" if result["metric"] != metric else "")
         cells = [result["arch"], f"{result['params']:,}" if result["params"] else "?", f"{result['train_seconds']:.0f}",
-                 f"{result['valid_loss']:.3f}" if result["valid_loss"] is not None else "-", f"{result['value']:.2f}"]
+                 f"{result['valid_loss']:.3f}" if result["valid_loss"] is not None else "-", value]
         cells += [f"{score:.2f} ({count})" if score is not None else "-" for _, score, count in result.get("bins", [])]
         lines.append("| " + " | ".join(cells) + " |")
     if labels:
@@ -246,6 +269,12 @@ def main(argv=None):
         except DEMO.CommandFailed as error:
             print(f"[{number}/{len(args.arch)}] {arch}: {error}", flush=True)
             result = {"arch": arch, "error": str(error).split(";")[0]}
+        except Exception as error:  # a bug reading one architecture's results: the others still run
+            (args.out / arch).mkdir(parents=True, exist_ok=True)
+            (args.out / arch / "error.log").write_text(traceback.format_exc())
+            print(f"[{number}/{len(args.arch)}] {arch}: {type(error).__name__}: {error} "
+                  f"(traceback in {args.out / arch / 'error.log'})", flush=True)
+            result = {"arch": arch, "error": f"{type(error).__name__}: {error}"}
         results.append(result)
     table = markdown_table(results)
     (args.out / "results.md").write_text(table)

@@ -37,9 +37,9 @@ of its bytes (NAME#sha256) and four fixed random projections (NAME#projections).
 A case that raises is reported on stderr and leaves its names out (`compare` lists them as missing);
 a monkeypatch whose target no longer exists skips its cases the same way.
 
-`compare` prints the number of tensors, how many differ (torch.equal, dtype, shape) and the names of
-those that differ with their largest absolute difference, and the names only one file has; exit
-status 1 if anything differs.
+`compare` prints the number of tensors, how many differ (dtype, shape, or any bit: -0.0 is not
++0.0, NaNs must match in place and payload) and the names of those that differ with their largest
+absolute difference, and the names only one file has; exit status 1 if anything differs.
 
 Single-threaded and deterministic: torch.set_num_threads(1), torch.use_deterministic_algorithms.
 Run from the root of the tree to fingerprint, with that tree first on the path, e.g.
@@ -612,11 +612,47 @@ def dump(out, only=None, skip_long=False):
     return 0
 
 
-def compare(path_a, path_b):
+def same_bits(x, y):
+    """Whether two tensors of one dtype and shape hold the same bits: -0.0 and +0.0 differ, and so do
+    NaNs in other places or with other payloads (torch.equal takes -0.0 == +0.0 and any NaN as unequal)."""
     import torch
 
-    a = torch.load(path_a, map_location="cpu", weights_only=True)
-    b = torch.load(path_b, map_location="cpu", weights_only=True)
+    x, y = x.detach().contiguous().reshape(-1), y.detach().contiguous().reshape(-1)
+    if x.is_complex():
+        x, y = torch.view_as_real(x).reshape(-1), torch.view_as_real(y).reshape(-1)
+    whole = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    return torch.equal(x.view(whole), y.view(whole))
+
+
+def float_difference(x, y):
+    """What differs between two floating-point tensors whose bits differ."""
+    import torch
+
+    nan_x, nan_y = torch.isnan(x), torch.isnan(y)
+    apart = (x != y) & ~nan_x & ~nan_y  # two numbers that differ
+    wide = torch.complex128 if x.is_complex() else torch.float64
+    details = [f"max abs diff {(x[apart].to(wide) - y[apart].to(wide)).abs().max().item():.3e}"] if apart.any() else []
+    if (nan_x != nan_y).any():
+        details.append(f"NaN against a number in {int((nan_x != nan_y).sum())} places")
+    if not details:  # the same values and NaN places: the bits differ all the same
+        return "equal values, other bits (-0.0 against +0.0, or NaN payloads)"
+    return ", ".join(details)
+
+
+def load_dump(path):
+    """The name -> tensor dict of a dump; SystemExit with a message if there is none at `path`."""
+    import torch
+
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: no file {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # not a torch.save file, or not a dump of tensors
+        raise SystemExit(f"error: {path} is not a fingerprint dump ({type(error).__name__}: {error})") from None
+
+
+def compare(path_a, path_b):
+    a, b = load_dump(path_a), load_dump(path_b)
     only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
     common = sorted(set(a) & set(b))
     differ = []
@@ -624,14 +660,9 @@ def compare(path_a, path_b):
         x, y = a[name], b[name]
         if x.dtype != y.dtype or x.shape != y.shape:
             differ.append((name, f"dtype/shape {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}"))
-        elif not torch.equal(x, y):
+        elif not same_bits(x, y):
             if x.is_floating_point() or x.is_complex():
-                both_nan = torch.isnan(x) & torch.isnan(y)
-                if both_nan.any() and torch.equal(x[~both_nan], y[~both_nan]):
-                    continue  # NaN in the same places, everything else equal
-                diff = (x.double() - y.double()).abs()
-                diff = diff[~torch.isnan(diff)]
-                detail = f"max abs diff {diff.max().item():.3e}" if diff.numel() else "NaN pattern differs"
+                detail = float_difference(x, y)
             elif name.endswith(DIGEST):
                 detail = "bytes differ (stored as a digest; see its #projections)"
             else:

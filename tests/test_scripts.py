@@ -1,10 +1,12 @@
 """The new-user scripts: scripts/compare.py (train several encodings, one table and one plot),
 scripts/options.py (every encoding's options), the demo's layout, and that importing the plugin
 leaves logging alone."""
+import argparse
 import csv
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,7 +24,7 @@ def test_compare_two_encodings_on_translation(translation_data, tmp_path):
     table = (tmp_path / "results.md").read_text()
     assert table in out  # printed as well
     lines = table.splitlines()
-    assert lines[0].startswith("| arch | params | train s | valid loss | BLEU (test) | 1-6 words | 7-9 words | >9 words |")
+    assert lines[0].startswith("| arch | params | train s | valid loss | BLEU (test) | 0-6 words | 7-9 words | >9 words |")
     rows = [line for line in lines if line.startswith("| transformer_")]
     assert [row.split(" | ")[0] for row in rows] == ["| transformer_alibi", "| transformer_t5"]
     for row in rows:
@@ -58,6 +60,63 @@ def test_compare_refuses_training_without_an_end(translation_data, tmp_path):
                            "transformer_alibi", "--out", str(tmp_path), "--", *TINY_TRANSFORMER],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--max-update N or --max-epoch N" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def compare():
+    from util import load_script
+
+    return load_script(SCRIPTS / "compare.py")
+
+
+def test_compare_length_bins_hold_every_sentence_and_score_the_best_hypothesis(compare):
+    """fairseq-generate's output (its format, --nbest 2: hypotheses best first) with a 0-word source."""
+    output = "\n".join([
+        "S-0\t", "T-0\tempty source gives this", "H-0\t-0.1\tempty source gives this",
+        "D-0\t-0.1\tempty source gives this", "D-0\t-0.9\tsomething worse",
+        "S-1\ta b c", "T-1\tthree words here", "H-1\t-0.1\tthree words here", "D-1\t-0.1\tthree words here",
+        "D-1\t-0.9\tbanana",
+        "S-2\ta b c d e f g", "T-2\tseven word source sentence translated ok",
+        "H-2\t-0.1\tseven word source sentence translated ok", "D-2\t-0.1\tseven word source sentence translated ok",
+    ]) + "\n"
+    bins = compare.bleu_by_length(output, [5])
+    assert [(label, count) for label, _, count in bins] == [("0-5", 2), (">5", 1)]  # all 3 sentences
+    assert all(score == pytest.approx(100.0) for _, score, _ in bins)
+
+
+def test_compare_reports_the_loss_where_a_classifier_logs_no_accuracy(compare, monkeypatch, tmp_path):
+    """sentence_prediction with --regression-target: fairseq-validate logs loss and nll_loss only."""
+    monkeypatch.setattr(compare, "stored_task", lambda checkpoint: ("sentence_prediction", "sentence_prediction"))
+
+    def fake_validate(command, output, **kwargs):
+        Path(output).write_text("INFO | valid | valid on 'valid' subset | loss 0.412 | nll_loss 0.412 | wps 1000 | "
+                                "wpb 50 | bsz 8\n")
+    monkeypatch.setattr(compare.DEMO, "run", fake_validate)
+    args = argparse.Namespace(data=tmp_path, subset=None, quiet=True, length_bins=None, generate_args="")
+    result = compare.evaluate(args, "roberta_t5", tmp_path, tmp_path / "checkpoint.pt", {}, ["--cpu"])
+    assert result == {"metric": "loss (valid)", "value": 0.412, "bins": []}
+
+
+def test_compare_reports_an_unexpected_failure_and_runs_the_other_architectures(compare, monkeypatch, tmp_path,
+                                                                                 capsys):
+    trained = []
+
+    def train_and_evaluate(args, arch, env, device):
+        trained.append(arch)
+        if arch == "roberta_bad":
+            raise KeyError("ppl")  # e.g. a log this script cannot read
+        return {"arch": arch, "metric": "accuracy % (valid)", "value": 75.0, "bins": [], "params": 1000,
+                "train_seconds": 1.0, "valid_loss": 0.5}
+    monkeypatch.setattr(compare, "train_and_evaluate", train_and_evaluate)
+    (tmp_path / "data").mkdir()
+    status = compare.main([str(tmp_path / "data"), "--arch", "roberta_bad", "roberta_good", "--out",
+                           str(tmp_path / "out"), "--", "--max-update", "1"])
+    assert status == 1 and trained == ["roberta_bad", "roberta_good"]
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "| roberta_bad | failed: KeyError: 'ppl' |" in table
+    assert "| roberta_good | 1,000 | 1 | 0.500 | 75.00 |" in table
+    assert "KeyError" in (tmp_path / "out" / "roberta_bad" / "error.log").read_text()
+    assert "roberta_bad: KeyError: 'ppl'" in capsys.readouterr().out
 
 
 def options_output(capsys, *argv):

@@ -19,8 +19,9 @@ shows what an encoding's resolution at long distances costs or buys (docs/claims
 writes OUT/raw (text and labels), OUT/bin (fairseq-preprocess), trains each architecture with
 fairseq-train --task sentence_prediction (the model and training options below, the same for all;
 an entry ARCH:OPTIONS adds OPTIONS to that run), keeps the checkpoint of the best validation
-accuracy, scores it on the test set with fairseq-validate, and prints a markdown table (also in
-OUT/results.md). Each run's log is OUT/ARCH.../train.log.
+accuracy, counts its right answers on the valid and test sets (examples/checkpoint_eval.py, fairseq's
+criterion), and prints a markdown table (also in OUT/results.md). Each run's logs are
+OUT/ARCH.../train.log and test.log.
 """
 import argparse
 import math

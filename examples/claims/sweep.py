@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import process50  # noqa: E402
 from posenc_fairseq.provenance import source_commit  # noqa: E402
 from runner import preprocess, train_and_test  # noqa: E402
+from script_helpers import at_least  # noqa: E402  (examples/, on the path through runner)
 
 SUCCESS = 0.75  # test accuracy from which a run has left the plateau (chance 0.5)
 ENCODINGS = ["roberta_at5", "roberta_at5_nob", "roberta_t5", "roberta_nope"]
@@ -281,8 +282,8 @@ def parse(argv=None, parser=None):
     parser.add_argument("--train", type=int, default=5000)
     parser.add_argument("--valid", type=int, default=1000)
     parser.add_argument("--test", type=int, default=5000)
-    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each command")
-    parser.add_argument("--jobs", type=int, default=1, help="runs at the same time")
+    parser.add_argument("--threads", type=at_least(1), default=1, help="OMP_NUM_THREADS of each command")
+    parser.add_argument("--jobs", type=at_least(1), default=1, help="runs at the same time")
     parser.add_argument("--cuda", action="store_true", help="train and test on the GPU (default: --cpu)")
     parser.add_argument("--commit", default=None,
                         help="recorded with each run (default: this tree's commit, -dirty where files differ)")

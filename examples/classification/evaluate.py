@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Score a classifier trained by train.sh with the metric of the LFHC/GCDF paper's table 1.
 
-  python examples/classification/evaluate.py TASK DATA_BIN CHECKPOINT [--subset S] [--cpu] [--json out.json]
+  python examples/classification/evaluate.py TASK DATA_BIN CHECKPOINT [--subset S] [--cpu] [--skip-too-long]
+                                             [--json out.json]
 
 Metrics (percentages): accuracy for IMDB, SST-2, SNLI, QNLI; QQP the mean of accuracy and F1; MNLI the
 mean of matched and mismatched accuracy. Subsets: IMDB `valid` (= its test reviews, see preprocess.py),
@@ -18,14 +19,15 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE.parent))
 import posenc_fairseq  # noqa: E402,F401
-from fairseq import checkpoint_utils  # noqa: E402
+from checkpoint_eval import load_checkpoint  # noqa: E402
 
 # prediction and metrics of examples/glue/evaluate.py (same file name as this one: load it by path)
 _spec = importlib.util.spec_from_file_location("glue_evaluate", HERE.parent / "glue" / "evaluate.py")
 glue_evaluate = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(glue_evaluate)
-predict, scores = glue_evaluate.predict, glue_evaluate.scores
+predict, scores, print_scored = glue_evaluate.predict, glue_evaluate.scores, glue_evaluate.print_scored
 
 TASKS = ["IMDB", "SST-2", "SNLI", "QNLI", "QQP", "MNLI"]
 DEFAULT_SUBSETS = {"IMDB": ["valid"], "SNLI": ["test"], "MNLI": ["valid", "valid1"]}
@@ -40,14 +42,11 @@ def main(argv=None):
     p.add_argument("--subset", nargs="+", help="default: the paper's (see above)")
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--skip-too-long", action="store_true", help=glue_evaluate.SKIP_HELP)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     cpu = args.cpu or not torch.cuda.is_available()
-    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([args.checkpoint],
-                                                                      arg_overrides={"data": args.data_bin})
-    model = models[0].eval()
-    if not cpu:
-        model.cuda()
+    model, cfg, task = load_checkpoint(args.checkpoint, args.data_bin, cpu)
     head = getattr(cfg.criterion, "classification_head_name", None) or "sentence_classification_head"
     label_dictionary = task.label_dictionary
 
@@ -56,12 +55,13 @@ def main(argv=None):
 
     parts = {}
     for subset in args.subset or DEFAULT_SUBSETS.get(args.task, ["valid"]):
-        predictions, targets = predict(model, task, subset, head, False, cpu, args.batch_size)
+        predictions, targets, examples = predict(model, task, subset, head, False, cpu, args.batch_size,
+                                                 args.skip_too_long)
         parts[subset] = scores(args.task, predictions, targets, label_string)  # acc (+ f1 for QQP)
-        parts[subset]["examples"] = len(targets)
+        print_scored(args.task, subset, targets, examples)
         for name, value in parts[subset].items():
-            if name != "examples":
-                print(f"{args.task} {subset} {name} = {value:.2f}")
+            print(f"{args.task} {subset} {name} = {value:.2f}")
+        parts[subset].update(examples=len(targets), examples_in_subset=examples)
     if args.task == "QQP":
         value = sum((s["acc"] + s["f1"]) / 2 for s in parts.values()) / len(parts)
     else:  # accuracy; MNLI: mean over matched (valid) and mismatched (valid1)

@@ -15,15 +15,19 @@ dropped, as usual; dev -> valid, test -> test (with labels).
 import argparse
 import json
 import random
-import shutil
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "glue"))
+from preprocess_glue import binarize, bpe_encode, built_beside  # noqa: E402
 from roberta_bpe import add_bpe_options, dictionary_for  # noqa: E402
-from preprocess_glue import binarize, bpe_encode  # noqa: E402
+from script_helpers import read_lines  # noqa: E402
+
+# what each task's folder must hold: (IMDB) review folders, (SNLI) JSON-lines files
+LAYOUT = {"IMDB": [f"{split}/{label}" for split in ("train", "test") for label in ("neg", "pos")],
+          "SNLI": [f"snli_1.0_{split}.jsonl" for split in ("train", "dev", "test")]}
 
 
 def clean(text: str) -> str:
@@ -41,7 +45,7 @@ def imdb_rows(root: Path, split: str, seed: int = 1):
 
 def snli_rows(root: Path, split: str):
     rows = []
-    for line in (root / f"snli_1.0_{split}.jsonl").read_text(encoding="utf-8").splitlines():
+    for line in read_lines(root / f"snli_1.0_{split}.jsonl"):  # JSON text may hold U+2028: split at line ends only
         if not line.strip():
             continue
         example = json.loads(line)
@@ -58,32 +62,40 @@ def read_task(task: str, root: Path):
     return {"train": snli_rows(root, "train"), "valid": snli_rows(root, "dev"), "test": snli_rows(root, "test")}
 
 
-def preprocess(task: str, root: Path, out: Path, args):
+def check_layout(task: str, root: Path, fail):
+    """fail(message) unless `root` is the task's folder (aclImdb / snli_1.0)."""
+    if not root.is_dir():
+        fail(f"no folder {root}")
+    for part in LAYOUT[task]:
+        if not (root / part).exists():
+            fail(f"no {part} in {root}: expected the {'aclImdb' if task == 'IMDB' else 'snli_1.0'} folder")
+
+
+def preprocess(task: str, root: Path, out: Path, args, fail):
     splits = read_task(task, root)
-    processed = out.parent / f".{out.name}.processed"
-    shutil.rmtree(processed, ignore_errors=True)
-    processed.mkdir(parents=True)
-    inputs = len(next(iter(splits.values()))[0][0])
     for split, rows in splits.items():
+        if not rows:
+            fail(f"no {task} examples for {split} in {root}")
+    inputs = len(next(iter(splits.values()))[0][0])
+    with built_beside(out) as (build, processed):
+        for split, rows in splits.items():
+            for i in range(inputs):
+                raw = processed / f"{split}.raw.input{i}"
+                raw.write_text("".join(row[0][i] + "\n" for row in rows), encoding="utf-8")
+                bpe_encode(raw, processed / f"{split}.input{i}", args)
+            (processed / f"{split}.label").write_text("".join(row[1] + "\n" for row in rows))
         for i in range(inputs):
-            raw = processed / f"{split}.raw.input{i}"
-            raw.write_text("".join(row[0][i] + "\n" for row in rows), encoding="utf-8")
-            bpe_encode(raw, processed / f"{split}.input{i}", args)
-        (processed / f"{split}.label").write_text("".join(row[1] + "\n" for row in rows))
-    shutil.rmtree(out, ignore_errors=True)
-    for i in range(inputs):
-        options = ["--only-source", "--trainpref", processed / f"train.input{i}", "--validpref",
-                   processed / f"valid.input{i}", "--destdir", out / f"input{i}", "--workers", args.workers,
-                   "--srcdict", args.dictionary]
+            options = ["--only-source", "--trainpref", processed / f"train.input{i}", "--validpref",
+                       processed / f"valid.input{i}", "--destdir", build / f"input{i}", "--workers", args.workers,
+                       "--srcdict", args.dictionary]
+            if "test" in splits:
+                options += ["--testpref", processed / f"test.input{i}"]
+            binarize(options)
+        options = ["--only-source", "--trainpref", processed / "train.label", "--validpref",
+                   processed / "valid.label", "--destdir", build / "label", "--workers", args.workers]
         if "test" in splits:
-            options += ["--testpref", processed / f"test.input{i}"]
+            options += ["--testpref", processed / "test.label"]
         binarize(options)
-    options = ["--only-source", "--trainpref", processed / "train.label", "--validpref", processed / "valid.label",
-               "--destdir", out / "label", "--workers", args.workers]
-    if "test" in splits:
-        options += ["--testpref", processed / "test.label"]
-    binarize(options)
-    shutil.rmtree(processed)
     print(f"{task}: {', '.join(f'{k} {len(v)}' for k, v in splits.items())} examples binarised into {out}")
 
 
@@ -94,8 +106,9 @@ def main(argv=None):
     p.add_argument("out_dir", type=Path, help="binarised task folder (e.g. data/IMDB-bin)")
     add_bpe_options(p)
     args = p.parse_args(argv)
+    check_layout(args.task, args.raw_dir, p.error)  # before anything is downloaded or written
     args.dictionary = dictionary_for(p, args)
-    preprocess(args.task, args.raw_dir, args.out_dir, args)
+    preprocess(args.task, args.raw_dir, args.out_dir, args, p.error)
 
 
 if __name__ == "__main__":

@@ -9,21 +9,30 @@ source line (the paper counts tokens of the tokenised WMT14 En-De corpus; 98.6% 
 sentences are shorter than 80). Writes OUT_DIR/{train,valid,test}.{SRC,TGT}: train = short training
 pairs, valid = short validation pairs, test = long training pairs (plus long validation pairs, plus
 every pair of RAW_DIR/test.SRC/TGT if present, e.g. held-out short pairs for an in-length bin).
+The two sides of each split must have the same number of lines; OUT_DIR must not be RAW_DIR.
 """
 import argparse
+import os
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from script_helpers import at_least, read_parallel, write_text_atomic  # noqa: E402
 
-def read(raw, split, src, tgt):
+SPLITS = ("train", "valid", "test")
+
+
+def read(raw, split, src, tgt, fail):
+    """The pairs of RAW/SPLIT.{src,tgt}; [] if neither file is there."""
     a, b = raw / f"{split}.{src}", raw / f"{split}.{tgt}"
-    if not a.exists():
+    if not a.exists() and not b.exists():
         return []
-    return list(zip(a.read_text(encoding="utf-8").splitlines(), b.read_text(encoding="utf-8").splitlines()))
+    return read_parallel(a, b, fail)
 
 
 def write(out, split, pairs, src, tgt):
-    (out / f"{split}.{src}").write_text("".join(s + "\n" for s, _ in pairs), encoding="utf-8")
-    (out / f"{split}.{tgt}").write_text("".join(t + "\n" for _, t in pairs), encoding="utf-8")
+    write_text_atomic(out / f"{split}.{src}", "".join(s + "\n" for s, _ in pairs))
+    write_text_atomic(out / f"{split}.{tgt}", "".join(t + "\n" for _, t in pairs))
 
 
 def main(argv=None):
@@ -32,13 +41,27 @@ def main(argv=None):
     p.add_argument("out_dir", type=Path)
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="de")
-    p.add_argument("--threshold", type=int, default=80)
+    p.add_argument("--threshold", type=at_least(1), default=80)
     args = p.parse_args(argv)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.src == args.tgt:
+        p.error(f"--src and --tgt are both {args.src!r}")
+    if not args.raw_dir.is_dir():
+        p.error(f"no folder {args.raw_dir}")
+    inputs = [args.raw_dir / f"{split}.{lang}" for split in SPLITS for lang in (args.src, args.tgt)]
+    outputs = [args.out_dir / path.name for path in inputs]  # the same names, in OUT_DIR
+    if args.out_dir.resolve() == args.raw_dir.resolve():
+        p.error(f"OUT_DIR {args.out_dir} is RAW_DIR: the split would overwrite its own input")
+    for output in outputs:  # e.g. a link to an input
+        for source in inputs:
+            if output.exists() and source.exists() and os.path.samefile(output, source):
+                p.error(f"{output} is the input {source}: writing it would overwrite the input")
+    if not (args.raw_dir / f"train.{args.src}").exists():
+        p.error(f"no file {args.raw_dir / f'train.{args.src}'}")
     short = lambda pair: len(pair[0].split()) < args.threshold  # noqa: E731
-    train, valid = read(args.raw_dir, "train", args.src, args.tgt), read(args.raw_dir, "valid", args.src, args.tgt)
+    train, valid, test = (read(args.raw_dir, split, args.src, args.tgt, p.error) for split in SPLITS)
     splits = {"train": [x for x in train if short(x)], "valid": [x for x in valid if short(x)],
-              "test": [x for x in train + valid if not short(x)] + read(args.raw_dir, "test", args.src, args.tgt)}
+              "test": [x for x in train + valid if not short(x)] + test}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, pairs in splits.items():
         write(args.out_dir, name, pairs, args.src, args.tgt)
     print(" ".join(f"{name}={len(pairs)}" for name, pairs in splits.items()),

@@ -4,10 +4,41 @@
 
   python examples/extrapolation/report.py WORK_DIR/bleu_*.json --out WORK_DIR/s2l
 writes s2l.md (markdown table: one row per encoding, one column per source-length bin) and s2l.png.
+Columns are matched by bin name ([lo,hi)) across the files, ordered by their lower edge; a file
+without some bin has a blank (–) there and no point in the plot.
 """
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from script_helpers import write_text_atomic  # noqa: E402
+
+MISSING = "–"
+
+
+def load_result(path: Path, fail):
+    """(overall BLEU, {bin name: bin entry}) of one evaluate.py --json file; fail(message) if it is not one."""
+    if not path.is_file():
+        fail(f"no file {path}")
+    try:
+        result = json.loads(path.read_text())
+        by_bin = {entry["bin"]: {"bleu": float(entry["bleu"]), "sentences": int(entry["sentences"]),
+                                 "low": entry.get("low")} for entry in result["bins"]}
+        return float(result["bleu"]), by_bin
+    except (ValueError, KeyError, TypeError) as error:
+        fail(f"{path} is not an evaluate.py --json result ({type(error).__name__}: {error})")
+
+
+def bin_columns(rows):
+    """The bin names of all results, each once, by lower edge (then as first seen)."""
+    order = {}
+    for _, bins in rows.values():
+        for name, entry in bins.items():
+            low = entry["low"] if isinstance(entry["low"], (int, float)) else float("inf")
+            order.setdefault(name, (low, len(order)))
+    return sorted(order, key=order.get)
 
 
 def main(argv=None):
@@ -18,25 +49,28 @@ def main(argv=None):
     rows = {}
     for path in args.results:
         name = path.stem[len("bleu_"):] if path.stem.startswith("bleu_") else path.stem
-        rows[name] = json.loads(path.read_text())
-    bins = [b["bin"] for b in next(iter(rows.values()))["bins"]]
+        if name in rows:
+            p.error(f"two results named {name} ({path} and an earlier file)")
+        rows[name] = load_result(path, p.error)
+    bins = bin_columns(rows)
     lines = ["| encoding | " + " | ".join(f"BLEU {b}" for b in bins) + " | all |",
              "|---" * (len(bins) + 2) + "|"]
-    for name, result in rows.items():
-        cells = [f"{b['bleu']:.2f} (n={b['sentences']})" for b in result["bins"]]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {result['bleu']:.2f} |")
+    for name, (overall, by_bin) in rows.items():
+        cells = [f"{by_bin[b]['bleu']:.2f} (n={by_bin[b]['sentences']})" if b in by_bin else MISSING for b in bins]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {overall:.2f} |")
     table = "\n".join(lines)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(table + "\n")
+    write_text_atomic(args.out.with_suffix(".md"), table + "\n")
 
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, result in rows.items():
-        ax.plot(range(len(bins)), [b["bleu"] for b in result["bins"]], marker="o", label=name)
+    for name, (_, by_bin) in rows.items():
+        ax.plot(range(len(bins)), [by_bin[b]["bleu"] if b in by_bin else float("nan") for b in bins],
+                marker="o", label=name)
     ax.set_xticks(range(len(bins)))
     ax.set_xticklabels(bins)
     ax.set_xlabel("source length")

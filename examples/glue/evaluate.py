@@ -1,12 +1,14 @@
 #!/usr/bin/env python
 """Score a fine-tuned GLUE checkpoint on the dev set(s) with the task's official metric.
 
-  python examples/glue/evaluate.py TASK DATA_BIN CHECKPOINT [--cpu] [--json out.json]
+  python examples/glue/evaluate.py TASK DATA_BIN CHECKPOINT [--cpu] [--skip-too-long] [--json out.json]
 
 Runs the model over the binarised dev split(s) of DATA_BIN (valid; for MNLI valid = matched and
 valid1 = mismatched), so it works for any BPE. Metrics: CoLA Matthews corr.; MRPC and QQP F1 and
 accuracy; STS-B Pearson and Spearman (predictions and gold scaled back by 5); accuracy otherwise.
 Prints one `TASK SUBSET METRIC = VALUE` line per metric (percentages, as in the papers' tables).
+A dev example longer than the model's max positions is refused with a message, or with
+--skip-too-long left out, and then `scored N of M` is printed.
 """
 import argparse
 import json
@@ -18,24 +20,21 @@ from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import posenc_fairseq  # noqa: E402,F401
-from fairseq import checkpoint_utils, utils  # noqa: E402
+from checkpoint_eval import batches, load_checkpoint  # noqa: E402
 
 METRICS = {"CoLA": ["mcc"], "MRPC": ["f1", "acc"], "QQP": ["f1", "acc"], "STS-B": ["pearson", "spearman"]}
+SKIP_HELP = "score only the examples that fit the model's max positions (default: refuse if any is longer)"
 
 
-def predict(model, task, subset, head, regression, cpu, batch_size):
-    task.load_dataset(subset)
-    dataset = task.dataset(subset)
-    iterator = task.get_batch_iterator(dataset=dataset, max_sentences=batch_size,
-                                       max_positions=utils.resolve_max_positions(task.max_positions(),
-                                                                                 model.max_positions()),
-                                       ignore_invalid_inputs=True).next_epoch_itr(shuffle=False)
+def predict(model, task, subset, head, regression, cpu, batch_size, skip_too_long=False):
+    """(predictions, targets, examples in the subset): fewer predictions than examples only with
+    skip_too_long (examples longer than the model's max positions); else those are refused."""
+    samples, examples = batches(task, model, subset, batch_size, cpu, skip_too_long)
     predictions, targets = [], []
     with torch.no_grad():
-        for sample in iterator:
-            if not cpu:
-                sample = utils.move_to_cuda(sample)
+        for sample in samples:
             logits, _ = model(**sample["net_input"], features_only=True, classification_head_name=head)
             if regression:
                 predictions += logits.view(-1).float().cpu().tolist()
@@ -43,7 +42,14 @@ def predict(model, task, subset, head, regression, cpu, batch_size):
             else:
                 predictions += logits.argmax(dim=-1).cpu().tolist()
                 targets += sample["target"].view(-1).cpu().tolist()
-    return predictions, targets
+    return predictions, targets, examples
+
+
+def print_scored(task_name, subset, targets, examples):
+    """Where examples were left out (--skip-too-long), say how many the scores are over."""
+    if len(targets) != examples:
+        print(f"{task_name} {subset}: scored {len(targets)} of {examples} "
+              f"(the others are longer than the model's max positions)")
 
 
 def scores(task_name, predictions, targets, label_string):
@@ -66,14 +72,11 @@ def main(argv=None):
     p.add_argument("checkpoint")
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--skip-too-long", action="store_true", help=SKIP_HELP)
     p.add_argument("--json")
     args = p.parse_args(argv)
     cpu = args.cpu or not torch.cuda.is_available()
-    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([args.checkpoint],
-                                                                      arg_overrides={"data": args.data_bin})
-    model = models[0].eval()
-    if not cpu:
-        model.cuda()
+    model, cfg, task = load_checkpoint(args.checkpoint, args.data_bin, cpu)
     head = getattr(cfg.criterion, "classification_head_name", None) or "sentence_classification_head"
     regression = bool(getattr(cfg.task, "regression_target", False))
     subsets = {"MNLI": [("valid", "dev_matched"), ("valid1", "dev_mismatched")]}.get(args.task, [("valid", "dev")])
@@ -84,9 +87,11 @@ def main(argv=None):
 
     results = {}
     for subset, name in subsets:
-        predictions, targets = predict(model, task, subset, head, regression, cpu, args.batch_size)
+        predictions, targets, examples = predict(model, task, subset, head, regression, cpu, args.batch_size,
+                                                 args.skip_too_long)
         results[name] = scores(args.task, predictions, targets, label_string)
-        results[name]["examples"] = len(targets)
+        results[name].update(examples=len(targets), examples_in_subset=examples)
+        print_scored(args.task, name, targets, examples)
         for metric in METRICS.get(args.task, ["acc"]):
             print(f"{args.task} {name} {metric} = {results[name][metric]:.2f}")
     if args.json:

@@ -12,11 +12,16 @@ QNLI RTE, a comma-separated list of them, or ALL (OUT_DIR then gets one TASK-bin
 --bpe gpt2 (RoBERTa's; default): encoder.json, vocab.bpe and dict.txt are downloaded into
 --bpe-dir if missing, text is encoded with fairseq's multiprocessing_bpe_encoder.
 --bpe none: text is used as it is (whitespace tokens) with --dict (the tests' plain dictionary).
+Each OUT_DIR (TASK-bin) is built in a temporary folder beside it (with the intermediate text files)
+and replaces an earlier one only when complete; GLUE_DIR is only read.
 """
 import argparse
+import contextlib
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -40,6 +45,41 @@ def splits_of(task):
     if task == "MNLI":
         return ["train", "dev_matched", "dev_mismatched", "test_matched", "test_mismatched"]
     return ["train", "dev", "test"]
+
+
+def check_task_folder(glue_dir: Path, task: str, fail):
+    """fail(message) unless GLUE_DIR/TASK holds the task's train and dev files."""
+    data = glue_dir / task
+    if not data.is_dir():
+        fail(f"no folder {data} (GLUE_DIR/TASK as download_glue_data.py writes it)")
+    dev = [split for split in splits_of(task) if split.startswith("dev")]
+    for needed in (["train"], dev):
+        if not any((data / f"{split}.tsv").is_file() for split in needed):
+            fail(f"no {' or '.join(f'{split}.tsv' for split in needed)} in {data}")
+
+
+@contextlib.contextmanager
+def built_beside(out: Path):
+    """(build, scratch): two empty folders inside a temporary folder beside `out`, to build `out` in
+    and to keep intermediate files in. When the block ends, the build folder replaces `out`: an earlier
+    `out` is kept until the new one is complete, and kept as it was if the block fails."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        build, scratch, old = work / "new", work / "processed", work / "old"
+        build.mkdir()
+        scratch.mkdir()
+        yield build, scratch
+        if out.exists() or out.is_symlink():
+            os.replace(out, old)
+        try:
+            os.replace(build, out)
+        except BaseException:
+            if old.exists() or old.is_symlink():
+                os.replace(old, out)  # the earlier one back
+            raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def read_rows(task, tsv: Path, split: str):
@@ -73,10 +113,13 @@ def binarize(options):
 
 
 def preprocess_task(task, glue_dir: Path, out: Path, args):
-    data = glue_dir / task
-    processed = data / "processed"
-    shutil.rmtree(processed, ignore_errors=True)
-    processed.mkdir(parents=True)
+    with built_beside(out) as (build, processed):
+        binarize_task(task, glue_dir / task, build, processed, args)
+    print(f"{task}: binarised into {out}")
+
+
+def binarize_task(task, data: Path, out: Path, processed: Path, args):
+    """GLUE_DIR/TASK (`data`) -> the binarised task in `out`, its text files on the way in `processed`."""
     inputs, test_inputs, label_column, dev_label_column = COLUMNS[task]
     splits = [s for s in splits_of(task) if (data / f"{s}.tsv").exists()]
     for split in splits:
@@ -92,7 +135,6 @@ def preprocess_task(task, glue_dir: Path, out: Path, args):
 
     dev = [s for s in splits if s.startswith("dev")]
     test = [s for s in splits if s.startswith("test")]
-    shutil.rmtree(out, ignore_errors=True)
     dictionary = args.dictionary
     for i in range(len(inputs)):
         options = ["--only-source", "--trainpref", processed / f"train.input{i}",
@@ -110,7 +152,6 @@ def preprocess_task(task, glue_dir: Path, out: Path, args):
         for split, name in (("train", "train"), ("dev", "valid")):
             values = (processed / f"{split}.label").read_text().split()
             (out / "label" / f"{name}.label").write_text("".join(f"{float(v) / 5.0}\n" for v in values))
-    print(f"{task}: binarised into {out}")
 
 
 def main(argv=None):
@@ -121,11 +162,12 @@ def main(argv=None):
                    help="the binarised task for one task; for a list or ALL, the parent of TASK-bin folders")
     add_bpe_options(p)
     args = p.parse_args(argv)
-    args.dictionary = dictionary_for(p, args)
     tasks = TASKS if args.task == "ALL" else args.task.split(",")
-    for task in tasks:
+    for task in tasks:  # every task checked before anything is downloaded or written
         if task not in TASKS:
             p.error(f"unknown task {task}")
+        check_task_folder(args.glue_dir, task, p.error)
+    args.dictionary = dictionary_for(p, args)
     if len(tasks) == 1 and args.task != "ALL":
         preprocess_task(tasks[0], args.glue_dir, args.out_dir, args)
     else:

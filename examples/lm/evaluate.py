@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "examples"))
+from script_helpers import at_least, write_text_atomic  # noqa: E402
 
 
 def eval_lm(data_bin, checkpoint, memory, block, subset, batch_size, cpu, extra):
@@ -45,10 +47,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("data_bin")
     p.add_argument("checkpoint")
-    p.add_argument("--memory", type=int, nargs="+", default=[150, 640], help="context windows M (table 3)")
-    p.add_argument("--block", type=int, default=150, help="tokens scored per window (XL's segment length)")
+    p.add_argument("--memory", type=at_least(0), nargs="+", default=[150, 640], help="context windows M (table 3)")
+    p.add_argument("--block", type=at_least(1), default=150, help="tokens scored per window (XL's segment length)")
     p.add_argument("--subset", default="test")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=at_least(1), default=8)
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--json", type=Path, help="write {'ppl': {M: value}, 'best': value} here")
     args, extra = p.parse_known_args(argv)
@@ -62,8 +64,8 @@ def main(argv=None):
     print(f"ppl best = {best:.2f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"ppl": {str(m): v for m, v in results.items()}, "best": best,
-                                         "block": args.block, "subset": args.subset}, indent=1))
+        write_text_atomic(args.json, json.dumps({"ppl": {str(m): v for m, v in results.items()}, "best": best,
+                                                 "block": args.block, "subset": args.subset}, indent=1))
     return 0
 
 

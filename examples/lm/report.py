@@ -3,10 +3,19 @@
 (test perplexity on WikiText-103 by evaluation memory length M), the paper's numbers beside ours.
 
   python examples/lm/report.py WORK_DIR/ppl_*.json --out WORK_DIR/table3.md
+
+Columns are matched by memory M across the files (in increasing M); a file without some M has a
+blank (–) there.
 """
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from script_helpers import write_text_atomic  # noqa: E402
+
+MISSING = "–"
 
 # Qu et al. 2021, table 3: (M=150, M=640, best ± std over 10 runs)
 PAPER = {
@@ -18,6 +27,17 @@ PAPER = {
 }
 
 
+def load_result(path: Path, fail):
+    """{'ppl': {M: value}, 'best': value} of one evaluate.py --json file; fail(message) if it is not one."""
+    if not path.is_file():
+        fail(f"no file {path}")
+    try:
+        result = json.loads(path.read_text())
+        return {"ppl": {str(m): float(v) for m, v in result["ppl"].items()}, "best": float(result["best"])}
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        fail(f"{path} is not an evaluate.py --json result ({type(error).__name__}: {error})")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", type=Path, help="ppl_ENCODING.json files written by evaluate.py --json")
@@ -26,19 +46,25 @@ def main(argv=None):
     rows = {}
     for path in args.results:
         name = path.stem[len("ppl_"):] if path.stem.startswith("ppl_") else path.stem
-        rows[name] = json.loads(path.read_text())
-    memories = list(next(iter(rows.values()))["ppl"])
+        if name in rows:
+            p.error(f"two results named {name} ({path} and an earlier file)")
+        rows[name] = load_result(path, p.error)
+    # every memory of any file, as numbers where they are (so 640 comes after 150), each once
+    memories = sorted({m for result in rows.values() for m in result["ppl"]},
+                      key=lambda m: (0, int(m), m) if m.isdigit() else (1, 0, m))
     header = (["encoding"] + [f"paper M={m}" for m in ("150", "640")] + ["paper best"]
               + [f"ours M={m}" for m in memories] + ["ours best"])
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for name, result in rows.items():
-        paper = PAPER.get(name, ("–", "–", "–"))
-        cells = [name, *map(str, paper)] + [f"{result['ppl'][m]:.2f}" for m in memories] + [f"{result['best']:.2f}"]
+        paper = PAPER.get(name, (MISSING,) * 3)
+        cells = ([name, *map(str, paper)]
+                 + [f"{result['ppl'][m]:.2f}" if m in result["ppl"] else MISSING for m in memories]
+                 + [f"{result['best']:.2f}"])
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(table + "\n")
+    write_text_atomic(args.out, table + "\n")
     return 0
 
 

@@ -7,23 +7,31 @@ with the same interface subset:
   python examples/translation/average_checkpoints.py --inputs SAVE_DIR --num-update-checkpoints 5 --output avg.pt
   python examples/translation/average_checkpoints.py --inputs a.pt b.pt c.pt --output avg.pt
 Checkpoints are read with fairseq's checkpoint_utils (after importing posenc_fairseq, so that they
-load under torch >= 2.6); everything except the model weights is taken from the newest one.
+load under torch >= 2.6). The newest checkpoint is the last one: the highest epoch / update number
+with --num-*-checkpoints, the last one given otherwise. Floating-point entries of the model are
+averaged (in float64) and saved as float32, whatever their dtype (float16 too, as fairseq's script
+does); integer entries (e.g. counters) and everything outside the model are taken from the newest.
+All checkpoints must hold the same model entries with the same shapes.
 """
 import argparse
 import collections
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import posenc_fairseq  # noqa: E402,F401  (allow-lists fairseq's checkpoint contents)
 from fairseq import checkpoint_utils  # noqa: E402
+from script_helpers import at_least  # noqa: E402
 
 
 def last_checkpoints(directory, n, by_update):
+    """The paths of the n newest checkpoints in `directory`, oldest first."""
     pattern = re.compile(r"checkpoint_\d+_(\d+)\.pt$" if by_update else r"checkpoint(\d+)\.pt$")
     found = []
     for name in os.listdir(directory):
@@ -31,24 +39,51 @@ def last_checkpoints(directory, n, by_update):
         if match:
             found.append((int(match.group(1)), os.path.join(directory, name)))
     if len(found) < n:
-        raise SystemExit(f"found {len(found)} checkpoints in {directory}, need {n}")
+        raise SystemExit(f"error: found {len(found)} checkpoints in {directory}, need {n}")
     return [path for _, path in sorted(found)[-n:]]
 
 
+def entries(model):
+    """{name: (shape, dtype)} of a model state: what must agree between the checkpoints averaged."""
+    return {key: (tuple(value.shape), value.dtype) for key, value in model.items()}
+
+
+def check_same_entries(first_path, first, path, other):
+    """SystemExit naming the first entry that one model lacks or holds with another shape or kind
+    (`first`, `other`: entries())."""
+    missing = sorted(set(first) ^ set(other))
+    if missing:
+        key = missing[0]
+        raise SystemExit(f"error: model entry {key} is in {first_path if key in first else path} "
+                         f"but not in {path if key in first else first_path}")
+    for key, (shape, dtype) in other.items():
+        first_shape, first_dtype = first[key]
+        if shape != first_shape:
+            raise SystemExit(f"error: model entry {key} has shape {first_shape} in {first_path} but {shape} in {path}")
+        if dtype.is_floating_point != first_dtype.is_floating_point:
+            raise SystemExit(f"error: model entry {key} is {first_dtype} in {first_path} but {dtype} in {path}")
+
+
 def average(paths):
-    summed, state = collections.OrderedDict(), None
+    """The state of the newest (last) checkpoint with its floating-point model entries averaged over
+    all of `paths`."""
+    summed, first, state = collections.OrderedDict(), None, None
     for path in paths:
         state = checkpoint_utils.load_checkpoint_to_cpu(path)
-        for key, value in state["model"].items():
-            value = value.double() if value.is_floating_point() else value
-            if key not in summed:
-                summed[key] = value.clone()
-            elif value.is_floating_point():
-                summed[key] += value
-    model = collections.OrderedDict()
+        model = state["model"]
+        if first is None:
+            first = (path, entries(model))
+        else:  # models that differ in their entries cannot be averaged entry by entry
+            check_same_entries(*first, path, entries(model))
+        for key, value in model.items():
+            if value.is_floating_point():
+                summed[key] = value.double() + summed[key] if key in summed else value.double()
+            else:
+                summed[key] = value  # the newest one's, once the loop ends
+    averaged = collections.OrderedDict()
     for key, value in summed.items():
-        model[key] = (value / len(paths)).float() if value.is_floating_point() else value
-    state["model"] = model
+        averaged[key] = (value / len(paths)).float() if value.is_floating_point() else value
+    state["model"] = averaged
     return state
 
 
@@ -57,18 +92,30 @@ def main(argv=None):
     p.add_argument("--inputs", nargs="+", required=True)
     p.add_argument("--output", required=True)
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--num-epoch-checkpoints", type=int)
-    group.add_argument("--num-update-checkpoints", type=int)
+    group.add_argument("--num-epoch-checkpoints", type=at_least(1))
+    group.add_argument("--num-update-checkpoints", type=at_least(1))
     args = p.parse_args(argv)
-    if args.num_epoch_checkpoints or args.num_update_checkpoints:
-        if len(args.inputs) != 1:
-            raise SystemExit("with --num-*-checkpoints give one directory as --inputs")
-        paths = last_checkpoints(args.inputs[0], args.num_epoch_checkpoints or args.num_update_checkpoints,
-                                 by_update=bool(args.num_update_checkpoints))
+    count = args.num_epoch_checkpoints if args.num_epoch_checkpoints is not None else args.num_update_checkpoints
+    if count is not None:
+        if len(args.inputs) != 1 or not os.path.isdir(args.inputs[0]):
+            p.error("with --num-*-checkpoints give one folder as --inputs")
+        paths = last_checkpoints(args.inputs[0], count, by_update=args.num_update_checkpoints is not None)
     else:
         paths = args.inputs
+        for path in paths:
+            if not os.path.isfile(path):
+                p.error(f"no checkpoint file {path}")
     state = average(paths)
-    torch.save(state, args.output)
+    # saved beside the output first: an output that is one of the inputs is replaced whole or not at all
+    handle = tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(args.output)),
+                                         prefix=f".{os.path.basename(args.output)}.", suffix=".tmp", delete=False)
+    try:
+        with handle:
+            torch.save(state, handle)
+        os.replace(handle.name, args.output)
+    except BaseException:
+        os.unlink(handle.name)
+        raise
     print(f"averaged {len(paths)} checkpoints: {', '.join(os.path.basename(p) for p in paths)} -> {args.output}")
 
 

@@ -37,14 +37,16 @@ def generate(data_bin, checkpoint, subset, beam, lenpen, batch_size, extra):
 
 
 def parse(output):
+    """(sources, hypotheses, references) by sentence id from fairseq-generate's S-/H-/T- lines. With
+    --nbest N it prints N H- lines per sentence, best first: the first one is scored."""
     src, hyp, ref = {}, {}, {}
-    for line in output.splitlines():
+    for line in output.split("\n"):  # only fairseq's line ends (a sentence may hold U+2028 and the like)
         match = re.match(r"^([SHT])-(\d+)\t(.*)$", line)
         if match:
             kind, idx, rest = match.group(1), int(match.group(2)), match.group(3)
             if kind == "H":
                 rest = rest.split("\t", 1)[1] if "\t" in rest else ""
-            {"S": src, "H": hyp, "T": ref}[kind][idx] = rest
+            {"S": src, "H": hyp, "T": ref}[kind].setdefault(idx, rest)
     ids = sorted(hyp)
     return [src.get(i, "") for i in ids], [hyp[i] for i in ids], [ref.get(i, "") for i in ids]
 

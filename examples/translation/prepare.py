@@ -2,7 +2,9 @@
 """Sentencepiece (Python API) + fairseq-preprocess for a raw parallel corpus.
 
 RAW_DIR holds train.SRC, train.TGT, valid.*, test.* (plain, untokenised text, one sentence per
-line; get_wmt14_en_de.sh / get_iwslt14_de_en.sh write that layout). Writes:
+line; get_wmt14_en_de.sh / get_iwslt14_de_en.sh write that layout). Lines end at line ends only, as
+fairseq-preprocess reads them (a U+2028 or form feed inside a sentence stays in it), and the two
+sides of each split must have as many lines (checked before anything is written). Writes:
   DEST/spm.model, DEST/spm.vocab      joint sentencepiece model (trained on train.SRC + train.TGT)
   DEST/spm/{split}.{lang}             encoded text
   DEST/bin/                           fairseq-preprocess output (--joined-dictionary)
@@ -13,6 +15,9 @@ import sys
 from pathlib import Path
 
 import sentencepiece as spm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from script_helpers import check_parallel, read_lines  # noqa: E402
 
 
 def main(argv=None):
@@ -29,6 +34,13 @@ def main(argv=None):
     p.add_argument("--splits", default="train,valid,test")
     p.add_argument("--workers", type=int, default=8)
     args = p.parse_args(argv)
+    if not args.raw_dir.is_dir():
+        p.error(f"no folder {args.raw_dir}")
+    splits = [s for s in args.splits.split(",") if (args.raw_dir / f"{s}.{args.src}").exists()
+              or (args.raw_dir / f"{s}.{args.tgt}").exists()]
+    # every split checked before anything is written (train too: sentencepiece is trained on it)
+    for split in dict.fromkeys(["train"] + splits):
+        check_parallel(args.raw_dir / f"{split}.{args.src}", args.raw_dir / f"{split}.{args.tgt}", p.error)
 
     args.dest.mkdir(parents=True, exist_ok=True)
     prefix = args.dest / "spm"
@@ -41,10 +53,9 @@ def main(argv=None):
 
     encoded = args.dest / "spm"
     encoded.mkdir(exist_ok=True)
-    splits = [s for s in args.splits.split(",") if (args.raw_dir / f"{s}.{args.src}").exists()]
     for split in splits:
         for lang in (args.src, args.tgt):
-            lines = (args.raw_dir / f"{split}.{lang}").read_text(encoding="utf-8").splitlines()
+            lines = read_lines(args.raw_dir / f"{split}.{lang}")
             with open(encoded / f"{split}.{lang}", "w", encoding="utf-8") as out:
                 for piece in sp.encode(lines, out_type=str):
                     out.write(" ".join(piece) + "\n")

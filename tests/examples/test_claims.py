@@ -1,8 +1,10 @@
 """examples/claims/: the papers' small claims at toy size. Process-50 (AT5 paper, table 1): the data
 follow the description (two Markov chains, P(repeat) 0.57 / 0.43, balanced classes, Bayes rate from
 the exact formula matches the Bayes classifier on generated data), and the runner goes through
-fairseq-preprocess, fairseq-train and fairseq-validate and prints its table: one run per entry and
-seed, each row holding the accuracies fairseq logged for its runs (read back from the logs here)."""
+fairseq-preprocess, fairseq-train and a count of the best checkpoint's right answers
+(examples/checkpoint_eval.py) and prints its table: one run per entry and seed, each row holding the
+accuracies of its runs (read back from the logs here: counts, and the validations fairseq logged)."""
+import argparse
 import json
 import math
 import random
@@ -66,6 +68,14 @@ def logged_accuracies(log_text, subset):
     return accuracies
 
 
+def counted(log_text, subset):
+    """(right, examples) of `subset` as examples/checkpoint_eval.py printed them in a run's test.log
+    (the runner's own pass over the best checkpoint: counts, where fairseq logs rounded accuracies)."""
+    found = re.findall(rf"^{subset}: (\d+) of (\d+) correct", log_text, flags=re.M)
+    assert len(found) == 1, log_text[-2000:]
+    return tuple(int(x) for x in found[0])
+
+
 def assert_counts_of(accuracy, sequences):
     """An accuracy really measured on `sequences` examples: a whole number of them right (fairseq's
     sentence_prediction logs the percentage rounded to one decimal)."""
@@ -103,16 +113,16 @@ def test_process50_runs_through_fairseq_and_prints_the_table(tmp_path):
     assert set(results) == {(entry, 1) for entry in entries}  # one run per entry (one seed)
     for entry in entries:
         folder = tmp_path / re.sub(r"[^A-Za-z0-9_.-]+", "_", entry).strip("_")
-        tested = logged_accuracies((folder / "test.log").read_text(), "test")
+        right, examples = counted((folder / "test.log").read_text(), "test")
         validated = logged_accuracies((folder / "train.log").read_text(), "valid")
-        assert len(tested) == 1 and len(validated) == 1  # fairseq-validate once; one epoch, one validation
-        assert_counts_of(tested[0], 64)
+        assert examples == 64 and len(validated) == 1  # every test sequence counted; one epoch, one validation
         assert_counts_of(validated[0], 64)
         result = results[(entry, 1)]
-        assert result["test"] == pytest.approx(tested[0], abs=1e-9)  # the run's own accuracy, as fairseq logged it
-        assert result["valid"] == pytest.approx(validated[0], abs=1e-9)
+        assert result["test"] == right / 64  # the run's own accuracy, exact
+        # the best checkpoint's validation recounted: what fairseq-train logged, to its 0.1%
+        assert result["valid_examples"] == 64 and abs(result["valid"] - validated[0]) <= 0.0005 + 1e-9
         test_cell, valid_cell, seeds = rows[f"`{entry}`"][:3]
-        assert (test_cell, valid_cell, seeds) == (f"{tested[0]:.3f}", f"{validated[0]:.3f}", "1/1")
+        assert (test_cell, valid_cell, seeds) == (f"{result['test']:.3f}", f"{result['valid']:.3f}", "1/1")
     assert re.search(r"at5_length_scale.: 50|--at5-length-scale', '50'|--at5-length-scale 50",
                      (tmp_path / "roberta_at5_--at5-length-scale_50" / "train.log").read_text())
 
@@ -158,16 +168,17 @@ def test_negation_scope_runs_through_fairseq_with_the_reach_column(tmp_path):
         tested, best_valid, reached = [], [], []
         for seed in (1, 2):
             folder = tmp_path / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', entry).strip('_')}_seed{seed}"
-            test_accuracies = logged_accuracies((folder / "test.log").read_text(), "test")
+            right, examples = counted((folder / "test.log").read_text(), "test")
             curve = logged_accuracies((folder / "train.log").read_text(), "valid")
-            assert len(test_accuracies) == 1 and len(curve) == 2  # fairseq-validate once; a validation per epoch
-            for accuracy in (*test_accuracies, *curve):
+            assert examples == 64 and len(curve) == 2  # every test sequence counted; a validation per epoch
+            for accuracy in curve:
                 assert_counts_of(accuracy, 64)
             result = results[(entry, seed)]
-            assert result["test"] == pytest.approx(test_accuracies[0], abs=1e-9)  # the run's own, as fairseq logged it
-            assert result["valid_curve"] == pytest.approx(curve, abs=1e-9)
-            tested.append(test_accuracies[0])
-            best_valid.append(max(curve))
+            assert result["test"] == right / 64  # the run's own, exact
+            assert result["valid_curve"] == pytest.approx(curve, abs=1e-9)  # as fairseq logged it
+            assert abs(result["valid"] - max(curve)) <= 0.0005 + 1e-9  # the best checkpoint's, recounted
+            tested.append(result["test"])
+            best_valid.append(result["valid"])
             reached += [epoch for epoch, accuracy in enumerate(curve, start=1) if accuracy >= 0.9][:1]
         test, valid, reach = rows[f"`{entry}`"][:3]
         for cell, values in ((test, tested), (valid, best_valid)):  # mean ± sd (each seed's, in seed order)
@@ -193,6 +204,38 @@ def test_runner_reach_column_and_fairseq_module_fallback(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "BIN", tmp_path)  # no console scripts here
     monkeypatch.setenv("PATH", str(tmp_path))
     assert runner.fairseq_command("fairseq-validate") == [sys.executable, "-m", "fairseq_cli.validate"]
+
+
+@pytest.mark.parametrize("option", ["--jobs", "--threads"])
+def test_the_claims_refuse_fewer_than_one_job_before_writing_anything(tmp_path, capsys, option):
+    for script in ("process50.py", "negation_scope.py"):
+        with pytest.raises(SystemExit) as exit_info:
+            load_script(CLAIMS / script).main(["--out", str(tmp_path / "out"), option, "0"])
+        assert exit_info.value.code == 2 and f"argument {option}: must be at least 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_runner_keeps_the_counts_of_right_answers(tmp_path, monkeypatch):
+    """A run's accuracies are its counts of right answers (checkpoint_eval.py's, here canned), not the
+    accuracies fairseq logs rounded to 0.1%; the validation curve stays as logged (the reach column)."""
+    runner = load_script(CLAIMS / "runner.py")
+    commands = []
+
+    def fake_run(command, log, env):
+        commands.append([str(part) for part in command])
+        with open(log, "a") as out:
+            if str(command[0]) == "fairseq-train":
+                out.write("2024-01-01 00:00:00 | INFO | valid | epoch 001 | valid on 'valid' subset | loss 0.5 | "
+                          "accuracy 84.4 | wps 1 | num_updates 8\n")  # (fairseq-train's format)
+            else:
+                out.write("valid: 844 of 1000 correct (84.40%)\ntest: 4217 of 5000 correct (84.34%)\n")
+    monkeypatch.setattr(runner, "run", fake_run)
+    args = argparse.Namespace(cuda=False, lr=1e-3, batch_size=64, epochs=1)
+    result = runner.train_and_test("roberta_t5", 1, tmp_path / "bin", tmp_path / "work", [], args, {})
+    assert commands[1][:2] == [sys.executable, str(REPO / "examples" / "checkpoint_eval.py")]
+    assert commands[1][commands[1].index("--subsets") + 1] == "valid,test" and "--cpu" in commands[1]
+    assert result["test"] == 4217 / 5000 and (result["test_correct"], result["test_examples"]) == (4217, 5000)
+    assert result["valid"] == 844 / 1000 and result["valid_curve"] == pytest.approx([0.844])  # as logged
 
 
 @pytest.mark.slow

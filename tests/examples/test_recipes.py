@@ -138,6 +138,7 @@ def test_race_recipe(tiny_roberta, tmp_path):
                "--cpu"], env=ENV)
     for level in ("middle", "high", "all"):
         number(rf"RACE {level} accuracy", out)
+    assert "of 4 right)" in out and "of 8 right)" in out  # each level's questions counted, then all of them
 
 
 # ---------------------------------------------------------------- 4. FLOATER dynamics pre-training

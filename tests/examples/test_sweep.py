@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from test_claims import logged_accuracies
+from test_claims import counted
 from util import BIN, REPO, load_script, run
 
 SWEEP = REPO / "examples" / "claims" / "sweep.py"
@@ -89,7 +89,8 @@ def test_a_toy_sweep_runs_every_cell_through_fairseq_and_resumes(tmp_path, sweep
         assert "'clip_norm': 1.0" in log and "'adam_betas': '(0.9,0.98)'" in log
         assert re.search(r"[ (]dropout=0\.1,", log) and re.search(r"[ (]attention_dropout=0\.1,", log)
         assert "encoder_ffn_embed_dim=256," in log
-        assert r["test"] == pytest.approx(logged_accuracies((work / "test.log").read_text(), "test")[0], abs=1e-9)
+        right, examples = counted((work / "test.log").read_text(), "test")
+        assert examples == 32 and r["test"] == right / examples  # the run's count of right answers
     table = (tmp_path / "sweep" / "results.md").read_text()
     assert table in out and table.count("/1 (") == 4  # 2 cells x 2 encodings, one run each
     again = run(command, env={"PATH": str(BIN)})  # every run recorded: nothing trains again
@@ -122,6 +123,13 @@ def test_the_traced_run_is_the_sweeps_run(tmp_path):
     assert steps[0]["groups"]["table"]["update"] == 0 and all(r["groups"]["table"]["update"] > 0 for r in steps[1:])
     assert len(records[-1]["bias"]) == 4 and len(records[-1]["bias"][0]) == 7  # heads x d = -3..3
     assert "| table |" in out
+
+
+@pytest.mark.parametrize("option", ["--jobs", "--threads"])
+def test_the_sweep_refuses_fewer_than_one_job(sweep, capsys, option):
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.parse(["--out", "x", option, "0"])
+    assert exit_info.value.code == 2 and f"argument {option}: must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_each_run_records_the_trees_commit_unless_told(sweep):

@@ -1,0 +1,71 @@
+"""Helpers the example scripts share: option types that refuse out-of-range numbers at parse time,
+reading text files line by line as fairseq does, parallel files checked to match line for line, and
+writing a file whole or not at all."""
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+
+def at_least(minimum: int):
+    """An argparse `type`: an integer >= minimum, else a usage error naming the bound."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"  # what argparse names in its message
+    return parse
+
+
+def read_lines(path: Path) -> list:
+    """The lines of a UTF-8 text file as fairseq-preprocess and sentencepiece read them: split at line
+    ends only (\\n, \\r\\n, \\r), not at U+2028, NEL or form feed as str.splitlines would split, which
+    would shift every later line against a parallel file."""
+    lines = Path(path).read_text(encoding="utf-8").split("\n")  # read_text turns \r\n and \r into \n
+    if lines[-1] == "":  # the last line's end, or an empty file
+        lines.pop()
+    return lines
+
+
+def _check_parallel(source: Path, target: Path, fail, lines_of):
+    """(lines_of(source), lines_of(target)), after `fail(message)` if a file is missing or their line
+    counts (len) differ: a line added or lost would pair every later line wrongly."""
+    for path, other in ((source, target), (target, source)):
+        if not Path(path).is_file():
+            fail(f"no file {path} (the other side of {other})")
+    source_lines, target_lines = lines_of(source), lines_of(target)
+    if len(source_lines) != len(target_lines):
+        fail(f"{source} has {len(source_lines)} lines but {target} has {len(target_lines)}: parallel files "
+             f"must match line for line")
+    return source_lines, target_lines
+
+
+def read_parallel(source: Path, target: Path, fail) -> list:
+    """[(source line, target line)] of two parallel files; `fail(message)` (e.g. parser.error) if one
+    is missing or their line counts differ."""
+    return list(zip(*_check_parallel(source, target, fail, read_lines)))
+
+
+def check_parallel(source: Path, target: Path, fail):
+    """read_parallel's checks, keeping one file in memory at a time (for large corpora)."""
+    _check_parallel(source, target, fail, lambda path: [None] * len(read_lines(path)))
+
+
+def write_text_atomic(path: Path, text: str, encoding="utf-8"):
+    """Write `text` to `path` through a temporary file in the same folder, so that `path` is either
+    its old self or the whole new text, never half written."""
+    path = Path(path)
+    handle = tempfile.NamedTemporaryFile("w", encoding=encoding, dir=path.parent, prefix=f".{path.name}.",
+                                         suffix=".tmp", delete=False)
+    try:
+        with handle:
+            handle.write(text)
+        os.replace(handle.name, path)
+    except BaseException:
+        os.unlink(handle.name)
+        raise

@@ -1,0 +1,137 @@
+"""examples/translation/'s scripts on hand-made inputs, without training: average_checkpoints.py (its
+options, models that cannot be averaged, what it keeps of the newest checkpoint), prepare.py (parallel
+files line for line) and evaluate.py's reading of fairseq-generate's output (--nbest)."""
+import random
+import sys
+
+import pytest
+import torch
+
+from util import REPO, load_script, run
+
+TRANSLATION = REPO / "examples" / "translation"
+
+
+@pytest.fixture(scope="module")
+def averaging():
+    return load_script(TRANSLATION / "average_checkpoints.py")
+
+
+def save_checkpoint(path, model):
+    """A checkpoint as fairseq saves one, holding `model` as its state dict."""
+    torch.save({"model": model, "args": None, "cfg": None, "extra_state": {"epoch": 1}, "last_optimizer_state": None,
+                "optimizer_history": [{"criterion_name": "c", "optimizer_name": "adam", "num_updates": 0,
+                                       "lr_scheduler_state": {"best": 0.0}}]}, path)
+    return path
+
+
+def usage_error(capsys, main, *argv):
+    """The stderr of main(argv), which must end in an error exit (2: usage, 1: SystemExit message)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(arg) for arg in argv])
+    assert exit_info.value.code not in (0, None)
+    return capsys.readouterr().err + str(exit_info.value.code)
+
+
+@pytest.mark.parametrize("option", ["--num-epoch-checkpoints", "--num-update-checkpoints"])
+@pytest.mark.parametrize("count", ["0", "-1"])
+def test_average_checkpoints_refuses_a_count_below_one(averaging, tmp_path, capsys, option, count):
+    for epoch in (1, 2):
+        save_checkpoint(tmp_path / f"checkpoint{epoch}.pt", {"w": torch.tensor([float(epoch)])})
+    err = usage_error(capsys, averaging.main, "--inputs", tmp_path, option, count, "--output", tmp_path / "avg.pt")
+    assert f"argument {option}: must be at least 1, got {count}" in err
+    assert not (tmp_path / "avg.pt").exists()
+
+
+def test_average_checkpoints_refuses_models_with_other_entries_or_shapes(averaging, tmp_path, capsys):
+    a = save_checkpoint(tmp_path / "a.pt", {"w": torch.tensor([2.0]), "extra": torch.tensor([4.0])})
+    b = save_checkpoint(tmp_path / "b.pt", {"w": torch.tensor([4.0])})
+    assert f"model entry extra is in {a} but not in {b}" in usage_error(
+        capsys, averaging.main, "--inputs", a, b, "--output", tmp_path / "avg.pt")
+    assert f"model entry extra is in {a} but not in {b}" in usage_error(  # the other way round too
+        capsys, averaging.main, "--inputs", b, a, "--output", tmp_path / "avg.pt")
+    c = save_checkpoint(tmp_path / "c.pt", {"w": torch.tensor([1.0, 2.0, 3.0, 4.0])})
+    d = save_checkpoint(tmp_path / "d.pt", {"w": torch.tensor([10.0])})  # would broadcast
+    assert f"model entry w has shape (4,) in {c} but (1,) in {d}" in usage_error(
+        capsys, averaging.main, "--inputs", c, d, "--output", tmp_path / "avg.pt")
+    assert not (tmp_path / "avg.pt").exists()
+
+
+def test_average_checkpoints_averages_floats_and_keeps_the_newest_integers(averaging, tmp_path, capsys):
+    for epoch in (1, 2, 3):
+        save_checkpoint(tmp_path / f"checkpoint{epoch}.pt",
+                        {"w": torch.tensor([float(epoch)]), "half": torch.tensor([epoch], dtype=torch.float16),
+                         "count": torch.tensor(10 * epoch)})
+    averaging.main(["--inputs", str(tmp_path), "--num-epoch-checkpoints", "2", "--output", str(tmp_path / "avg.pt")])
+    assert "checkpoint2.pt, checkpoint3.pt" in capsys.readouterr().out
+    model = torch.load(tmp_path / "avg.pt", weights_only=False)["model"]
+    assert model["w"].tolist() == [2.5] and model["w"].dtype == torch.float32
+    assert model["half"].tolist() == [2.5] and model["half"].dtype == torch.float32  # as documented
+    assert model["count"].item() == 30  # the newest one's, as documented (not the oldest's 20)
+    # files given: the last one given is the newest
+    averaging.main(["--inputs", str(tmp_path / "checkpoint3.pt"), str(tmp_path / "checkpoint1.pt"),
+                    "--output", str(tmp_path / "avg.pt")])
+    assert torch.load(tmp_path / "avg.pt", weights_only=False)["model"]["count"].item() == 10
+
+
+def test_average_checkpoints_names_a_missing_input(averaging, tmp_path, capsys):
+    err = usage_error(capsys, averaging.main, "--inputs", tmp_path / "missing.pt", "--output", tmp_path / "x.pt")
+    assert "no checkpoint file" in err and "missing.pt" in err and "Traceback" not in err
+    err = usage_error(capsys, averaging.main, "--inputs", tmp_path / "nowhere", "--num-epoch-checkpoints", "2",
+                      "--output", tmp_path / "x.pt")
+    assert "give one folder as --inputs" in err
+
+
+# ---------------------------------------------------------------- prepare.py
+def write_pair(folder, split, source_lines, target_lines, src="en", tgt="de"):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{split}.{src}").write_text("".join(line + "\n" for line in source_lines), encoding="utf-8")
+    (folder / f"{split}.{tgt}").write_text("".join(line + "\n" for line in target_lines), encoding="utf-8")
+
+
+def test_prepare_refuses_parallel_files_of_different_lengths(tmp_path, capsys):
+    prepare = load_script(TRANSLATION / "prepare.py")
+    raw = tmp_path / "raw"
+    write_pair(raw, "train", ["a b", "c d", "e f"], ["A B", "C D", "E F"])
+    write_pair(raw, "valid", ["a b", "c d"], ["A B"])
+    err = usage_error(capsys, prepare.main, raw, tmp_path / "out", "--src", "en", "--tgt", "de")
+    assert f"{raw / 'valid.en'} has 2 lines but {raw / 'valid.de'} has 1" in err
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_prepare_splits_lines_at_line_ends_only(tmp_path):
+    """A U+2028 (or NEL, form feed) inside a sentence is not a line end for fairseq-preprocess: the
+    encoded files keep one line per input line, so every pair stays a pair."""
+    prepare = TRANSLATION / "prepare.py"
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(30)]
+    source = [" ".join(rng.choice(words) for _ in range(rng.randint(2, 6))) for _ in range(60)]
+    source[5] += "\u2028tail"
+    source[7] += "\x85more\x0cand more"
+    target = [line.upper() for line in source]
+    raw = tmp_path / "raw"
+    for split, count in (("train", 60), ("test", 10)):
+        write_pair(raw, split, source[:count], target[:count])
+    run([sys.executable, prepare, raw, tmp_path / "out", "--vocab-size", "60", "--workers", "1", "--src", "en",
+         "--tgt", "de"])
+    for split, count in (("train", 60), ("test", 10)):
+        for lang in ("en", "de"):
+            encoded = (tmp_path / "out" / "spm" / f"{split}.{lang}").read_text(encoding="utf-8")
+            assert encoded.count("\n") == count, (split, lang)
+
+
+# ---------------------------------------------------------------- evaluate.py
+def test_evaluate_scores_the_best_of_nbest_hypotheses():
+    """fairseq-generate --nbest 2 prints each sentence's hypotheses best first (fairseq_cli/generate.py)."""
+    evaluate = load_script(TRANSLATION / "evaluate.py")
+    output = "\n".join([
+        "S-0\tdas ist ein kleiner test", "T-0\tthis is a small test",
+        "H-0\t-0.10\tthis is a small test", "D-0\t-0.10\tthis is a small test", "P-0\t-0.1 -0.1",
+        "H-0\t-0.90\tbanana", "D-0\t-0.90\tbanana", "P-0\t-0.9",
+        "S-1\tnoch ein satz hier", "T-1\tanother sentence here",
+        "H-1\t-0.20\tanother sentence here", "D-1\t-0.20\tanother sentence here", "P-1\t-0.2",
+        "H-1\t-0.95\tapple", "D-1\t-0.95\tapple", "P-1\t-0.9",
+    ]) + "\n"
+    sources, hypotheses, references = evaluate.parse(output)
+    assert hypotheses == references == ["this is a small test", "another sentence here"]
+    assert evaluate.bleu(hypotheses, references) == pytest.approx(100.0)

@@ -1,0 +1,51 @@
+"""scripts/fingerprint.py compare on hand-made dumps: bit for bit (-0.0 against +0.0, NaNs in other
+places or with other payloads differ; NaNs in the same places with the same bits do not), and a
+missing file named in one line. (`dump` itself runs every encoding: it is the refactoring check.)"""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from util import REPO, load_script
+
+FINGERPRINT = REPO / "scripts" / "fingerprint.py"
+
+
+@pytest.fixture(scope="module")
+def fingerprint():
+    return load_script(FINGERPRINT)
+
+
+def compared(fingerprint, capsys, tmp_path, a, b):
+    torch.save(a, tmp_path / "a.pt")
+    torch.save(b, tmp_path / "b.pt")
+    status = fingerprint.compare(str(tmp_path / "a.pt"), str(tmp_path / "b.pt"))
+    return status, capsys.readouterr().out
+
+
+def test_compare_is_bit_for_bit(fingerprint, capsys, tmp_path):
+    nan = float("nan")
+    other_nan = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)  # a NaN with another payload
+    a = {"zero": torch.tensor([0.0, 1.0]), "nan_places": torch.tensor([nan, 1.0, 2.0]),
+         "nan_payload": torch.tensor([nan]), "same_nan": torch.tensor([nan, 3.0]), "apart": torch.tensor([1.0, 2.0]),
+         "integers": torch.tensor([1, 2, 3])}
+    b = {"zero": torch.tensor([-0.0, 1.0]), "nan_places": torch.tensor([1.0, nan, 2.0]), "nan_payload": other_nan,
+         "same_nan": torch.tensor([nan, 3.0]), "apart": torch.tensor([1.0, 2.5]), "integers": torch.tensor([1, 2, 4])}
+    status, out = compared(fingerprint, capsys, tmp_path, a, b)
+    assert status == 1 and "5 differ" in out
+    assert "DIFF zero: equal values, other bits" in out
+    assert "DIFF nan_payload: equal values, other bits" in out
+    assert "DIFF nan_places: NaN against a number in 2 places" in out  # not "max abs diff 0.000e+00"
+    assert "DIFF apart: max abs diff 5.000e-01" in out
+    assert "DIFF integers: 1 of 3 entries differ" in out
+    assert "same_nan" not in out
+    status, out = compared(fingerprint, capsys, tmp_path, {"same_nan": a["same_nan"]}, {"same_nan": b["same_nan"]})
+    assert status == 0 and "0 differ" in out
+
+
+def test_compare_names_a_missing_file(tmp_path):
+    torch.save({"x": torch.zeros(1)}, tmp_path / "a.pt")
+    done = subprocess.run([sys.executable, str(FINGERPRINT), "compare", str(tmp_path / "a.pt"),
+                           str(tmp_path / "missing.pt")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stderr.strip() == f"error: no file {tmp_path / 'missing.pt'}"
