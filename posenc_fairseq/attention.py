@@ -67,6 +67,12 @@ class PositionBinding:
         self.encoding, self.role, self.layer = encoding, role, layer
 
 
+def linear(module: torch.nn.Module, x: Tensor, calls_module: bool) -> Tensor:
+    """module(x) where `calls_module`, else its weight and bias applied without calling it (no hooks
+    run), as stock's fused attention path applies its projections."""
+    return module(x) if calls_module else F.linear(x, module.weight, module.bias)
+
+
 def bound_attentions(model: torch.nn.Module) -> List[Tuple[str, int, "PositionalAttention"]]:
     """(role, layer, attention) of every `PositionalAttention` of `model` bound to an encoding, in
     module order: what the model tells an encoding that keeps per-layer state of the attention
@@ -180,15 +186,20 @@ class PositionalAttention(MultiheadAttention):
         use, context = NO_HOOKS, None
         if binding is not None:
             use, context = hook_use(binding.encoding), binding.encoding.contexts.get(stack_of(binding.role))
+        # Stock's fused path (a call without incremental state or static keys) reads the projections'
+        # weights without calling the modules, so their hooks (fairseq's --quant-noise-pq) do not run
+        calls_modules = (incremental_state is not None or static_kv or self.skip_embed_dim_check
+                         or self.onnx_trace)
         q, k, v, key_padding_mask, source_keys = self._projected(query, key, value, key_padding_mask,
-                                                                  incremental_state, static_kv, use.projects, context)
+                                                                  incremental_state, static_kv, use.projects, context,
+                                                                  calls_modules)
         call = self._call(q, k, v, attn_mask, key_padding_mask, source_keys, need_weights, before_softmax, use,
                           context)
         call_plan = plan(call)
         out, probs = serve(call, call_plan, self._modules["dropout_module"])
         if call_plan.kernel is Kernel.LOGITS:  # fairseq's before_softmax: the logits and the values
             return out.reshape(-1, tgt_len, out.size(-1)), call.v.reshape(-1, out.size(-1), self.head_dim)
-        out = self._modules["out_proj"](out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, -1))
+        out = linear(self._modules["out_proj"], out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, -1), calls_modules)
         weights = None
         if need_weights:
             weights = probs.transpose(0, 1)  # (H, B, T, S)
@@ -198,10 +209,10 @@ class PositionalAttention(MultiheadAttention):
 
     def _projected(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor],
                    key_padding_mask: Optional[Tensor], incremental_state, static_kv: bool, projects: bool,
-                   context: Optional[PassContext]):
+                   context: Optional[PassContext], calls_modules: bool):
         """q (B, H, Tq, D), unscaled, and the keys and values (B, H, Tk, D) of the call: projected
         with the encoding's projection hooks (`projects`: it has some; the positions of the stack's
-        pass `context`), after the cached ones of incremental decoding, one copy per beam; the key
+        pass `context`), by calling the projection modules where stock does (`calls_modules`), after the cached ones of incremental decoding, one copy per beam; the key
         padding mask that goes with them, and the number of source keys before the target keys
         (--cross-self-attention's decoder self-attention, else 0)."""
         tgt_len, bsz, _ = query.size()
@@ -228,7 +239,7 @@ class PositionalAttention(MultiheadAttention):
                 source_keys = key.size(0) - tgt_len
                 if projects and source_keys and context.source is not None:
                     key_positions = torch.cat([tensor_of(context.source), tensor_of(key_positions)], dim=1)
-        q = self._project("q", query, query_positions, projects)
+        q = self._project("q", query, query_positions, projects, calls_modules)
         k = v = None
         if self.self_attention:
             key = value = query
@@ -240,8 +251,8 @@ class PositionalAttention(MultiheadAttention):
                     key_padding_mask = key_padding_mask.view(-1, self.beam_size, key_padding_mask.size(1))[:, 0, :]
                 if key_positions is not None:
                     key_positions = first_of_each_beam(key_positions, self.beam_size)
-            k = self._project("k", key, key_positions, projects)
-            v = self._project("v", value, key_positions, projects)
+            k = self._project("k", key, key_positions, projects, calls_modules)
+            v = self._project("v", value, key_positions, projects, calls_modules)
 
         q = q.view(tgt_len, bsz, heads, head_dim).permute(1, 2, 0, 3)  # (B, H, T, D)
         if k is not None:
@@ -331,21 +342,23 @@ class PositionalAttention(MultiheadAttention):
         applies = module.training or getattr(module, "apply_during_inference", False)
         return float(module.p) if applies else 0.0
 
-    def _project(self, which: str, x: Tensor, positions: Optional[AnyPositions], projects: bool) -> Tensor:
+    def _project(self, which: str, x: Tensor, positions: Optional[AnyPositions], projects: bool,
+                 calls_modules: bool) -> Tensor:
         """`{which}_proj(x)`, with the encoding's per-token bias and its project hook (`projects`: it
-        has some)."""
+        has some); the module called (its hooks run) only where `calls_modules`, as in stock."""
         projection = self._modules[which + "_proj"]  # (once per projection of every decoding step)
         binding = self.position_binding
         if not projects:
-            return projection(x)
+            return linear(projection, x, calls_modules)
         kept = self._kept_heads()
         bias = binding.encoding.projection_bias(binding.role, binding.layer, which, positions)
         if bias is None:
-            y = projection(x)
+            y = linear(projection, x, calls_modules)
         else:
             if kept is not None:  # the encoding's bias covers all the original heads
                 bias = bias.index_select(-1, self._kept_channels())
-            if type(projection) is torch.nn.Linear and not (projection._forward_hooks or projection._forward_pre_hooks):
+            hooked = calls_modules and bool(projection._forward_hooks or projection._forward_pre_hooks)
+            if type(projection) is torch.nn.Linear and not hooked:
                 if bias.dim() == 1:  # one bias for every token (a decoding step)
                     y = F.linear(x, projection.weight, bias)
                 elif x.size(0) == 1:  # a decoding step: the fewest calls

@@ -79,3 +79,25 @@ def test_fairseq_input_position_flags_build_what_stock_builds(translation_data):
     args.input_positions = "bogus"  # as a stored config or --model-overrides would give it
     with pytest.raises(OptionValueError, match=r"^--input-positions bogus: expected one of none, sinusoidal"):
         set_position_defaults(args, "t5")
+
+
+def test_quant_noise_touches_the_weights_stock_touches(translation_data):
+    """--quant-noise-pq: fairseq's hook zeroes random blocks of a weight, in place, each time its module
+    runs in training. Stock's fused self-attention path reads q/k/v/out_proj's weights without calling
+    them (their hooks never run there); cross-attention and the FFN run theirs. A training step from
+    one seed leaves our weights and loss equal to stock's."""
+    options = ["--quant-noise-pq", "0.5", "--quant-noise-pq-block-size", "8"]
+    stock, ours, task, _, (src, src_lengths, prev) = stock_and_sinusoidal(translation_data, options)
+    losses = []
+    for model in (stock, ours):
+        model.train()
+        torch.manual_seed(1)
+        losses.append(model(src, src_lengths, prev)[0].float().pow(2).mean())
+        losses[-1].backward()
+    assert (losses[0] - losses[1]).abs() <= 1e-5
+    ours_state = {k: v for k, v in ours.state_dict().items() if not k.startswith("positional_encoding.")}
+    changed = [k for k, v in stock.state_dict().items() if not torch.equal(ours_state[k], v)]
+    assert not changed, changed
+    untouched = stock_and_sinusoidal(translation_data, options)[0].state_dict()
+    noised = {k.split(".")[-2] for k, v in stock.state_dict().items() if not torch.equal(untouched[k], v)}
+    assert "fc1" in noised and "q_proj" in noised  # (the FFN's and cross-attention's: the test sees noise)
