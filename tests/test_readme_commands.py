@@ -1,7 +1,8 @@
 """Every command line README.md documents (shell blocks, and inline commands in the text) runs as
 written, or is listed here with the reason it cannot run in a test.
 
-What a test may change, and nothing else: placeholders (DATA-BIN, DATA, `...` = tiny model and
+What a test may change, and nothing else: placeholders (DATA-BIN, DATA, CHECKPOINT = a tiny
+classifier that the test trains for checkpoint_eval.py, whose DATA-BIN is its data; `...` = tiny model and
 training options, R and PORT of the per-rank command), training lengths (`--max-update`, and
 `--workdir` for the demo so it writes into a temporary folder; `make -o .venv/.installed` so that a
 test never rebuilds the environment), `python` = this interpreter, and
@@ -90,6 +91,26 @@ def demo_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("demo")
 
 
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory, lm_data, workspace):
+    """(DATA-BIN, CHECKPOINT) of sentence_prediction: input0/ and label/ binarised (label = whether a
+    sentence is longer than 6 words), and a tiny roberta_t5 trained on it for one update."""
+    root = tmp_path_factory.mktemp("classifier")
+    for split, count, seed in (("train", 60, 3), ("valid", 12, 4), ("test", 12, 7)):
+        sentences = monolingual_corpus(count, seed=seed)
+        (root / f"{split}.input0").write_text("\n".join(sentences) + "\n")
+        (root / f"{split}.label").write_text("".join(f"{'long' if len(s.split()) > 6 else 'short'}\n"
+                                                     for s in sentences))
+    for field in ("input0", "label"):
+        run(["fairseq-preprocess", "--only-source", "--trainpref", root / f"train.{field}", "--validpref",
+             root / f"valid.{field}", "--testpref", root / f"test.{field}", "--destdir", root / "bin" / field,
+             "--workers", "1"] + (["--srcdict", lm_data / "dict.txt"] if field == "input0" else []))
+    run(["fairseq-train", root / "bin", "--user-dir", "posenc_fairseq", "--task", "sentence_prediction",
+         "--arch", "roberta_t5", "--num-classes", "2", "--criterion", "sentence_prediction",
+         "--max-positions", "64", "--save-dir", root / "checkpoints"] + TINY_ROBERTA + TRAIN, cwd=workspace)
+    return root / "bin", root / "checkpoints" / "checkpoint_best.pt"
+
+
 def data_for(command, translation_data, lm_data):
     if "masked_lm" in command or "language_modeling" in command or "eval-lm" in command or "transformer_lm" in command:
         return lm_data  # monolingual (dict.txt, train, valid, test): masked_lm's and language_modeling's layout
@@ -106,9 +127,13 @@ def tiny_options(command):
     return TINY_TRANSFORMER
 
 
-def prepare(command, translation_data, lm_data, demo_dir, workspace):
-    """The argv a test runs for README's `command`."""
+def prepare(command, translation_data, lm_data, demo_dir, workspace, classifier=None):
+    """The argv a test runs for README's `command` (`classifier`: the fixture's pair, or a function
+    that makes it, for checkpoint_eval.py)."""
     data = str(data_for(command, translation_data, lm_data))
+    if "examples/checkpoint_eval.py" in command:
+        data_bin, checkpoint = classifier() if callable(classifier) else classifier
+        data, command = str(data_bin), command.replace("CHECKPOINT", str(checkpoint))
     # the demo's binarised data: the (much smaller) test corpus of the same layout
     command = command.replace("work/demo/data/bin", str(translation_data))
     argv = shlex.split(command.replace("work/demo/", f"{demo_dir}/"))
@@ -145,8 +170,8 @@ def test_every_readme_command_is_run_or_has_a_reason():
         assert command.startswith(COMMAND_WORDS), command
 
 
-def run_one(command, workspace, demo_dir, translation_data, lm_data):
-    argv = prepare(command, translation_data, lm_data, demo_dir, workspace)
+def run_one(command, workspace, demo_dir, translation_data, lm_data, classifier):
+    argv = prepare(command, translation_data, lm_data, demo_dir, workspace, classifier)
     if "--distributed-rank" in argv:  # one command per rank R
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
@@ -165,10 +190,13 @@ def run_one(command, workspace, demo_dir, translation_data, lm_data):
     out = run(argv, cwd=workspace)
     if argv[0] == "make" or "run_demo.py" in " ".join(argv):
         assert re.search(r"test BLEU \(sacrebleu\) = [0-9.]+", out), out[-2000:]
+    if "examples/checkpoint_eval.py" in " ".join(argv):
+        for subset in re.search(r"--subsets (\S+)", command).group(1).split(","):
+            assert re.search(rf"^{subset}: \d+ of 12 correct \(\d+\.\d\d%\)$", out, flags=re.M), out[-2000:]
 
 
 @pytest.mark.slow
-def test_readme_commands_run_in_order(workspace, demo_dir, translation_data, lm_data):
+def test_readme_commands_run_in_order(workspace, demo_dir, translation_data, lm_data, request):
     """One test, README's order (a command may read what the one before wrote; also under xdist)."""
     failures, skipped = [], []
     for command in COMMANDS:
@@ -177,7 +205,8 @@ def test_readme_commands_run_in_order(workspace, demo_dir, translation_data, lm_
             skipped.append(f"{command}: {reason}")
             continue
         try:
-            run_one(command, workspace, demo_dir, translation_data, lm_data)
+            run_one(command, workspace, demo_dir, translation_data, lm_data,
+                    lambda: request.getfixturevalue("classifier"))
         except (AssertionError, subprocess.TimeoutExpired) as error:
             failures.append(f"$ {command}\n{str(error)[-3000:]}")
     print("not run here:\n" + "\n".join(skipped))
