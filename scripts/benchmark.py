@@ -387,7 +387,8 @@ def growth(args):
     archs = list(dict.fromkeys([args.reference, *args.archs]))
     base = ["--dim", str(args.dim), "--heads", str(args.heads), "--layers", str(args.layers), "--vocab",
             str(args.vocab), "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
-            "--threads", str(args.threads), "--batch", "1", "--train-only"]
+            "--threads", str(args.threads), "--batch", "1", "--train-only", "--reference", args.reference,
+            "--copies", str(args.copies)]
     exponents = {arch: [] for arch in archs}
     differences = {arch: [] for arch in archs}
     times = {(arch, n): [] for arch in archs for n in (short, long)}

@@ -97,3 +97,26 @@ def test_odd_rounds_build_the_reference_first(monkeypatch, capsys):
     arch_commands = [command for command in commands if command[command.index("--one") + 1] == "transformer_t5"]
     assert ["--reference-first" in command for command in arch_commands] == [False, True, False, True]
     assert "transformer_t5" in capsys.readouterr().out
+
+
+def test_growth_measures_against_the_given_reference(monkeypatch, capsys):
+    """Each --growth process times its arch beside --reference, with --copies copies."""
+    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    commands = []
+
+    def fake_run(command, **kwargs):
+        commands.append(command)
+        result = {"train_seconds_per_step": 1.0, "reference_train_seconds_per_step": 1.0}
+        return types.SimpleNamespace(returncode=0, stdout=benchmark.json.dumps(result), stderr="")
+
+    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", "--growth", "--archs", "transformer_t5", "--reference",
+                                      "transformer_alibi", "--copies", "1", "--repeats", "1"])
+    benchmark.main()
+    assert len(commands) == 4  # (reference, t5) x (short, long)
+    for command in commands:
+        assert command[command.index("--reference") + 1] == "transformer_alibi", command
+        assert command[command.index("--copies") + 1] == "1", command
+    assert "transformer_alibi" in capsys.readouterr().out
