@@ -121,10 +121,11 @@ def recorded(*files: Path) -> dict:
 
 
 def data_for(out: Path, data_seed: int, args, env) -> Path:
-    """Process-50 drawn with `data_seed`, binarised once per sweep folder: under a lock on the folder
-    (several sweeps may share it), into a temporary folder renamed to `bin` when complete, so that an
-    interrupted binarisation is redone rather than read half-written."""
-    folder = out / f"data_seed{data_seed}"
+    """Process-50 drawn with `data_seed` at the sizes asked for (the folder names both, so a sweep with
+    other --train/--valid/--test never reads another's data), binarised once per sweep folder: under a
+    lock on the folder (several sweeps may share it), into a temporary folder renamed to `bin` when
+    complete, so that an interrupted binarisation is redone rather than read half-written."""
+    folder = out / f"data_seed{data_seed}_{args.train}-{args.valid}-{args.test}"
     data = folder / "bin"
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "w") as lock:

@@ -160,8 +160,8 @@ def test_the_data_is_binarised_once_and_never_left_half_written(sweep, tmp_path,
         thread.start()
     for thread in threads:
         thread.join()
-    assert len(calls) == 1 and found == [tmp_path / "data_seed1" / "bin"] * 2
-    assert (tmp_path / "data_seed1" / "bin" / "label" / "dict.txt").exists()
+    assert len(calls) == 1 and found == [tmp_path / "data_seed1_5-2-2" / "bin"] * 2
+    assert (tmp_path / "data_seed1_5-2-2" / "bin" / "label" / "dict.txt").exists()
 
     def interrupted(raw, data, fields, log, env):
         (data / fields[0]).mkdir(parents=True)
@@ -171,6 +171,18 @@ def test_the_data_is_binarised_once_and_never_left_half_written(sweep, tmp_path,
     monkeypatch.setattr(sweep, "preprocess", interrupted)
     with pytest.raises(RuntimeError):
         sweep.data_for(tmp_path, 2, args, {})
-    assert sorted(path.name for path in (tmp_path / "data_seed2").iterdir()) == [".lock", "raw"]
+    assert sorted(path.name for path in (tmp_path / "data_seed2_5-2-2").iterdir()) == [".lock", "raw"]
     monkeypatch.setattr(sweep, "preprocess", slow_preprocess)
     assert (sweep.data_for(tmp_path, 2, args, {}) / "input0" / "dict.txt").exists()
+
+
+def test_other_sizes_get_their_own_data(sweep, tmp_path, monkeypatch):
+    """A second sweep in the same folder with other --train/--valid/--test draws and binarises its own
+    data (its records say these sizes), rather than reading the first one's."""
+    monkeypatch.setattr(sweep, "preprocess", lambda raw, data, fields, log, env: data.mkdir(exist_ok=True))
+    small = sweep.data_for(tmp_path, 1, SimpleNamespace(train=20, valid=10, test=10), {})
+    large = sweep.data_for(tmp_path, 1, SimpleNamespace(train=60, valid=30, test=30), {})
+    assert small != large
+    for data, count in ((small, 20), (large, 60)):
+        lines = (data.parent / "raw" / "train.input0").read_text().splitlines()
+        assert len(lines) == count
