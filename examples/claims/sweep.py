@@ -19,7 +19,9 @@ value below on every axis (192 cells, 768 runs per seed: spread them over severa
 A run counts as leaving the plateau when its test accuracy reaches SUCCESS (0.75; chance is 0.5,
 the Bayes rate 0.839). Every finished run is one JSON line in OUT/results.jsonl and, with `--keep`,
 in that file too (appended as it finishes); a run already recorded in either (the same encoding, cell,
-seed, device and budget) is not run again, so an interrupted or sharded sweep resumes. The table
+seed, device and budget) is not run again, so an interrupted or sharded sweep resumes. The encoding is
+recorded as given: when a default of its options changes, relabel the runs recorded before (their
+`arch` naming the options they ran with, `ran_as` what they were given), or they count as the new default's. The table
 gives per cell and encoding the fraction of runs that left the plateau and their mean test accuracy,
 and marks the cells where T5 left it in more runs than AT5 did, or AT5's mean is more than 0.01 below
 T5's (`decides`).
