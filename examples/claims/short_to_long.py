@@ -16,9 +16,13 @@ and WORK/s2l.png). Model: 2+2 layers, d = 64, 4 heads, FFN 256; Adam, lr 2e-3, 3
 variant is evaluated twice: as trained, and with `--floater-stop-position 17` set at loading
 (--model-overrides; positions 0-16 are the ones training saw: 16 words and </s>), row NAME+stop17.
 Measured results and what they show: docs/floater.md, "Length extrapolation: measured".
+Run again in the same WORK, it keeps the data if --sentences and --per-bin are the same (WORK/data/
+corpus.json) and redraws it otherwise, and every variant trains afresh (its old checkpoints removed).
 """
 import argparse
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +62,24 @@ def make_corpus(raw: Path, sentences: int, per_bin: int):
                          "test": parallel_corpus(per_bin, low, high, seed=3)})
 
 
+def prepare_data(work: Path, sentences: int, per_bin: int, env):
+    """WORK/data/bin for these sizes: kept from an earlier run with the same sizes (corpus.json, written
+    last), drawn and binarised anew otherwise."""
+    data, settings = work / "data", {"sentences": sentences, "per_bin": per_bin}
+    stamp = data / "corpus.json"
+    if (data / "bin" / "dict.src.txt").exists() and stamp.exists() and json.loads(stamp.read_text()) == settings:
+        return data
+    for folder in (work / "raw", work / "split", data):
+        shutil.rmtree(folder, ignore_errors=True)
+    make_corpus(work / "raw", sentences, per_bin)
+    run([PYTHON, EXTRAPOLATION / "make_s2l.py", work / "raw", work / "split", "--src", "src", "--tgt", "tgt",
+         "--threshold", str(TRAIN_LENGTHS[1] + 1)], env)
+    run([PYTHON, TRANSLATION / "prepare.py", work / "split", data, "--src", "src", "--tgt", "tgt",
+         "--model-type", "word", "--vocab-size", "200", "--workers", "1"], env)
+    stamp.write_text(json.dumps(settings))
+    return data
+
+
 def run(command, env=None):
     print("+", " ".join(str(c) for c in command), flush=True)
     subprocess.run([str(c) for c in command], check=True, env=env)
@@ -80,15 +102,12 @@ def main(argv=None):
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), CPU="1", PYTHON=PYTHON,
                PATH=f"{Path(PYTHON).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     work, data = args.work, args.work / "data"
-    if not (data / "bin" / "dict.src.txt").exists():
-        make_corpus(work / "raw", args.sentences, args.per_bin)
-        run([PYTHON, EXTRAPOLATION / "make_s2l.py", work / "raw", work / "split", "--src", "src", "--tgt", "tgt",
-             "--threshold", str(TRAIN_LENGTHS[1] + 1)], env)
-        run([PYTHON, TRANSLATION / "prepare.py", work / "split", data, "--src", "src", "--tgt", "tgt",
-             "--model-type", "word", "--vocab-size", "200", "--workers", "1"], env)
+    prepare_data(work, args.sentences, args.per_bin, env)
     results = []
     for name in args.variants.split(","):
         arch, options = VARIANTS[name]
+        for old in (work / name).glob("checkpoint*.pt"):  # train.sh would resume from them
+            old.unlink()
         run([TRANSLATION / "train.sh", data / "bin", work / name, *MODEL, *options, "--num-workers", "0",
              "--no-epoch-checkpoints", "--disable-validation", *extra],
             dict(env, ARCH=arch, LR="2e-3", WARMUP="300", MAX_TOKENS="4096", UPDATE_FREQ="1",

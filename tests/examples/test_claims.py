@@ -11,6 +11,7 @@ import random
 import re
 import statistics
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -249,6 +250,32 @@ def test_short_to_long_runs_through_fairseq_and_reports_each_bin(tmp_path):
     for row in ("sinusoidal", "floater_bounded", "floater_bounded+stop17"):
         assert re.search(rf"^\|\s*{re.escape(row)}\s*\|", report, flags=re.M), (row, report)
     assert (tmp_path / "s2l.png").stat().st_size > 0
+
+
+def test_short_to_long_run_again_redraws_other_sizes_and_trains_afresh(tmp_path, monkeypatch):
+    """A second run in the same WORK with other --sentences draws its own data, and train.sh never
+    resumes from the first run's checkpoint (it would train nothing and re-score the old model)."""
+    s2l = load_script(REPO / "examples" / "claims" / "short_to_long.py")
+    commands = []
+
+    def fake_run(command, env=None):  # the steps' outputs that the next steps look for
+        commands.append([str(part) for part in command])
+        if command[1] == s2l.TRANSLATION / "prepare.py":
+            (Path(command[3]) / "bin").mkdir(parents=True, exist_ok=True)
+            (Path(command[3]) / "bin" / "dict.src.txt").write_text("a 1\n")
+        if str(command[0]).endswith("train.sh"):
+            assert not list(Path(command[2]).glob("checkpoint*.pt")), "train.sh would resume"
+            Path(command[2]).mkdir(parents=True, exist_ok=True)
+            (Path(command[2]) / "checkpoint_last.pt").write_text("trained")
+
+    monkeypatch.setattr(s2l, "run", fake_run)
+    sizes = []
+    for sentences in (60, 200, 200):
+        commands.clear()
+        s2l.main([str(tmp_path), "--variants", "sinusoidal", "--sentences", str(sentences), "--per-bin", "2"])
+        prepared = any(command[1].endswith("prepare.py") for command in commands)
+        sizes.append((prepared, len((tmp_path / "raw" / "train.src").read_text().splitlines())))
+    assert sizes == [(True, 60 + 3 * 2), (True, 200 + 3 * 2), (False, 200 + 3 * 2)]
 
 
 def test_plot_claims_redraws_the_docs_figures_from_docs_data(tmp_path):
