@@ -6,8 +6,13 @@
 #   examples/floater_pretrain/finetune.sh glue TASK DATA_BIN CHECKPOINT SAVE_DIR [fairseq-train options]
 #   examples/floater_pretrain/finetune.sh race DATA_BIN CHECKPOINT SAVE_DIR [fairseq-train options]
 #
-# All other environment variables are those of examples/glue/finetune.sh / examples/race/finetune.sh.
+# ENCODING_ARGS: the encoding options pretrain_dynamics.sh was given (e.g. "--floater-method midpoint"):
+# fairseq-train builds the model from its own options. All other environment variables are those of
+# examples/glue/finetune.sh / examples/race/finetune.sh.
 set -euo pipefail
+if [[ -n "${CONVERT_ARGS:-}" ]]; then
+  echo "CONVERT_ARGS is now ENCODING_ARGS: the encoding options, given to the conversion and to training" >&2; exit 2
+fi
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 BENCH=${1:?usage: finetune.sh glue|race ...}
 shift
@@ -15,8 +20,8 @@ FREEZE=()
 [[ "${FREEZE_DYNAMICS:-1}" == 1 ]] && FREEZE=(--floater-freeze-dynamics)
 case "$BENCH" in
   glue) TASK=${1:?TASK}; DATA=${2:?DATA_BIN}; CKPT=${3:?CHECKPOINT}; SAVE=${4:?SAVE_DIR}; shift 4
-        exec "$HERE/../glue/finetune.sh" "$TASK" "$DATA" "$CKPT" "$SAVE" "${FREEZE[@]}" "$@" ;;
+        exec "$HERE/../glue/finetune.sh" "$TASK" "$DATA" "$CKPT" "$SAVE" "${FREEZE[@]}" ${ENCODING_ARGS:-} "$@" ;;
   race) DATA=${1:?DATA_BIN}; CKPT=${2:?CHECKPOINT}; SAVE=${3:?SAVE_DIR}; shift 3
-        exec "$HERE/../race/finetune.sh" "$DATA" "$CKPT" "$SAVE" "${FREEZE[@]}" "$@" ;;
+        exec "$HERE/../race/finetune.sh" "$DATA" "$CKPT" "$SAVE" "${FREEZE[@]}" ${ENCODING_ARGS:-} "$@" ;;
   *) echo "first argument: glue or race" >&2; exit 2 ;;
 esac

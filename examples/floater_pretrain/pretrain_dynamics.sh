@@ -5,10 +5,12 @@
 #   examples/floater_pretrain/pretrain_dynamics.sh ROBERTA_MODEL_PT WIKITEXT_BIN WORK_DIR [fairseq-train options]
 #
 # 1. scripts/convert_roberta_checkpoint.py ROBERTA_MODEL_PT WORK_DIR/roberta_floater.pt --encoding floater
-#    (the converted model equals RoBERTa: h starts at zero); CONVERT_ARGS adds encoding options,
+#    (the converted model equals RoBERTa: h starts at zero); ENCODING_ARGS adds encoding options,
 #    e.g. "--floater-method midpoint" (the paper's solver for RoBERTa, appendix B.1).
-# 2. fairseq-train --task masked_lm --floater-train-dynamics-only --max-epoch 1 from it;
-#    the result is WORK_DIR/dynamics/checkpoint_last.pt, the starting point of finetune.sh.
+# 2. fairseq-train --task masked_lm --floater-train-dynamics-only --max-epoch 1 from it, with the same
+#    ENCODING_ARGS (fairseq-train builds the model from its own options: --restore-file only loads
+#    weights); the result is WORK_DIR/dynamics/checkpoint_last.pt, the starting point of finetune.sh
+#    (give it the same ENCODING_ARGS).
 # The paper does not give the optimiser settings of this step; the defaults follow fairseq's RoBERTa
 # pre-training recipe (README.pretraining.md: adam (0.9,0.98) eps 1e-6, polynomial decay, 512 tokens
 # per sample, 16 x 16 sequences per update) with a lower peak lr for this small, fresh module:
@@ -16,6 +18,9 @@
 #   TOTAL_NUM_UPDATES=800 (about one epoch of WikiText-103 at 256 x 512 tokens), MAX_EPOCH=1,
 #   TOKENS_PER_SAMPLE=512, BATCH_SIZE=16, UPDATE_FREQ=16, MAX_UPDATE=0 (no limit), CPU=1.
 set -euo pipefail
+if [[ -n "${CONVERT_ARGS:-}" ]]; then
+  echo "CONVERT_ARGS is now ENCODING_ARGS: the encoding options, given to the conversion and to training" >&2; exit 2
+fi
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 PYTHON=${PYTHON:-python}
@@ -38,13 +43,13 @@ if [[ -n "${CPU:-}" ]]; then DEVICE=(--cpu); else DEVICE=(--fp16); fi
 mkdir -p "$WORK/dynamics"
 
 "$PYTHON" "$REPO/scripts/convert_roberta_checkpoint.py" "$ROBERTA" "$WORK/roberta_floater.pt" --force \
-    --encoding floater ${CONVERT_ARGS:-}
+    --encoding floater ${ENCODING_ARGS:-}
 
 set -x
 "$FAIRSEQ_TRAIN" "$DATA_BIN" --user-dir "$REPO/posenc_fairseq" \
     --restore-file "$WORK/roberta_floater.pt" --reset-optimizer --reset-dataloader --reset-meters \
     --reset-lr-scheduler --task masked_lm --criterion masked_lm --arch "$ARCH" \
-    --floater-train-dynamics-only \
+    --floater-train-dynamics-only ${ENCODING_ARGS:-} \
     --sample-break-mode complete --tokens-per-sample "$TOKENS_PER_SAMPLE" \
     --optimizer adam --adam-betas '(0.9, 0.98)' --adam-eps 1e-6 --clip-norm 0.0 --weight-decay 0.01 \
     --lr-scheduler polynomial_decay --lr "$LR" --warmup-updates "$WARMUP_UPDATES" \

@@ -13,9 +13,14 @@
 #   LR=7e-4 (peak lr of step 1; step 5 uses LR/2), STOCK_EPOCHS=30, RETRAIN_EPOCHS=10, AVERAGE=5,
 #   SKIP_STOCK=1 with STOCK_CHECKPOINT=... to start from an existing stock model, and everything
 #   train.sh reads (WARMUP, MAX_TOKENS, UPDATE_FREQ, MAX_UPDATE, CPU, ...). EVAL_ARGS: extra options
-#   for evaluate.py (e.g. "--beam 4 --lenpen 0.6"); CONVERT_ARGS: encoding options for the conversion
-#   (e.g. "--floater-method rk4"); FLOATER_ARGS: fairseq-train options for the FLOATER step only.
+#   for evaluate.py (e.g. "--beam 4 --lenpen 0.6"); ENCODING_ARGS: encoding options for the conversion
+#   and the FLOATER training (e.g. "--floater-method rk4"; fairseq-train builds the model from its own
+#   options, --restore-file only loads weights); FLOATER_ARGS: other fairseq-train options for the
+#   FLOATER step only.
 set -euo pipefail
+if [[ -n "${CONVERT_ARGS:-}" ]]; then
+  echo "CONVERT_ARGS is now ENCODING_ARGS: the encoding options, given to the conversion and to training" >&2; exit 2
+fi
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 PYTHON=${PYTHON:-python}
@@ -41,12 +46,12 @@ STOCK_CHECKPOINT=${STOCK_CHECKPOINT:-$WORK/stock/checkpoint_best.pt}
 # 2.-3. convert (weights copied, dynamics initialised so that the model is unchanged; --force: $WORK is
 # this recipe's own folder, a re-run replaces its earlier conversion)
 "$PYTHON" "$REPO/scripts/convert_transformer_checkpoint.py" "$STOCK_CHECKPOINT" "$WORK/floater_init.pt" --force \
-    --encoding "$ENCODING" ${CONVERT_ARGS:-}
+    --encoding "$ENCODING" ${ENCODING_ARGS:-}
 
 # 4.-5. retrain with half the peak learning rate, keeping every epoch checkpoint
 HALF_LR=$("$PYTHON" -c "print(float('$LR') / 2)")
 ARCH=$FLOATER_ARCH LR=$HALF_LR MAX_EPOCH=$RETRAIN_EPOCHS RESTORE="$WORK/floater_init.pt" \
-    "$HERE/train.sh" "$DATA_BIN" "$WORK/floater" ${FLOATER_ARGS:-} "$@"
+    "$HERE/train.sh" "$DATA_BIN" "$WORK/floater" ${ENCODING_ARGS:-} ${FLOATER_ARGS:-} "$@"
 
 # 6. average the last 5 epoch checkpoints, score BLEU
 "$PYTHON" "$HERE/average_checkpoints.py" --inputs "$WORK/floater" \

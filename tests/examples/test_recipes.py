@@ -7,8 +7,8 @@ import os
 import re
 import sys
 
-
 import pytest
+import torch
 
 from posenc_fairseq.toy_data import parallel_corpus, write_parallel
 from recipe_data import write_glue, write_race
@@ -101,9 +101,9 @@ def test_floater_warmstart_recipe(spm_translation, tmp_path):
     out = run([EXAMPLES / "translation" / "floater_warmstart.sh", spm_translation, tmp_path / "work",
                *TINY_TRANSFORMER, *TINY_RUN],
               env=dict(ENV, STOCK_EPOCHS="1", RETRAIN_EPOCHS="5", AVERAGE="5", WARMUP="2", MAX_TOKENS="4000",
-                       UPDATE_FREQ="1", CONVERT_ARGS=" ".join(FAST_FLOATER), FLOATER_ARGS=" ".join(FAST_FLOATER),
-                       EVAL_ARGS=" ".join(FAST_DECODE)))
+                       UPDATE_FREQ="1", ENCODING_ARGS=" ".join(FAST_FLOATER), EVAL_ARGS=" ".join(FAST_DECODE)))
     assert "averaged 5 checkpoints" in out
+    assert_floater_options(tmp_path / "work" / "floater" / "checkpoint_last.pt")  # given once, used in training
     number(r"(?m)^BLEU", out)
     assert (tmp_path / "work" / "floater" / "checkpoint5.pt").exists()
 
@@ -141,22 +141,33 @@ def test_race_recipe(tiny_roberta, tmp_path):
     assert "of 4 right)" in out and "of 8 right)" in out  # each level's questions counted, then all of them
 
 
+def assert_floater_options(checkpoint):
+    """The solver of FAST_FLOATER is the one the checkpoint's model was trained with (fairseq-train
+    builds the model from its own options; --restore-file only loads the converted weights)."""
+    model = torch.load(checkpoint, map_location="cpu", weights_only=False)["cfg"]["model"]
+    model = model if isinstance(model, dict) else vars(model)
+    assert (model["floater_method"], model["floater_step_size"]) == ("euler", 0.1), checkpoint
+
+
 # ---------------------------------------------------------------- 4. FLOATER dynamics pre-training
 @needs_roberta_conversion
 def test_floater_pretrain_recipe(tiny_roberta, glue_bin, tmp_path):
     out = run([EXAMPLES / "floater_pretrain" / "pretrain_dynamics.sh", tiny_roberta["stock"], tiny_roberta["mlm"],
-               tmp_path / "work", *TINY_ROBERTA, *TINY_RUN, *FAST_FLOATER],
+               tmp_path / "work", *TINY_ROBERTA, *TINY_RUN],
               env=dict(ENV, ARCH="roberta_floater", MAX_UPDATE="2", TOTAL_NUM_UPDATES="2", WARMUP_UPDATES="1",
-                       TOKENS_PER_SAMPLE="64", BATCH_SIZE="8", UPDATE_FREQ="1", CONVERT_ARGS=" ".join(FAST_FLOATER)))
+                       TOKENS_PER_SAMPLE="64", BATCH_SIZE="8", UPDATE_FREQ="1", ENCODING_ARGS=" ".join(FAST_FLOATER)))
     trained = re.search(r"num\. shared model params: ([0-9,]+) \(num\. trained: ([0-9,]+)\)", out)
     assert trained, out[-3000:]
     total, dynamics = (int(x.replace(",", "")) for x in trained.groups())
     assert 0 < dynamics < total  # only the dynamics are trained
     dynamics_checkpoint = tmp_path / "work" / "dynamics" / "checkpoint_last.pt"
+    assert_floater_options(dynamics_checkpoint)
     out = run([EXAMPLES / "floater_pretrain" / "finetune.sh", "glue", "MRPC", glue_bin / "MRPC-bin",
-               dynamics_checkpoint, tmp_path / "ft", *TINY_ROBERTA, *TINY_RUN, *FAST_FLOATER],
-              env=dict(ROBERTA_FINETUNE_ENV, TOTAL_NUM_UPDATES="2", WARMUP_UPDATES="1", FREEZE_DYNAMICS="1"))
+               dynamics_checkpoint, tmp_path / "ft", *TINY_ROBERTA, *TINY_RUN],
+              env=dict(ROBERTA_FINETUNE_ENV, TOTAL_NUM_UPDATES="2", WARMUP_UPDATES="1", FREEZE_DYNAMICS="1",
+                       ENCODING_ARGS=" ".join(FAST_FLOATER)))
     assert "--floater-freeze-dynamics" in out
+    assert_floater_options(tmp_path / "ft" / "checkpoint_best.pt")
     out = run([PY, EXAMPLES / "glue" / "evaluate.py", "MRPC", glue_bin / "MRPC-bin",
                tmp_path / "ft" / "checkpoint_best.pt", "--cpu"], env=ENV)
     number(r"MRPC dev f1", out)
