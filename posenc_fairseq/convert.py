@@ -219,6 +219,16 @@ def _embedding_rows(model_state: dict, *suffixes) -> int:
     raise ConversionError("no token embedding in the checkpoint's state dict")
 
 
+def _lm_vocabulary(model_state: dict) -> int:
+    """An LM's vocabulary size: its token embedding's rows, or with fairseq's adaptive input
+    (`decoder.embed_tokens.embeddings.N.0.weight`, one band of the vocabulary each) their sum."""
+    bands = [value.size(0) for key, value in model_state.items()
+             if key.startswith("decoder.embed_tokens.embeddings.") and key.endswith(".0.weight")]
+    if bands:
+        return sum(bands)
+    return _embedding_rows(model_state, "decoder.embed_tokens.weight", "decoder.output_projection.weight")
+
+
 def build_from_state(state: dict, kind: str):
     """Build (untrained) the model a checkpoint describes, with dictionaries of its sizes."""
     from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
@@ -234,7 +244,7 @@ def build_from_state(state: dict, kind: str):
             target = source
         task = _Task(source, target)
     elif kind == "transformer_lm":
-        task = _Task(_dictionary(_embedding_rows(weights, "decoder.embed_tokens.weight", "decoder.output_projection.weight")),
+        task = _Task(_dictionary(_lm_vocabulary(weights)),
                      max_positions=getattr(args, "tokens_per_sample", None) or 512)
     else:
         task = _Task(_dictionary(_embedding_rows(weights, "sentence_encoder.embed_tokens.weight")),
@@ -347,10 +357,12 @@ def convert_checkpoint(state: dict, kind: str, encoding: str = "floater", overri
     converted = _with_model_options(state, new_arch, options)
     model = _add_identity_encoding(converted, state, kind, new_arch)
 
-    # optimizer: its state covers the source parameters only; EMA likewise
+    # optimizer: its state covers the source parameters only; EMA likewise (and its fp32 copy,
+    # which fairseq reads only beside "ema")
     converted["last_optimizer_state"] = None
-    if isinstance(state.get("extra_state"), dict) and "ema" in state["extra_state"]:
-        converted["extra_state"] = {k: v for k, v in state["extra_state"].items() if k != "ema"}
+    if isinstance(state.get("extra_state"), dict):
+        converted["extra_state"] = {k: v for k, v in state["extra_state"].items()
+                                    if k not in ("ema", "ema_fp32_params")}
 
     if verify:
         difference = verify_conversion(state, converted, kind)
@@ -382,11 +394,13 @@ def _model_options(state: dict, kind: str, encoding: str, overrides: Optional[di
 
 def _with_model_options(state: dict, new_arch: str, options: dict) -> dict:
     """A shallow copy of `state` whose model configs (`args`, `cfg`: deep copies) name `new_arch`
-    and hold `options`."""
+    and hold `options`. A DictConfig `cfg` (fairseq's loader's) becomes a plain dict, as fairseq-train
+    saves it: deepcopy of a DictConfig shares the objects it holds, such as a Namespace `cfg.model`."""
     converted = dict(state)
     for key in ("args", "cfg"):
         if state.get(key) is not None:
-            converted[key] = copy.deepcopy(state[key])
+            config = OmegaConf.to_container(state[key]) if isinstance(state[key], DictConfig) else state[key]
+            converted[key] = copy.deepcopy(config)
     for holder in _model_configs(converted):
         _set(holder, "arch", new_arch)
         if holder is not converted.get("args"):  # the old top-level Namespace has no _name

@@ -284,7 +284,10 @@ def main(kind: str, argv=None):
         lines = str(error).strip().splitlines()
         fail(f"{args.src}: conversion failed: {type(error).__name__}: {lines[0][:300] if lines else ''} "
              "(set POSENC_DEBUG=1 for the traceback)")
-    print(f"wrote {args.dst} (architecture {converted_architecture(converted)}, outputs equal to the source)")
+    init = overrides.get("floater_init")  # applied after the check (convert_checkpoint)
+    equal = ("outputs equal to the source" if init in (None, "zero") else
+             f"outputs equal to the source before --floater-init {init} moved the dynamics off zero")
+    print(f"wrote {args.dst} (architecture {converted_architecture(converted)}, {equal})")
     if copied:
         print(f"copied dict.txt to {copied}")
     return 0

@@ -5,6 +5,7 @@ option as one `error:` line with exit status 2, no partial file, nothing created
 The stock checkpoints are tiny fairseq models built in-process and saved in the old `args` format
 (fast); most cases call the scripts' `main` in-process, a few run the real scripts."""
 import argparse
+import copy
 import errno
 import hashlib
 import io
@@ -315,3 +316,82 @@ def test_scripts_refuse_and_succeed(work):
     done = script("transformer", "src/transformer.pt", "new/model.pt", "--encoding", "t5", cwd=work)
     assert_refused(done.returncode, done.stderr, "exists; refusing to overwrite it (use --force")
     assert convert.model_namespace(torch.load(work / "new" / "model.pt", map_location="cpu")).t5_num_buckets == 64
+
+
+# --- the pure function on what fairseq's own loader returns ------------------------------------------
+@pytest.mark.parametrize("kind", ["transformer", "roberta"])
+def test_converts_fairseqs_loaded_checkpoint_and_leaves_it_untouched(kind, tmp_path):
+    """checkpoint_utils.load_checkpoint_to_cpu gives cfg as a DictConfig holding a Namespace cfg.model,
+    which deepcopy of the DictConfig shares: the converter must copy it, not write into the source."""
+    from fairseq import checkpoint_utils
+
+    saved = stock_state(kind)
+    saved["optimizer_history"] = [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "Adam",
+                                   "lr_scheduler_state": {}, "num_updates": 0}]  # as fairseq-train writes it
+    torch.save(saved, tmp_path / "stock.pt")
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "stock.pt"))
+    assert isinstance(state["cfg"]["model"], argparse.Namespace)
+    before = copy.deepcopy(vars(state["cfg"]["model"]))
+    converted = convert.convert_checkpoint(state, kind, "t5")
+    assert vars(state["cfg"]["model"]) == before
+    assert convert.model_namespace(converted).arch.startswith(f"{kind}_t5")
+    assert convert.model_namespace(state).arch == before["arch"]
+
+
+def test_ema_and_its_fp32_copy_are_dropped(sources):
+    """Both cover the source parameters only (fairseq reads ema_fp32_params only beside ema)."""
+    state = torch.load(sources / "transformer.pt", map_location="cpu", weights_only=False)
+    weights = {key: value.float() for key, value in state["model"].items()}
+    state["extra_state"] = {"ema": weights, "ema_fp32_params": weights, "epoch": 3}
+    converted = convert.convert_checkpoint(state, "transformer", "t5")
+    assert converted["extra_state"] == {"epoch": 3}
+    assert set(state["extra_state"]) == {"ema", "ema_fp32_params", "epoch"}
+
+
+def test_floater_init_small_is_not_reported_as_equal(work, monkeypatch, capsys):
+    """--floater-init small moves the dynamics after the identity check: the message says so."""
+    monkeypatch.chdir(work)
+    status, out, err = run_main("transformer", "src/transformer.pt", "small.pt", "--encoding", "floater",
+                                "--floater-init", "small", capsys=capsys)
+    assert status == 0, err
+    assert "outputs equal to the source before --floater-init small moved the dynamics off zero" in out
+    status, out, err = run_main("transformer", "src/transformer.pt", "zero.pt", "--encoding", "floater", capsys=capsys)
+    assert status == 0 and out.rstrip().endswith("outputs equal to the source)"), (out, err)
+
+
+def test_adaptive_input_and_softmax_lm_converts_to_equal_outputs(tmp_path):
+    """The layout of fairseq's released WikiText-103 LMs (adaptive input and adaptive softmax, tied):
+    its vocabulary is the sum of the adaptive input's bands. Reference: the stock model itself."""
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from omegaconf import OmegaConf
+
+    (tmp_path / "dict.txt").write_text("".join(f"w{index} 1\n" for index in range(26)))  # 30 with the specials
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        str(tmp_path), "--task", "language_modeling", "--arch", "transformer_lm", "--cpu", "--tokens-per-sample", "64",
+        "--decoder-layers", "1", "--decoder-embed-dim", "16", "--decoder-ffn-embed-dim", "32",
+        "--decoder-attention-heads", "2", "--decoder-input-dim", "16", "--decoder-output-dim", "16",
+        "--adaptive-input", "--adaptive-input-cutoff", "10,20",
+        "--adaptive-input-factor", "2", "--adaptive-softmax-cutoff", "10,20", "--adaptive-softmax-factor", "2",
+        "--tie-adaptive-weights", "--tie-adaptive-proj"])
+    task = tasks.setup_task(args)
+    torch.manual_seed(0)
+    stock = task.build_model(args).eval()
+    with torch.no_grad():
+        for parameter in stock.parameters():
+            parameter.add_(0.2 * torch.randn_like(parameter))  # off the initialisation: every weight matters
+    cfg = OmegaConf.to_container(convert_namespace_to_omegaconf(args), resolve=True, enum_to_str=True)
+    state = {"cfg": cfg, "args": None, "model": stock.state_dict(), "optimizer_history": [], "extra_state": {},
+             "last_optimizer_state": None}
+    assert "decoder.embed_tokens.weight" not in state["model"]
+    tokens = torch.randint(task.dictionary.nspecial, len(task.dictionary), (2, 20),
+                           generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = stock.get_normalized_probs(stock(tokens), log_probs=True)
+    for encoding in ("floater", "t5"):
+        converted = convert.convert_checkpoint(state, "transformer_lm", encoding)
+        model, _, _ = convert.load_from_state(converted, "transformer_lm")
+        with torch.no_grad():
+            found = model.get_normalized_probs(model(tokens), log_probs=True)
+        assert type(model) is not type(stock)
+        assert (found - expected).abs().max() < 1e-5, encoding
