@@ -113,8 +113,22 @@ class PositionalEncoding(nn.Module):
         return self.cache.memoize(key, compute)
 
     def recorded(self, function: Callable) -> Callable:
-        """`EncodingCache.recorded`: `function` for non-reentrant activation checkpointing."""
-        return self.cache.recorded(function)
+        """`EncodingCache.recorded`: `function` for non-reentrant activation checkpointing; its
+        recomputation also sees the stacks' contexts (positions) of its forward, not a later pass's."""
+        forward_contexts = []
+
+        def in_forward_contexts(*args, **kwargs):
+            replay = bool(forward_contexts)
+            if replay:
+                current, self.contexts = self.contexts, dict(forward_contexts[0])
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if replay:
+                    self.contexts = current
+                else:
+                    forward_contexts.append(dict(self.contexts))
+        return self.cache.recorded(in_forward_contexts)
 
     def in_recorded_run(self) -> bool:
         return self.cache.in_recorded_run()

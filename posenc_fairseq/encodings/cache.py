@@ -116,19 +116,33 @@ class EncodingCache:
         backward must do exactly the autograd operations of its forward, so `memoize` records in
         the first run which terms it found memoized, and the second run (the recomputation) takes
         those from the pass scope again (their values, which are all it needs: gradients flow
-        through the forward's graph) and computes the others as the forward did."""
-        record = []
-        runs = [0]
+        through the forward's graph) and computes the others as the forward did. The recomputation
+        runs in its forward's scopes (`pass_scope`), since another forward may have begun in between
+        (a second forward before backward: a teacher pass, a logged sample)."""
+        record, forward_scope = [], []
 
         def run(*args, **kwargs):
-            previous = self.run
-            self.run = _RunRecord(record, replay=runs[0] > 0)
-            runs[0] += 1
+            previous, replay = self.run, bool(forward_scope)
+            self.run = _RunRecord(record, replay=replay)
+            current = self.pass_scope() if replay else None
+            if replay:
+                self.set_pass_scope(forward_scope[0])
             try:
                 return function(*args, **kwargs)
             finally:
                 self.run = previous
+                if replay:
+                    self.set_pass_scope(current)
+                else:
+                    forward_scope.append(self.pass_scope())
         return run
+
+    def pass_scope(self) -> tuple:
+        """The scopes of the passes in progress (pass values by role, model pass), as they are now."""
+        return dict(self.pass_values), self.model_pass
+
+    def set_pass_scope(self, scope: tuple):
+        self.pass_values, self.model_pass = dict(scope[0]), scope[1]
 
     def in_recorded_run(self) -> bool:
         """Whether a `recorded` function is running (its checkpoint covers everything it calls)."""

@@ -13,11 +13,13 @@ NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropou
 CASES = [(name, []) for name in sorted(ENCODINGS)] + [("floater", ["--floater-recompute-every", "3"])]
 
 
-def gradients_of_steps(data, encoding, extra, state=None, wrap=None, steps=2, device="cpu", batch=None):
+def gradients_of_steps(data, encoding, extra, state=None, wrap=None, steps=2, device="cpu", batch=None,
+                       between=None):
     """The model's parameter gradients of each of `steps` forward/backward passes of one loss (the same
     batch, gradients cleared between, no update) on `device`; `state`: load these parameters (else
     perturb the encoding's away from identity); `wrap`: run the model through `wrap(model)` (DDP);
-    `batch`: (src, src_lengths, prev), else a small random one."""
+    `batch`: (src, src_lengths, prev), else a small random one; `between(forward, task)`: run
+    between each forward and its backward."""
     torch.manual_seed(0)
     model, task, _ = build_model(data, f"transformer_{encoding}", [*TINY_TRANSFORMER, *NO_DROPOUT, *extra])
     if state is None:
@@ -34,14 +36,17 @@ def gradients_of_steps(data, encoding, extra, state=None, wrap=None, steps=2, de
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
         logits, _ = forward(src, src_lengths, prev)
+        if between is not None:
+            between(forward, task)
         logits.float().log_softmax(-1)[..., 5].sum().backward()
         per_step.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
     return model, per_step
 
 
-def gradients(data, encoding, extra, state=None, wrap=None, device="cpu", batch=None):
+def gradients(data, encoding, extra, state=None, wrap=None, device="cpu", batch=None, between=None):
     """The model's parameter gradients of one loss (`gradients_of_steps`' first step)."""
-    model, per_step = gradients_of_steps(data, encoding, extra, state, wrap, steps=1, device=device, batch=batch)
+    model, per_step = gradients_of_steps(data, encoding, extra, state, wrap, steps=1, device=device, batch=batch,
+                                         between=between)
     return model, per_step[0]
 
 
@@ -66,6 +71,33 @@ def test_activation_checkpointing_gives_the_same_gradients(translation_data, dev
     # the position parameters really get gradient (not zero in both)
     if encoding not in ("sinusoidal", "learned", "nope", "alibi", "rotary") and not extra:
         assert any(plain[name].abs().max() > 0 for name in position_parameters)
+
+
+SHARED_BIAS = ["--scalar-bias-layers", "all", "--scalar-bias-share-layers"]
+BETWEEN_CASES = [("rotary", []), ("floater", []), ("xl", []), ("shaw", []), ("t5", SHARED_BIAS), ("at5", SHARED_BIAS)]
+
+
+@pytest.mark.parametrize("train_mode", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("encoding,extra", BETWEEN_CASES, ids=[n for n, _ in BETWEEN_CASES])
+def test_a_forward_between_forward_and_backward_changes_no_gradient(translation_data, device, encoding, extra,
+                                                                    train_mode):
+    """A second forward of the same model before backward (a teacher pass, a logged sample: another
+    batch, other lengths and padding, without gradients) begins new passes: the recomputation of each
+    checkpointed layer must still see its own forward's positions and shared terms."""
+    def another_forward(forward, task):
+        src, src_lengths, prev = on(device, *random_batch(task.source_dictionary, batch=2, src_len=12, tgt_len=10,
+                                                           seed=5))
+        model = forward.module if hasattr(forward, "module") else forward
+        model.train(train_mode)
+        with torch.no_grad():
+            forward(src, src_lengths, prev)
+        model.train()
+
+    plain_model, plain = gradients(translation_data, encoding, extra, device=device, between=another_forward)
+    state = {k: v for k, v in plain_model.state_dict().items() if "window_" not in k}
+    _, checkpointed = gradients(translation_data, encoding, [*extra, "--checkpoint-activations"], state,
+                                device=device, between=another_forward)
+    assert_same_gradients(checkpointed, plain, encoding)
 
 
 @pytest.mark.parametrize("encoding", ["shaw", "lfhc", "xl", "gcdf"])
