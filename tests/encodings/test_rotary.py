@@ -21,6 +21,25 @@ def test_rotation_equals_complex_multiplication():
             assert torch.allclose(out[half:], expected.imag, atol=1e-5)
 
 
+def test_a_float64_model_rotates_in_float64():
+    """Against the complex form in float64 at long positions: float64 rounding, not float32's
+    (whose angles p * theta are off by ~1e-5 at p = 600); a float32 input stays in float32."""
+    heads, head_dim, length = 2, 8, 4
+    x = torch.randn(length, 1, heads * head_dim, dtype=torch.float64)
+    positions = torch.arange(length)[None, :] + 600
+    got = rotate(x, positions, heads)
+    assert got.dtype == torch.float64 and rotate(x.float(), positions, heads).dtype == torch.float32
+    half = head_dim // 2
+    theta = 10000.0 ** (-2 * torch.arange(half, dtype=torch.float64) / head_dim)
+    for t in range(length):
+        for h in range(heads):
+            vector = x[t, 0, h * head_dim:(h + 1) * head_dim]
+            expected = torch.complex(vector[:half], vector[half:]) * torch.exp(1j * (t + 600) * theta)
+            out = got[t, 0, h * head_dim:(h + 1) * head_dim]
+            assert (out[:half] - expected.real).abs().max() < 1e-12
+            assert (out[half:] - expected.imag).abs().max() < 1e-12
+
+
 def test_scores_depend_only_on_relative_position():
     q, k = torch.randn(1, 1, 8), torch.randn(1, 1, 8)
     score = lambda i, j: (rotate(q, torch.tensor([[i]]), 1) * rotate(k, torch.tensor([[j]]), 1)).sum()
