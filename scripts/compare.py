@@ -74,7 +74,8 @@ def parse_args(argv):
     parser.add_argument("--subset", help="evaluation subset (default: test for translation, valid otherwise)")
     parser.add_argument("--length-bins", type=length_bins, metavar="B1,B2,...",
                         help="translation: also BLEU per source length (words) bin: 0..B1, B1+1..B2, ..., >Bn")
-    parser.add_argument("--generate-args", default="", help="extra fairseq-generate options (one string)")
+    parser.add_argument("--generate-args", default="", help="extra fairseq-generate options (one string; with "
+                        "--preset demo, after the demo's)")
     parser.add_argument("--preset", choices=("demo",), help="add the demo's model/training settings")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     precision = parser.add_mutually_exclusive_group()
@@ -87,19 +88,25 @@ def parse_args(argv):
     if args.preset == "demo":
         args.train_options = DEMO.TRAIN_OPTIONS + ["--log-interval", "50"] + train_options
         spm = args.data.parent / "spm" / "spm.model"
-        if not args.generate_args:  # the demo's: sentencepiece removed, translations at most 20 pieces longer
-            args.generate_args = "--max-len-a 1 --max-len-b 20" + (
-                f" --bpe sentencepiece --sentencepiece-model {spm}" if spm.exists() else "")
-    if not any(option in args.train_options for option in ("--max-update", "--max-epoch")):
+        # the demo's (sentencepiece removed, translations at most 20 pieces longer), then the user's
+        # (later options win)
+        args.generate_args = ("--max-len-a 1 --max-len-b 20" + (
+            f" --bpe sentencepiece --sentencepiece-model {spm}" if spm.exists() else "") + " " + args.generate_args).strip()
+    if not any(given(option, args.train_options) for option in ("--max-update", "--max-epoch")):
         parser.error("give the training length after `--`: --max-update N or --max-epoch N")
     if (args.fp16 or args.bf16) and args.device != "cuda":
         parser.error("--fp16/--bf16 need --device cuda")
     if not args.data.is_dir():
         parser.error(f"no data folder {args.data}")
     for option in ("--save-dir", "--arch", "--user-dir", "--cpu"):
-        if option in args.train_options:
+        if given(option, args.train_options):
             parser.error(f"{option} is set by compare.py (use --out / --arch / --device)")
     return args
+
+
+def given(option: str, options: list) -> bool:
+    """Whether `options` give `option`, as `--option VALUE` or `--option=VALUE`."""
+    return any(part == option or part.startswith(option + "=") for part in options)
 
 
 def stored_task(checkpoint: Path):
@@ -263,6 +270,7 @@ def main(argv=None):
     results = []
     for number, arch in enumerate(args.arch, 1):
         print(f"[{number}/{len(args.arch)}] {arch}: training, logs in {args.out / arch}", flush=True)
+        (args.out / arch / "error.log").unlink(missing_ok=True)  # an earlier run's
         try:
             result = train_and_evaluate(args, arch, env, device)
             print(f"[{number}/{len(args.arch)}] {arch}: {result['metric']} = {result['value']:.2f}", flush=True)

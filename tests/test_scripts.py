@@ -119,6 +119,46 @@ def test_compare_reports_an_unexpected_failure_and_runs_the_other_architectures(
     assert "roberta_bad: KeyError: 'ppl'" in capsys.readouterr().out
 
 
+def test_compare_reads_options_written_with_an_equals_sign(compare, tmp_path, capsys):
+    """`--max-update=500` is a training length, `--save-dir=X` is compare.py's own option."""
+    (tmp_path / "data").mkdir()
+    common = [str(tmp_path / "data"), "--arch", "transformer_t5", "--out", str(tmp_path / "out"), "--"]
+    assert compare.parse_args([*common, "--max-update=500"]).train_options == ["--max-update=500"]
+    with pytest.raises(SystemExit):
+        compare.parse_args([*common, "--max-update", "5", "--save-dir=elsewhere"])
+    assert "--save-dir is set by compare.py" in capsys.readouterr().err
+
+
+def test_compare_demo_preset_keeps_sentencepiece_under_the_users_generate_args(compare, tmp_path):
+    """With --preset demo the demo's generate options (sentencepiece removed before scoring) come
+    first and the user's after them, not instead of them (BLEU on pieces otherwise)."""
+    (tmp_path / "data" / "bin").mkdir(parents=True)
+    (tmp_path / "data" / "spm").mkdir()
+    (tmp_path / "data" / "spm" / "spm.model").write_text("")
+    args = compare.parse_args([str(tmp_path / "data" / "bin"), "--arch", "transformer_t5", "--preset", "demo",
+                               "--out", str(tmp_path / "out"),
+                               "--generate-args", "--nbest 1 --max-len-b 5", "--", "--max-update", "5"])
+    generate = args.generate_args.split()
+    assert generate[generate.index("--bpe") + 1] == "sentencepiece"
+    assert generate[-4:] == ["--nbest", "1", "--max-len-b", "5"]  # the user's last: they win
+
+
+def test_compare_run_again_leaves_no_stale_error_log(compare, monkeypatch, tmp_path):
+    outcomes = iter([KeyError("ppl"), None])
+
+    def train_and_evaluate(args, arch, env, device):
+        outcome = next(outcomes)
+        if outcome is not None:
+            raise outcome
+        return {"arch": arch, "metric": "accuracy % (valid)", "value": 75.0, "bins": [], "params": 1000,
+                "train_seconds": 1.0, "valid_loss": 0.5}
+    monkeypatch.setattr(compare, "train_and_evaluate", train_and_evaluate)
+    (tmp_path / "data").mkdir()
+    argv = [str(tmp_path / "data"), "--arch", "roberta_t5", "--out", str(tmp_path / "out"), "--", "--max-update", "1"]
+    assert compare.main(argv) == 1 and (tmp_path / "out" / "roberta_t5" / "error.log").exists()
+    assert compare.main(argv) == 0 and not (tmp_path / "out" / "roberta_t5" / "error.log").exists()
+
+
 def options_output(capsys, *argv):
     """scripts/options.py run in this process (fairseq is imported already: no start-up cost)."""
     import importlib.util
