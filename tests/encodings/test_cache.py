@@ -41,10 +41,9 @@ def test_pass_scope_is_dropped_by_its_roles_begin_and_kept_per_grad_mode():
 
 def test_a_recorded_run_replays_its_forwards_hits_and_misses():
     """The second run of a `recorded` function (the recomputation of a checkpoint) computes exactly
-    the terms the first computed and takes from the pass scope the ones the first found there; where
-    the pass scope was emptied in between, it computes those again without gradients (the same
-    values, no operation recorded)."""
-    for emptied in (False, True):
+    the terms the first computed and takes from the pass scope the ones the first found there: its
+    forward's pass scope, also where another pass has begun in between (the same tensors)."""
+    for another_pass_between in (False, True):
         encoding, computed = t5(), []
         weight = torch.ones((), requires_grad=True)
 
@@ -59,17 +58,17 @@ def test_a_recorded_run_replays_its_forwards_hits_and_misses():
         first = run()
         assert computed == [("before", True), ("new", True), ("other", True)]  # the second "new" was found
         computed.clear()
-        if emptied:
+        if another_pass_between:
             encoding.begin("encoder")
+            later = term("before")  # the later pass's own value
+        computed.clear()
         replay = run()
-        if not emptied:
-            assert computed == [("new", True), ("other", True)]
-            assert replay[0] is first[0] and replay[2] is first[1]  # taken from the pass scope
-        else:
-            assert computed == [("before", False), ("new", True), ("new", False), ("other", True)]
-            assert replay[0].grad_fn is None and replay[2].grad_fn is None
+        assert computed == [("new", True), ("other", True)]
+        assert replay[0] is first[0] and replay[2] is first[1]  # taken from the forward's pass scope
         assert replay[1].grad_fn is not None and replay[3].grad_fn is not None  # computed as the first run did
         assert not encoding.in_recorded_run()
+        if another_pass_between:  # and the later pass's scope is back after the replay
+            assert term("before") is later and computed == [("new", True), ("other", True)]
 
 
 def test_inference_scope_is_emptied_by_a_write_through_data_and_kept_otherwise():
