@@ -104,9 +104,18 @@ def parse_args(argv):
     return args
 
 
+#: fairseq's short aliases of options compare.py sets itself
+SHORT_ALIASES = {"--arch": "-a"}
+
+
 def given(option: str, options: list) -> bool:
-    """Whether `options` give `option`, as `--option VALUE` or `--option=VALUE`."""
-    return any(part == option or part.startswith(option + "=") for part in options)
+    """Whether `options` give `option` as fairseq-train reads it: `--option VALUE`, `--option=VALUE`,
+    an abbreviation (argparse takes an unambiguous prefix, e.g. `--ar`) or its short alias (`-a`)."""
+    for part in options:
+        name = part.split("=", 1)[0]
+        if name == SHORT_ALIASES.get(option) or (name.startswith("--") and len(name) > 2 and option.startswith(name)):
+            return True
+    return False
 
 
 def stored_task(checkpoint: Path):

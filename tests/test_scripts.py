@@ -127,6 +127,12 @@ def test_compare_reads_options_written_with_an_equals_sign(compare, tmp_path, ca
     with pytest.raises(SystemExit):
         compare.parse_args([*common, "--max-update", "5", "--save-dir=elsewhere"])
     assert "--save-dir is set by compare.py" in capsys.readouterr().err
+    # fairseq's short alias and an abbreviation would replace every row's architecture
+    for other_arch in (["-a", "transformer_sinusoidal"], ["--ar", "transformer_sinusoidal"]):
+        with pytest.raises(SystemExit):
+            compare.parse_args([*common, "--max-update", "5", *other_arch])
+        assert "--arch is set by compare.py" in capsys.readouterr().err
+    assert compare.parse_args([*common, "--max-up", "5"]).train_options == ["--max-up", "5"]
 
 
 def test_compare_demo_preset_keeps_sentencepiece_under_the_users_generate_args(compare, tmp_path):
