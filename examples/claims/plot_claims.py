@@ -142,7 +142,11 @@ def main(argv=None):
 
     kept = args.data / "process50_sweep.jsonl"  # sweep.py --keep: every finished run of the robustness sweep
     if kept.exists():
-        runs = [run for run in load_runs(kept) if run.get("test") is not None]
+        runs = list(sweep.recorded(kept).values())  # one record per run, as sweep.py counts them
+        setups = sorted({(run["device"], run["epochs"], tuple(run["sizes"])) for run in runs})
+        if len(setups) > 1:  # rates over runs of other budgets or devices would mix
+            raise SystemExit(f"{kept}: runs of {len(setups)} set-ups (device, epochs, sizes): {setups}; "
+                             f"keep one set-up per file")
         present = list(dict.fromkeys(run["arch"] for run in runs))  # the default four first, then the variants
         encodings = [arch for arch in sweep.ENCODINGS if arch in present] + [a for a in present if a not in sweep.ENCODINGS]
         tables["process50_sweep"] = sweep.markdown(runs, encodings)

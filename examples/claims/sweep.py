@@ -99,6 +99,13 @@ def fairseq_options(cell: Cell, args) -> List[str]:
     return options
 
 
+def cell_folder(cell: Cell) -> str:
+    """The folder of a cell's runs, named by its settings (not its place in one sweep's grid, which
+    another sweep with other axes would give to other settings)."""
+    return "cell_" + "_".join(f"{name}{value:g}" if isinstance(value, float) else f"{name}{value}"
+                              for name, value in cell._asdict().items()).replace(",", "-")
+
+
 def work_folder(encoding: str, seed: int) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", encoding).strip("_") + f"_seed{seed}"
 
@@ -169,8 +176,7 @@ def sweep(args) -> List[dict]:
         cell, arch, seed = job
         run_args = copy.copy(args)
         run_args.lr, run_args.batch_size = cell.lr, cell.batch
-        index = cells(args.axes).index(cell)
-        work = args.out / f"cell{index}" / work_folder(arch, seed)
+        work = args.out / cell_folder(cell) / work_folder(arch, seed)
         model, _, extra = arch.partition(":")  # an encoding ARCH:OPTIONS: its own options after the cell's
         try:
             # the cell's options as the run's extra options: given after runner.py's settings, they win
@@ -186,7 +192,7 @@ def sweep(args) -> List[dict]:
                 if file is not None:
                     with open(file, "a") as out:
                         out.write(json.dumps(record) + "\n")
-        print(f"cell {index} {arch} seed {seed}: test accuracy {record['test']}", file=sys.stderr, flush=True)
+        print(f"{work.parent.name} {arch} seed {seed}: test accuracy {record['test']}", file=sys.stderr, flush=True)
         return record
 
     with ThreadPoolExecutor(args.jobs) as pool:

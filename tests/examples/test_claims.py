@@ -10,6 +10,7 @@ import math
 import random
 import re
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -276,6 +277,25 @@ def test_short_to_long_run_again_redraws_other_sizes_and_trains_afresh(tmp_path,
         prepared = any(command[1].endswith("prepare.py") for command in commands)
         sizes.append((prepared, len((tmp_path / "raw" / "train.src").read_text().splitlines())))
     assert sizes == [(True, 60 + 3 * 2), (True, 200 + 3 * 2), (False, 200 + 3 * 2)]
+
+
+def test_plot_claims_counts_each_sweep_run_once_and_one_set_up_only(tmp_path):
+    """A line kept twice counts once (sweep.py's run key); a run of another budget is refused rather
+    than pooled into the rates."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(REPO / "docs" / "data", data)
+    kept = data / "process50_sweep.jsonl"
+    lines = kept.read_text().splitlines()
+    before = run([sys.executable, CLAIMS / "plot_claims.py", "--data", data, "--out", tmp_path / "a"])
+    kept.write_text("\n".join(lines + lines[:1]) + "\n")
+    assert run([sys.executable, CLAIMS / "plot_claims.py", "--data", data, "--out", tmp_path / "b"]) == before
+    other = dict(json.loads(lines[0]), epochs=2, test=0.52)
+    kept.write_text("\n".join(lines + [json.dumps(other)]) + "\n")
+    done = subprocess.run([sys.executable, CLAIMS / "plot_claims.py", "--data", data, "--out", tmp_path / "c"],
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "keep one set-up per file" in done.stderr
 
 
 def test_plot_claims_redraws_the_docs_figures_from_docs_data(tmp_path):

@@ -15,11 +15,26 @@ from test_claims import counted
 from util import BIN, REPO, load_script, run
 
 SWEEP = REPO / "examples" / "claims" / "sweep.py"
+sweep_module = load_script(SWEEP)
+# runner.py's cell with lr 5e-4, polynomial decay, batch 32 (the traced run's)
+CELL_5E4 = sweep_module.cell_folder(sweep_module.Cell(lr=5e-4, betas="0.9,0.98", schedule="polynomial_decay", batch=32,
+                                                      clip=1.0, ffn=256, dropout=0.1, data_seed=1))
 
 
 @pytest.fixture(scope="module")
 def sweep():
-    return load_script(SWEEP)
+    return sweep_module
+
+
+def test_run_folders_are_named_by_the_cells_settings(sweep):
+    """Two sweeps in one folder with other axes: the first cell of each is another cell, in another
+    folder (by its index in each grid both were cell0, and trained into one save-dir)."""
+    lower_lr = sweep.parse(["--out", "x", "--lr", "5e-4"]).axes
+    smaller_batch = sweep.parse(["--out", "x", "--batch", "32"]).axes
+    first, second = sweep.cells(lower_lr)[0], sweep.cells(smaller_batch)[0]
+    assert first != second and sweep.cell_folder(first) != sweep.cell_folder(second)
+    assert sweep.cell_folder(first) == sweep.cell_folder(sweep.Cell(**first._asdict()))
+    assert "/" not in sweep.cell_folder(first) and "," not in sweep.cell_folder(first)
 
 
 def test_the_grid_is_every_combination_and_shards_split_it(sweep):
@@ -81,7 +96,7 @@ def test_a_toy_sweep_runs_every_cell_through_fairseq_and_resumes(tmp_path, sweep
     assert sorted((r["arch"], r["cell"]["lr"]) for r in records) == [
         ("roberta_nope", 5e-4), ("roberta_nope", 1e-3), ("roberta_t5", 5e-4), ("roberta_t5", 1e-3)]
     for r in records:
-        work = tmp_path / "sweep" / f"cell{[1e-3, 5e-4].index(r['cell']['lr'])}" / f"{r['arch']}_seed1"
+        work = tmp_path / "sweep" / sweep_module.cell_folder(sweep_module.Cell(**r["cell"])) / f"{r['arch']}_seed1"
         log = (work / "train.log").read_text()
         # the cell's settings reached fairseq (its logged configuration), after runner.py's own
         assert re.search(rf"'lr': \[{r['cell']['lr']}\]", log) and "'batch_size': 32" in log
@@ -108,7 +123,7 @@ def test_the_traced_run_is_the_sweeps_run(tmp_path):
     run([sys.executable, SWEEP, "--out", tmp_path / "sweep", "--encodings", "roberta_t5", "--seeds", "2", *settings],
         env={"PATH": str(BIN)})
     logged = [float(loss) for loss in re.findall(r"valid on 'valid' subset \| loss ([0-9.]+)",
-                                                 (tmp_path / "sweep" / "cell0" / "roberta_t5_seed2" / "train.log").read_text())]
+                                                 (tmp_path / "sweep" / CELL_5E4 / "roberta_t5_seed2" / "train.log").read_text())]
     out = run([sys.executable, REPO / "examples" / "claims" / "at5_dynamics.py", "--out", tmp_path / "trace",
                "--arch", "roberta_t5", "--seed", "2", "--every", "1", *settings], env={"PATH": str(BIN)})
     records = [json.loads(line) for line in (tmp_path / "trace" / "roberta_t5_seed2.jsonl").read_text().splitlines()]
