@@ -10,6 +10,7 @@
 #   transformer_<encoding>), SRC=en TGT=de THRESHOLD=80 BINS=80,100,120,140 VOCAB_SIZE=32000,
 #   EVAL_ARGS (extra evaluate.py options, e.g. "--beam 4 --lenpen 0.6"), and everything
 #   examples/translation/train.sh reads (LR, MAX_UPDATE, MAX_EPOCH, CPU, ...).
+# Run again in the same WORK_DIR, it redoes everything (the split, the data, every model from scratch).
 # Note: a learned absolute table (transformer_learned) cannot represent positions beyond its size;
 # it is trained with --max-source-positions large enough for the test split, as in the paper.
 set -euo pipefail
@@ -27,11 +28,13 @@ BINS=${BINS:-80,100,120,140}
 VOCAB_SIZE=${VOCAB_SIZE:-32000}
 mkdir -p "$WORK"
 
+rm -rf "$WORK/data"  # this recipe's own output, remade from the split below
 "$PYTHON" "$HERE/make_s2l.py" "$RAW" "$WORK/raw" --src "$SRC" --tgt "$TGT" --threshold "$THRESHOLD"
 "$PYTHON" "$TRANSLATION/prepare.py" "$WORK/raw" "$WORK/data" --src "$SRC" --tgt "$TGT" \
     --vocab-size "$VOCAB_SIZE" ${PREPARE_ARGS:-}
 RESULTS=()
 for ENCODING in $ENCODINGS; do
+  rm -f "$WORK/$ENCODING"/checkpoint*.pt  # train.sh would resume from an earlier run's
   ARCH="transformer_$ENCODING" "$TRANSLATION/train.sh" "$WORK/data/bin" "$WORK/$ENCODING" \
       --no-epoch-checkpoints "$@"
   "$PYTHON" "$TRANSLATION/evaluate.py" "$WORK/data/bin" "$WORK/$ENCODING/checkpoint_best.pt" \

@@ -4,7 +4,9 @@
 RAW_DIR holds train.SRC, train.TGT, valid.*, test.* (plain, untokenised text, one sentence per
 line; get_wmt14_en_de.sh / get_iwslt14_de_en.sh write that layout). Lines end at line ends only, as
 fairseq-preprocess reads them (a U+2028 or form feed inside a sentence stays in it), and the two
-sides of each split must have as many lines (checked before anything is written). Writes:
+sides of each split must have as many lines (checked before anything is written). A DEST that holds
+an earlier preparation (spm.model, spm/ or bin/) is refused: writing over it would leave a
+sentencepiece model and text that the binarised data do not match. Writes:
   DEST/spm.model, DEST/spm.vocab      joint sentencepiece model (trained on train.SRC + train.TGT)
   DEST/spm/{split}.{lang}             encoded text
   DEST/bin/                           fairseq-preprocess output (--joined-dictionary)
@@ -42,6 +44,9 @@ def main(argv=None):
     for split in dict.fromkeys(["train"] + splits):
         check_parallel(args.raw_dir / f"{split}.{args.src}", args.raw_dir / f"{split}.{args.tgt}", p.error)
 
+    earlier = [name for name in ("spm.model", "spm.vocab", "spm", "bin") if (args.dest / name).exists()]
+    if earlier:
+        p.error(f"{args.dest} holds an earlier preparation ({', '.join(earlier)}): remove it or choose another DEST")
     args.dest.mkdir(parents=True, exist_ok=True)
     prefix = args.dest / "spm"
     spm.SentencePieceTrainer.train(

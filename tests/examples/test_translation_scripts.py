@@ -2,6 +2,7 @@
 options, models that cannot be averaged, what it keeps of the newest checkpoint), prepare.py (parallel
 files line for line) and evaluate.py's reading of fairseq-generate's output (--nbest)."""
 import random
+import subprocess
 import sys
 
 import pytest
@@ -118,6 +119,13 @@ def test_prepare_splits_lines_at_line_ends_only(tmp_path):
         for lang in ("en", "de"):
             encoded = (tmp_path / "out" / "spm" / f"{split}.{lang}").read_text(encoding="utf-8")
             assert encoded.count("\n") == count, (split, lang)
+    # a second preparation into the same DEST (another vocabulary) is refused before it writes
+    # anything: sentencepiece model and text would no longer match the binarised data
+    before = {path: path.read_bytes() for path in (tmp_path / "out").rglob("*") if path.is_file()}
+    done = subprocess.run([sys.executable, prepare, raw, tmp_path / "out", "--vocab-size", "50", "--workers", "1",
+                           "--src", "en", "--tgt", "de"], capture_output=True, text=True)
+    assert done.returncode == 2 and "holds an earlier preparation" in done.stderr
+    assert {path: path.read_bytes() for path in (tmp_path / "out").rglob("*") if path.is_file()} == before
 
 
 # ---------------------------------------------------------------- evaluate.py
