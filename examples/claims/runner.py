@@ -168,6 +168,11 @@ def first_epoch_reaching(curve, reach: float):
     return next((epoch for epoch, accuracy in enumerate(curve, start=1) if accuracy >= reach), None)
 
 
+def of_some(values: list, runs: list) -> str:
+    """' (k of n runs)' where a column's mean is over only some of the runs (older records lack it)."""
+    return f" ({len(values)} of {len(runs)} runs)" if len(values) < len(runs) else ""
+
+
 def table(results, heading: str, paper: dict, reach=None) -> str:
     """One row per entry: test accuracy (mean ± sd over seeds, then each seed's), best validation accuracy, the paper's
     number (`paper`: entry -> text), minutes per run, where they ran; with `reach`, also the first epoch whose
@@ -182,8 +187,9 @@ def table(results, heading: str, paper: dict, reach=None) -> str:
         minutes = [result["minutes"] for result in runs if "minutes" in result]
         valid = [r["valid"] for r in done if r.get("valid") is not None]
         cells = [f"`{entry}`", mean_and_spread([r["test"] for r in done]),
-                 mean_and_spread(valid) if valid or not done else "not logged",
-                 f"{len(done)}/{len(runs)}", paper.get(entry, ""), f"{statistics.mean(minutes):.1f}" if minutes else "",
+                 (mean_and_spread(valid) + of_some(valid, done)) if valid or not done else "not logged",
+                 f"{len(done)}/{len(runs)}", paper.get(entry, ""),
+                 f"{statistics.mean(minutes):.1f}{of_some(minutes, runs)}" if minutes else "",
                  ", ".join(sorted({r["device"] for r in runs if "device" in r}))]
         if reach is not None:
             epochs = [epoch for epoch in (first_epoch_reaching(r.get("valid_curve", []), reach) for r in done)

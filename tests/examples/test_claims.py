@@ -203,6 +203,11 @@ def test_runner_reach_column_and_fairseq_module_fallback(tmp_path, monkeypatch):
     assert row_a == "| `a` | 0.600 ± 0.141 (0.500, 0.700) | 0.775 ± 0.247 (0.950, 0.600) | 2.0 (1/2) | 2/2 | 80 | 2.0 | cpu, cuda |"
     assert row_b == "| `b` | failed | failed | never | 0/1 |  |  |  |"
     assert runner.first_epoch_reaching([0.2, 0.9, 0.8], 0.9) == 2
+    # an older record without valid accuracy and minutes: those columns say over how many runs
+    older = [{"entry": "c", "test": 0.8, "valid": 0.9, "minutes": 2.0, "device": "cpu"},
+             {"entry": "c", "test": 0.6, "device": "cpu"}]
+    row_c = [line for line in runner.table(older, "h", {}).splitlines() if line.startswith("| `")][0]
+    assert row_c == "| `c` | 0.700 ± 0.141 (0.800, 0.600) | 0.900 (1 of 2 runs) | 2/2 |  | 2.0 (1 of 2 runs) | cpu |"
     monkeypatch.setattr(runner, "BIN", tmp_path)  # no console scripts here
     monkeypatch.setenv("PATH", str(tmp_path))
     assert runner.fairseq_command("fairseq-validate") == [sys.executable, "-m", "fairseq_cli.validate"]
