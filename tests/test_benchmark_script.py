@@ -1,5 +1,6 @@
 """scripts/benchmark.py on a tiny model: the table (with the beam-search column) and --growth."""
 import importlib.util
+import json
 import subprocess
 import sys
 import types
@@ -10,6 +11,14 @@ from util import REPO, run
 
 TINY = ["--repeats", "1", "--steps", "1", "--dim", "16", "--heads", "2", "--layers", "1", "--threads", "1",
         "--vocab", "50"]
+
+
+def load_benchmark():
+    """scripts/benchmark.py as a module (its functions, without running it)."""
+    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    return benchmark
 
 
 def test_table_has_the_beam_search_column():
@@ -44,9 +53,7 @@ def test_bad_counts_are_refused_in_one_line(option, value):
 
 
 def test_alternating_medians_alternates_which_run_goes_first(monkeypatch):
-    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
+    benchmark = load_benchmark()
     clock, calls = [0.0], []
 
     def fake_run(name, seconds):
@@ -66,9 +73,7 @@ def test_alternating_medians_alternates_which_run_goes_first(monkeypatch):
 
 
 def test_copies_are_built_interleaved_and_timed_as_a_geometric_mean():
-    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
+    benchmark = load_benchmark()
     assert benchmark.build_order("a", "r", 2, False) == [("a", 0), ("r", 0), ("r", 1), ("a", 1)]
     assert benchmark.build_order("a", "r", 3, True) == [("r", 0), ("a", 0), ("a", 1), ("r", 1), ("r", 2), ("a", 2)]
     assert benchmark.build_order("r", "r", 2, True) == [("r", 0), ("r", 1)]
@@ -76,21 +81,22 @@ def test_copies_are_built_interleaved_and_timed_as_a_geometric_mean():
     assert means == pytest.approx({"": 2.0, "reference_": 4.0})
 
 
+def recording_run(commands: list, result: dict):
+    """A subprocess.run for benchmark.py's measuring processes: records each command and answers `result`."""
+    def run(command, **kwargs):
+        commands.append(command)
+        return types.SimpleNamespace(returncode=0, stdout=json.dumps(result), stderr="")
+    return run
+
+
 def test_odd_rounds_build_the_reference_first(monkeypatch, capsys):
     """The model a process builds first measured slower than the same model built second, so the
     rounds alternate which of the two each measuring process builds first."""
-    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
+    benchmark = load_benchmark()
     commands = []
 
-    def fake_run(command, **kwargs):
-        commands.append(command)
-        arch = command[command.index("--one") + 1]
-        result = {"arch": arch, "train_tokens_per_s": 1.0, "generate_tokens_per_s": 1.0, "heap_peak_mb": 1.0}
-        return types.SimpleNamespace(returncode=0, stdout=benchmark.json.dumps(result), stderr="")
-
-    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    monkeypatch.setattr(benchmark.subprocess, "run", recording_run(commands, {
+        "train_tokens_per_s": 1.0, "generate_tokens_per_s": 1.0, "heap_peak_mb": 1.0}))
     monkeypatch.setattr(sys, "argv", ["benchmark.py", "--archs", "transformer_t5", "--reference", "transformer",
                                       "--repeats", "4", "--beam", "0"])
     benchmark.main()
@@ -101,17 +107,11 @@ def test_odd_rounds_build_the_reference_first(monkeypatch, capsys):
 
 def test_growth_measures_against_the_given_reference(monkeypatch, capsys):
     """Each --growth process times its arch beside --reference, with --copies copies."""
-    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
+    benchmark = load_benchmark()
     commands = []
 
-    def fake_run(command, **kwargs):
-        commands.append(command)
-        result = {"train_seconds_per_step": 1.0, "reference_train_seconds_per_step": 1.0}
-        return types.SimpleNamespace(returncode=0, stdout=benchmark.json.dumps(result), stderr="")
-
-    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    monkeypatch.setattr(benchmark.subprocess, "run", recording_run(commands, {
+        "train_seconds_per_step": 1.0, "reference_train_seconds_per_step": 1.0}))
     monkeypatch.setattr(sys, "argv", ["benchmark.py", "--growth", "--archs", "transformer_t5", "--reference",
                                       "transformer_alibi", "--copies", "1", "--repeats", "1"])
     benchmark.main()
