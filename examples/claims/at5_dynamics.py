@@ -2,9 +2,11 @@
 """Why does a Process-50 run stay on the plateau? One run of sweep.py's, traced update by update.
 
     python examples/claims/at5_dynamics.py --out work/dynamics --arch roberta_at5 --seed 3 [sweep.py's axes]
+    python examples/claims/at5_dynamics.py --out work/dynamics --arch "roberta_at5:--at5-gamma-init uniform" ...
 
 trains one encoding on Process-50 exactly as a sweep cell does (the same fairseq options, built by
-sweep.py, run by fairseq's own Trainer in this process instead of fairseq-train), and records every
+sweep.py, run by fairseq's own Trainer in this process instead of fairseq-train; ARCH:OPTIONS as in
+sweep.py's --encodings, the encoding's own options after the cell's), and records every
 `--every` updates, per group of parameters, the gradient norm (after fairseq's clipping: what the
 optimizer was given), the norm of the update the optimizer made, and the parameters' norm:
 
@@ -15,13 +17,15 @@ optimizer was given), the norm of the update the optimizer made, and the paramet
 and once per epoch the validation accuracy and, per head, the bias e_h(d) over the distances
 d = -3..3 of the first layer's table (its spread over d = 0..3 on each side is what Process-50
 needs: neighbours against the rest). Output: OUT/ARCH_seedN.jsonl (one line per record) and a
-summary of the first and last epochs' mean gradient and update sizes per group.
+summary of the first and last epochs' mean gradient and update sizes per group. It takes
+sweep.py's options of one run (its axes, one value each, sizes, epochs, threads) and trains on the CPU.
 """
 import argparse
 import json
 import math
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -51,10 +55,11 @@ def build(args, data: Path):
     from fairseq.trainer import Trainer
     import numpy
 
-    argv = [str(data), "--user-dir", str(USER_DIR), "--task", "sentence_prediction", "--arch", args.arch,
+    arch, _, extra = args.arch.partition(":")
+    argv = [str(data), "--user-dir", str(USER_DIR), "--task", "sentence_prediction", "--arch", arch,
             *process50.MODEL, *TRAIN, "--cpu", "--lr", str(args.cell.lr), "--batch-size", str(args.cell.batch),
             "--max-epoch", str(args.epochs), "--seed", str(args.seed), "--save-dir", str(args.out / "checkpoints"),
-            "--no-save", *sweep.fairseq_options(args.cell, args)]
+            "--no-save", *sweep.fairseq_options(args.cell, args), *shlex.split(extra)]
     cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
     utils.import_user_module(cfg.common)
     numpy.random.seed(cfg.common.seed)
@@ -117,7 +122,7 @@ def trace(args) -> list:
     torch.set_num_threads(args.threads)
     trainer, epoch_itr = build(args, data)
     model, records = trainer.model, []
-    with open(args.out / f"{args.arch}_seed{args.seed}.jsonl", "w") as out:
+    with open(args.out / f"{sweep.work_folder(args.arch, args.seed)}.jsonl", "w") as out:
         def keep(record):
             records.append(record)
             out.write(json.dumps(record) + "\n")
@@ -169,10 +174,13 @@ def summary(records: list) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", default="roberta_at5")
+    sweep.add_grid_args(parser)
+    parser.add_argument("--arch", default="roberta_at5",
+                        help="ARCH or ARCH:OPTIONS (its own fairseq-train options, after the cell's)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--every", type=int, default=10, help="record every N updates")
-    args = sweep.parse(argv, parser)
+    args = parser.parse_args(argv)
+    args.axes = sweep.grid_axes(args, parser)
     if any(len(values) > 1 for values in args.axes.values()):
         parser.error("one value per axis: this traces one cell")
     args.cell = sweep.cells(args.axes)[0]

@@ -268,14 +268,10 @@ def plot(records: List[dict], encodings: List[str], path: Path):
     plt.close(fig)
 
 
-def parse(argv=None, parser=None):
-    """The options (`parser`: another script's, which these are added to); `axes`: each axis's values."""
-    if parser is None:
-        parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_grid_args(parser):
+    """The options that say what one run trains on and how (the cell's axes, the data's sizes, the
+    budget, the threads), shared with at5_dynamics.py, which traces one run."""
     parser.add_argument("--out", type=Path, required=True, help="sweep folder (data, runs, results.jsonl, results.md)")
-    parser.add_argument("--keep", type=Path, help="also append every finished run here (e.g. docs/data/process50_sweep.jsonl)")
-    parser.add_argument("--encodings", nargs="+", default=ENCODINGS,
-                        help="architectures, each ARCH or ARCH:OPTIONS (its own fairseq-train options, after the cell's)")
     parser.add_argument("--issue-grid", action="store_true", help="every value listed above on every axis")
     parser.add_argument("--lr", type=float, nargs="+")
     parser.add_argument("--betas", nargs="+", help="Adam's betas as B1,B2")
@@ -285,13 +281,32 @@ def parse(argv=None, parser=None):
     parser.add_argument("--ffn", type=int, nargs="+")
     parser.add_argument("--dropout", type=float, nargs="+")
     parser.add_argument("--data-seeds", dest="data_seed", type=int, nargs="+")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--shard", default="0/1", help="I/K: run every K-th cell from the I-th")
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--train", type=int, default=5000)
     parser.add_argument("--valid", type=int, default=1000)
     parser.add_argument("--test", type=int, default=5000)
     parser.add_argument("--threads", type=at_least(1), default=1, help="OMP_NUM_THREADS of each command")
+
+
+def grid_axes(args, parser) -> Dict[str, list]:
+    """Each axis's values: those given, else runner.py's setting (every listed value with --issue-grid)."""
+    axes = {name: (values if args.issue_grid else values[:1]) if getattr(args, name) is None else getattr(args, name)
+            for name, values in AXES.items()}
+    for betas in axes["betas"]:
+        if len(betas.split(",")) != 2:
+            parser.error(f"--betas {betas}: expected B1,B2")
+    return axes
+
+
+def parse(argv=None):
+    """The sweep's options; `axes`: each axis's values."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_grid_args(parser)
+    parser.add_argument("--keep", type=Path, help="also append every finished run here (e.g. docs/data/process50_sweep.jsonl)")
+    parser.add_argument("--encodings", nargs="+", default=ENCODINGS,
+                        help="architectures, each ARCH or ARCH:OPTIONS (its own fairseq-train options, after the cell's)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--shard", default="0/1", help="I/K: run every K-th cell from the I-th")
     parser.add_argument("--jobs", type=at_least(1), default=1, help="runs at the same time")
     parser.add_argument("--cuda", action="store_true", help="train and test on the GPU (default: --cpu)")
     parser.add_argument("--commit", default=None,
@@ -299,11 +314,7 @@ def parse(argv=None, parser=None):
     args = parser.parse_args(argv)
     if args.commit is None:
         args.commit = source_commit() or ""
-    args.axes = {name: (values if args.issue_grid else values[:1]) if getattr(args, name) is None
-                 else getattr(args, name) for name, values in AXES.items()}
-    for betas in args.axes["betas"]:
-        if len(betas.split(",")) != 2:
-            parser.error(f"--betas {betas}: expected B1,B2")
+    args.axes = grid_axes(args, parser)
     return args
 
 

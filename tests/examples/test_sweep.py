@@ -116,17 +116,21 @@ def test_a_toy_sweep_runs_every_cell_through_fairseq_and_resumes(tmp_path, sweep
 @pytest.mark.slow
 def test_the_traced_run_is_the_sweeps_run(tmp_path):
     """at5_dynamics.py trains one cell through fairseq's Trainer in its own process: the validation
-    losses it records are the ones fairseq-train logged for the same cell and seed in a sweep (to the
-    log's 3 decimals), and every update's record has T5's table, the attention and the rest."""
+    losses it records are the ones fairseq-train logged for the same cell, seed and ARCH:OPTIONS entry
+    in a sweep (to the log's 3 decimals), and every update's record has T5's table, the attention and the rest."""
     settings = ["--lr", "5e-4", "--schedule", "polynomial_decay", "--batch", "32", "--train", "96", "--valid", "32",
                 "--test", "32", "--epochs", "2"]
-    run([sys.executable, SWEEP, "--out", tmp_path / "sweep", "--encodings", "roberta_t5", "--seeds", "2", *settings],
+    entry = "roberta_t5:--t5-num-buckets 8"  # (a table of 8 buckets instead of 32: the options reach fairseq)
+    run([sys.executable, SWEEP, "--out", tmp_path / "sweep", "--encodings", entry, "--seeds", "2", *settings],
         env={"PATH": str(BIN)})
+    work = tmp_path / "sweep" / CELL_5E4 / sweep_module.work_folder(entry, 2)
     logged = [float(loss) for loss in re.findall(r"valid on 'valid' subset \| loss ([0-9.]+)",
-                                                 (tmp_path / "sweep" / CELL_5E4 / "roberta_t5_seed2" / "train.log").read_text())]
+                                                 (work / "train.log").read_text())]
+    assert "t5_num_buckets=8," in (work / "train.log").read_text()
     out = run([sys.executable, REPO / "examples" / "claims" / "at5_dynamics.py", "--out", tmp_path / "trace",
-               "--arch", "roberta_t5", "--seed", "2", "--every", "1", *settings], env={"PATH": str(BIN)})
-    records = [json.loads(line) for line in (tmp_path / "trace" / "roberta_t5_seed2.jsonl").read_text().splitlines()]
+               "--arch", entry, "--seed", "2", "--every", "1", *settings], env={"PATH": str(BIN)})
+    trace = tmp_path / "trace" / f"{sweep_module.work_folder(entry, 2)}.jsonl"
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
     traced = [r["valid_loss"] for r in records if "valid_loss" in r and r["epoch"] > 0]
     assert len(logged) == len(traced) == 2
     for fairseq_loss, ours in zip(logged, traced):
@@ -138,6 +142,15 @@ def test_the_traced_run_is_the_sweeps_run(tmp_path):
     assert steps[0]["groups"]["table"]["update"] == 0 and all(r["groups"]["table"]["update"] > 0 for r in steps[1:])
     assert len(records[-1]["bias"]) == 4 and len(records[-1]["bias"][0]) == 7  # heads x d = -3..3
     assert "| table |" in out
+
+
+@pytest.mark.parametrize("option", [["--jobs", "2"], ["--cuda"], ["--seeds", "1", "2"], ["--keep", "x.jsonl"]])
+def test_the_trace_refuses_the_sweeps_options_it_would_ignore(tmp_path, option):
+    """at5_dynamics.py traces one run on the CPU: the sweep's options for many runs are not its own."""
+    done = subprocess.run([sys.executable, REPO / "examples" / "claims" / "at5_dynamics.py", "--out", tmp_path,
+                           *option], capture_output=True, text=True)
+    assert done.returncode == 2 and f"unrecognized arguments: {' '.join(option)}" in done.stderr
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("option", ["--jobs", "--threads"])
