@@ -142,7 +142,7 @@ def main(argv=None):
 
     kept = args.data / "process50_sweep.jsonl"  # sweep.py --keep: every finished run of the robustness sweep
     if kept.exists():
-        runs = list(sweep.recorded(kept).values())  # one record per run, as sweep.py counts them
+        runs = list(sweep.recorded(kept, failed=True).values())  # one record per run, as sweep.py counts them
         setups = sorted({(run["device"], run["epochs"], tuple(run["sizes"])) for run in runs})
         if len(setups) > 1:  # rates over runs of other budgets or devices would mix
             raise SystemExit(f"{kept}: runs of {len(setups)} set-ups (device, epochs, sizes): {setups}; "

@@ -17,9 +17,11 @@ value below on every axis (192 cells, 768 runs per seed: spread them over severa
     --data-seeds 1 (each a fresh draw of the data)
 
 A run counts as leaving the plateau when its test accuracy reaches SUCCESS (0.75; chance is 0.5,
-the Bayes rate 0.839). Every finished run is one JSON line in OUT/results.jsonl and, with `--keep`,
-in that file too (appended as it finishes); a run already recorded in either (the same encoding, cell,
-seed, device and budget) is not run again, so an interrupted or sharded sweep resumes. The encoding is
+the Bayes rate 0.839). Every run is one JSON line in OUT/results.jsonl and, with `--keep`, in that
+file too (appended as it finishes; a failed run with test null); a run finished in either (the same
+encoding, cell, seed, device and budget) is not run again, so an interrupted or sharded sweep resumes and
+a failed run is retried. A run that failed and never finished is counted apart in the table ("1 failed"),
+not in its rates, and makes the exit status 1. The encoding is
 recorded as given: when a default of its options changes, relabel the runs recorded before (their
 `arch` naming the options they ran with, `ran_as` what they were given), or they count as the new default's. The table
 gives per cell and encoding the fraction of runs that left the plateau and their mean test accuracy,
@@ -116,16 +118,18 @@ def run_key(record: dict) -> tuple:
             record["epochs"], tuple(record["sizes"]))
 
 
-def recorded(*files: Path) -> dict:
-    """The finished runs (a test accuracy) kept in `files` (None or missing: none), by `run_key`."""
-    runs = {}
+def recorded(*files: Path, failed: bool = False) -> dict:
+    """The finished runs (a test accuracy) kept in `files` (None or missing: none), by `run_key`; with
+    `failed`, also each run that failed and never finished (its last record, test None)."""
+    runs, failures = {}, {}
     for file in files:
         if file is not None and file.exists():
             for line in file.read_text().splitlines():
                 if line.strip():
                     record = json.loads(line)
-                    if record.get("test") is not None:
-                        runs[run_key(record)] = record
+                    (runs if record.get("test") is not None else failures)[run_key(record)] = record
+    if failed:
+        runs.update((key, record) for key, record in failures.items() if key not in runs)
     return runs
 
 
@@ -198,26 +202,33 @@ def sweep(args) -> List[dict]:
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(one, todo))
     wanted = {run_key({**base, "arch": arch, "cell": cell._asdict(), "seed": seed}) for cell, arch, seed in jobs}
-    return [record for key, record in recorded(args.keep, args.out / "results.jsonl").items() if key in wanted]
+    return [record for key, record in recorded(args.keep, args.out / "results.jsonl", failed=True).items()
+            if key in wanted]
 
 
 def summary(records: List[dict]) -> Dict[tuple, Dict[str, dict]]:
-    """Per cell (its settings as a tuple) and encoding: runs, the fraction that left the plateau
-    (test accuracy >= SUCCESS), the mean test accuracy."""
+    """Per cell (its settings as a tuple) and encoding: the finished runs, the fraction of them that left
+    the plateau (test accuracy >= SUCCESS) and their mean test accuracy (None without one), and the runs
+    that failed (test None: they say nothing about the plateau, so they are counted apart)."""
     table: Dict[tuple, Dict[str, list]] = {}
     for record in records:
         cell = tuple(record["cell"][name] for name in Cell._fields)
         table.setdefault(cell, {}).setdefault(record["arch"], []).append(record["test"])
-    return {cell: {arch: {"runs": len(tests), "rate": sum(test >= SUCCESS for test in tests) / len(tests),
-                          "mean": statistics.mean(tests)} for arch, tests in by_arch.items()}
-            for cell, by_arch in table.items()}
+
+    def counts(tests):
+        done = [test for test in tests if test is not None]
+        return {"runs": len(done), "failed": len(tests) - len(done),
+                "rate": sum(test >= SUCCESS for test in done) / len(done) if done else None,
+                "mean": statistics.mean(done) if done else None}
+
+    return {cell: {arch: counts(tests) for arch, tests in by_arch.items()} for cell, by_arch in table.items()}
 
 
 def decides(by_arch: Dict[str, dict]) -> bool:
     """Whether AT5 falls short of T5 in the cell: left the plateau in fewer runs, or a mean more than
     0.01 below."""
     at5, t5 = by_arch.get("roberta_at5"), by_arch.get("roberta_t5")
-    if at5 is None or t5 is None:
+    if at5 is None or t5 is None or not at5["runs"] or not t5["runs"]:
         return False
     return at5["rate"] < t5["rate"] or at5["mean"] < t5["mean"] - 0.01
 
@@ -225,10 +236,16 @@ def decides(by_arch: Dict[str, dict]) -> bool:
 def markdown(records: List[dict], encodings: List[str]) -> str:
     columns = [*Cell._fields, *encodings, "AT5 < T5"]
     lines = [f"Process-50 sweep: per cell and encoding, runs leaving the plateau (test accuracy >= {SUCCESS:g}) / runs,"
-             " and the mean test accuracy", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+             " and the mean test accuracy; runs that failed are counted apart", "", "| " + " | ".join(columns) + " |",
+             "|" + "---|" * len(columns)]
+
+    def mark(counts):
+        finished = (f"{round(counts['rate'] * counts['runs'])}/{counts['runs']} ({counts['mean']:.3f})"
+                    if counts["runs"] else "")
+        return ", ".join(filter(None, [finished, f"{counts['failed']} failed" if counts["failed"] else ""]))
+
     for cell, by_arch in sorted(summary(records).items()):
-        marks = [f"{round(by_arch[arch]['rate'] * by_arch[arch]['runs'])}/{by_arch[arch]['runs']} "
-                 f"({by_arch[arch]['mean']:.3f})" if arch in by_arch else "" for arch in encodings]
+        marks = [mark(by_arch[arch]) if arch in by_arch else "" for arch in encodings]
         lines.append("| " + " | ".join([*(f"{value:g}" if isinstance(value, float) else str(value) for value in cell),
                                         *marks, "yes" if decides(by_arch) else ""]) + " |")
     return "\n".join(lines) + "\n"
@@ -253,11 +270,13 @@ def plot(records: List[dict], encodings: List[str], path: Path):
     height = 0.8 / len(encodings)
     fig, ax = plt.subplots(figsize=(8, 0.25 * len(table) * len(encodings) + 1.8))
     for index, arch in enumerate(encodings):
-        rows = [(row, by_arch[arch]) for row, (_, by_arch) in enumerate(table) if arch in by_arch]
+        rows = [(row, by_arch[arch]) for row, (_, by_arch) in enumerate(table) if by_arch.get(arch, {}).get("runs")]
         ys = [row + (index - (len(encodings) - 1) / 2) * height for row, _ in rows]
         ax.barh(ys, [cell["rate"] for _, cell in rows], height, label=arch)
         for y, (_, cell) in zip(ys, rows):
-            ax.text(cell["rate"] + 0.01, y, f"{cell['runs']} runs, mean {cell['mean']:.3f}", va="center", fontsize=6)
+            failed = f", {cell['failed']} failed" if cell["failed"] else ""
+            ax.text(cell["rate"] + 0.01, y, f"{cell['runs']} runs, mean {cell['mean']:.3f}{failed}", va="center",
+                    fontsize=6)
     ax.set_yticks(range(len(table)), [cell_label(cell) for cell, _ in table], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlim(0, 1.45)
@@ -325,7 +344,8 @@ def main(argv=None):
     text = markdown(records, args.encodings)
     (args.out / "results.md").write_text(text)
     print(text)
-    return 0 if len(records) == len(args.seeds) * len(args.encodings) * len(shard(cells(args.axes), args.shard)) else 1
+    expected = len(args.seeds) * len(args.encodings) * len(shard(cells(args.axes), args.shard))
+    return 0 if len(records) == expected and all(record["test"] is not None for record in records) else 1
 
 
 if __name__ == "__main__":

@@ -76,13 +76,35 @@ def test_rates_and_the_cells_that_decide(sweep):
                record("roberta_at5", 0.82, lr=2e-4), record("roberta_t5", 0.56, lr=2e-4)]
     table = sweep.summary(records)
     at_1e3 = table[(1e-3, "0.9,0.98", "inverse_sqrt", 64, 1.0, 256, 0.1, 1)]
-    assert at_1e3["roberta_at5"] == {"runs": 3, "rate": pytest.approx(2 / 3), "mean": pytest.approx(0.726666, abs=1e-5)}
-    assert at_1e3["roberta_t5"] == {"runs": 3, "rate": pytest.approx(2 / 3), "mean": pytest.approx(0.77)}
+    assert at_1e3["roberta_at5"] == {"runs": 3, "failed": 0, "rate": pytest.approx(2 / 3),
+                                     "mean": pytest.approx(0.726666, abs=1e-5)}
+    assert at_1e3["roberta_t5"] == {"runs": 3, "failed": 0, "rate": pytest.approx(2 / 3), "mean": pytest.approx(0.77)}
     assert sweep.decides(at_1e3)  # the same rate, but AT5's mean 0.727 < T5's 0.770 - 0.01
     assert not sweep.decides(table[(2e-4, "0.9,0.98", "inverse_sqrt", 64, 1.0, 256, 0.1, 1)])
     text = sweep.markdown(records, ["roberta_at5", "roberta_t5"])
     assert "| 0.001 | 0.9,0.98 | inverse_sqrt | 64 | 1 | 256 | 0.1 | 1 | 2/3 (0.727) | 2/3 (0.770) | yes |" in text
     assert "| 0.0002 | 0.9,0.98 | inverse_sqrt | 64 | 1 | 256 | 0.1 | 1 | 1/1 (0.820) | 0/1 (0.560) |  |" in text
+
+
+def test_failed_runs_are_counted_apart_until_they_finish(sweep, tmp_path):
+    """A run that failed (test null) is not a plateau outcome: the table counts it apart from k/n; once a
+    retry finishes, only the finished record counts."""
+    kept = tmp_path / "kept.jsonl"
+    lines = [record("roberta_at5", 0.83, seed=1), record("roberta_at5", None, seed=2), record("roberta_at5", None, seed=3),
+             record("roberta_at5", 0.55, seed=3), record("roberta_t5", None, seed=1), record("roberta_t5", None, seed=1)]
+    kept.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert len(sweep.recorded(kept)) == 2  # what a resumed sweep will not run again: seed 2 and T5 are retried
+    runs = list(sweep.recorded(kept, failed=True).values())
+    assert sorted((r["arch"], r["seed"], r["test"]) for r in runs) == [
+        ("roberta_at5", 1, 0.83), ("roberta_at5", 2, None), ("roberta_at5", 3, 0.55), ("roberta_t5", 1, None)]
+    by_arch = sweep.summary(runs)[(1e-3, "0.9,0.98", "inverse_sqrt", 64, 1.0, 256, 0.1, 1)]
+    assert by_arch["roberta_at5"] == {"runs": 2, "failed": 1, "rate": 0.5, "mean": pytest.approx(0.69)}
+    assert by_arch["roberta_t5"] == {"runs": 0, "failed": 1, "rate": None, "mean": None}
+    assert not sweep.decides(by_arch)  # T5 has no finished run to compare with
+    text = sweep.markdown(runs, ["roberta_at5", "roberta_t5"])
+    assert "| 0.001 | 0.9,0.98 | inverse_sqrt | 64 | 1 | 256 | 0.1 | 1 | 1/2 (0.690), 1 failed | 1 failed |  |" in text
+    sweep.plot(runs, ["roberta_at5", "roberta_t5"], tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
 
 
 @pytest.mark.slow
