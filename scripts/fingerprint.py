@@ -245,14 +245,19 @@ class Recorder:
 
         start = time.perf_counter()
         torch.manual_seed(12345)  # each case starts from the same RNG state, whatever ran before it
+        before = set(self.tensors)
         try:
             function(*args)
-        except PatchMissing as error:
+        except Exception as error:  # noqa: BLE001 - reported, its names left out
             self.failed.append(name)
-            print(f"SKIPPED {name}: {error}", file=sys.stderr)
-        except Exception:  # noqa: BLE001 - reported, its names left out
-            self.failed.append(name)
-            print(f"FAILED {name}:\n{traceback.format_exc()}", file=sys.stderr)
+            # what it put before it raised goes too: another tree whose case passes would compare its
+            # names against a partial set
+            for added in set(self.tensors) - before:
+                del self.tensors[added]
+            if isinstance(error, PatchMissing):
+                print(f"SKIPPED {name}: {error}", file=sys.stderr)
+            else:
+                print(f"FAILED {name}:\n{traceback.format_exc()}", file=sys.stderr)
         return time.perf_counter() - start
 
 

@@ -49,3 +49,20 @@ def test_compare_names_a_missing_file(tmp_path):
     done = subprocess.run([sys.executable, str(FINGERPRINT), "compare", str(tmp_path / "a.pt"),
                            str(tmp_path / "missing.pt")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and done.stderr.strip() == f"error: no file {tmp_path / 'missing.pt'}"
+
+
+@pytest.mark.parametrize("raised", ["PatchMissing", "RuntimeError"])
+def test_a_case_that_raises_leaves_all_its_names_out(fingerprint, capsys, raised):
+    """What a failing case put before it raised is dropped with it (a partial case would be compared
+    name for name against another tree's full one); the other cases' names stay."""
+    recorder = fingerprint.Recorder()
+    recorder.case("ok", lambda: recorder.put("ok/out", torch.ones(2)))
+
+    def failing():
+        recorder.put("bad/out", torch.ones(3))
+        recorder.put("bad/grad", [torch.ones(1), torch.zeros(1)])
+        raise getattr(fingerprint, raised, RuntimeError)("backward failed")
+
+    recorder.case("bad", failing)
+    assert recorder.failed == ["bad"] and list(recorder.tensors) == ["ok/out"]
+    assert ("SKIPPED bad" if raised == "PatchMissing" else "FAILED bad") in capsys.readouterr().err
