@@ -22,7 +22,7 @@ What a conversion does:
 """
 import argparse
 import copy
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -175,19 +175,25 @@ def option_defaults() -> Dict[str, object]:
     return vars(option_parser().parse_args([]))
 
 
-def parse_overrides(argv) -> Dict[str, object]:
-    """Command-line encoding options (e.g. ['--floater-method', 'rk4']) -> {dest: value} of the
-    options whose value differs from the default. Raises ConversionError on an unknown option
-    or an invalid value."""
+def split_overrides(argv) -> Tuple[Dict[str, object], List[str]]:
+    """Command-line encoding options anywhere in `argv` (e.g. ['--floater-method', 'rk4', 'src.pt']) ->
+    ({dest: value} of those whose value differs from the default, the other arguments in their order).
+    Raises ConversionError on an invalid value."""
     argv = [str(part) for part in argv]
     try:
-        known, unknown = option_parser().parse_known_args(argv)
+        known, rest = option_parser().parse_known_args(argv)
     except (argparse.ArgumentError, SystemExit) as error:
         raise ConversionError(f"invalid encoding option: {error}")
+    defaults = option_defaults()
+    return {key: value for key, value in vars(known).items() if value != defaults[key]}, rest
+
+
+def parse_overrides(argv) -> Dict[str, object]:
+    """`split_overrides` of encoding options only: ConversionError on anything else."""
+    overrides, unknown = split_overrides(argv)
     if unknown:
         raise ConversionError(f"unknown options: {' '.join(unknown)}")
-    defaults = option_defaults()
-    return {key: value for key, value in vars(known).items() if value != defaults[key]}
+    return overrides
 
 
 # --------------------------------------------------------------------------- building models

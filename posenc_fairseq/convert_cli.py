@@ -250,13 +250,21 @@ def remove_created(paths):
 
 
 def main(kind: str, argv=None):
-    from .convert import ConversionError, _arch as converted_architecture, check_encoding, convert_checkpoint, parse_overrides
+    from .convert import ConversionError, _arch as converted_architecture, check_encoding, convert_checkpoint, split_overrides
 
-    args, rest = build_parser(kind).parse_known_args(argv)
+    # the encoding's options first, wherever they stand: argparse cannot tell that an option it does not
+    # know takes a value, so `--t5-num-buckets 64 SRC DST` would read 64 as SRC
+    try:
+        overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
+    except ConversionError as error:
+        fail(str(error))
+    args, unknown = build_parser(kind).parse_known_args(rest)
     created = []
     try:
         check_encoding(args.encoding)
-        overrides = parse_overrides(rest)
+        if unknown:
+            named = [part for part in unknown if part.startswith("-")]
+            raise CLIError(f"unknown options: {' '.join(named)}" if named else f"unexpected arguments: {' '.join(unknown)}")
         check_paths(kind, args.src, args.dst, args.force)
         state = load_checkpoint(args.src)
         converted = convert_checkpoint(state, kind, args.encoding, overrides)

@@ -348,6 +348,31 @@ def test_ema_and_its_fp32_copy_are_dropped(sources):
     assert set(state["extra_state"]) == {"ema", "ema_fp32_params", "epoch"}
 
 
+@pytest.mark.parametrize("order", ["options first", "options between", "options last"])
+def test_encoding_options_may_stand_anywhere(work, monkeypatch, capsys, order):
+    """argparse cannot know that an encoding option takes a value: `--t5-num-buckets 64 SRC DST` read 64
+    as SRC. The encoding's options are taken out first, wherever they stand."""
+    monkeypatch.chdir(work)
+    options = ["--t5-num-buckets", "64", "--encoding", "t5"]
+    arguments = {"options first": [*options, "src/transformer.pt", "out.pt"],
+                 "options between": ["src/transformer.pt", *options, "out.pt"],
+                 "options last": ["src/transformer.pt", "out.pt", *options]}[order]
+    status, out, err = run_main("transformer", *arguments, capsys=capsys)
+    assert status == 0, err
+    assert convert.model_namespace(torch.load(work / "out.pt", map_location="cpu")).t5_num_buckets == 64
+
+
+@pytest.mark.parametrize("arguments,expected", [
+    (["--t5-bukets", "8", "src/transformer.pt", "out.pt", "--encoding", "t5"], "unknown options: --t5-bukets"),
+    (["src/transformer.pt", "out.pt", "extra", "--encoding", "t5"], "unexpected arguments: extra")])
+def test_what_is_neither_an_option_nor_src_dst_is_named(work, monkeypatch, capsys, arguments, expected):
+    monkeypatch.chdir(work)
+    before = snapshot(work)
+    status, _, err = run_main("transformer", *arguments, capsys=capsys)
+    assert_refused(status, err, expected)
+    assert snapshot(work) == before
+
+
 def test_floater_init_small_is_not_reported_as_equal(work, monkeypatch, capsys):
     """--floater-init small moves the dynamics after the identity check: the message says so."""
     monkeypatch.chdir(work)
