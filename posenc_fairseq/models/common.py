@@ -30,6 +30,8 @@ def add_position_args(parser: argparse.ArgumentParser):
                              "'stock' keeps the base architecture's; default: what fairseq's own "
                              "--no-token-positional-embeddings / --encoder-learned-pos / --decoder-learned-pos ask "
                              "where given, else the encoding's choice")
+    # (the choice that last set fairseq's flags, stored with the model: see set_position_defaults)
+    parser.add_argument("--input-positions-flags", choices=INPUT_POSITIONS, help=argparse.SUPPRESS)
     for name in sorted(ENCODINGS):
         ENCODINGS[name].add_args(parser)
 
@@ -37,21 +39,42 @@ def add_position_args(parser: argparse.ArgumentParser):
 def set_position_defaults(args, encoding: str, stacks=("encoder", "decoder")):
     """Architecture defaults; must run before fairseq's base architecture fills in the rest. The input
     embedding: --input-positions where given (also from a stored config), else what fairseq's own
-    flags ask (`fairseq_input_positions`), else the encoding's choice."""
+    flags ask (`fairseq_input_positions`), else the encoding's choice. fairseq's flags are then set to
+    the choice (what fairseq's modules read) and `input_positions_flags` records it, so that a stored
+    config's flags are told apart from a user's (--model-overrides): flags that ask something else
+    than the choice are refused, never silently overruled."""
     args.positional_encoding = getattr(args, "positional_encoding", None) or encoding
+    asked = fairseq_input_positions(args, stacks)
+    written = getattr(args, "input_positions_flags", None)
+    if written is not None and asked == _flags_of(written):
+        asked = None  # the flags this package wrote for the stored choice: not a request
     choice = getattr(args, "input_positions", None)
     if choice is None:
-        choice = fairseq_input_positions(args, stacks)
+        choice = asked
     if choice is None:
         choice = ENCODINGS[args.positional_encoding].default_input_positions
     if choice not in INPUT_POSITIONS:  # (argparse checks the command line; a stored config or an override, here)
         raise OptionValueError(f"--input-positions {choice}: expected one of {', '.join(INPUT_POSITIONS)}")
+    if asked is not None and asked != choice and choice != "stock" and not (choice, asked) == ("learned", "stock"):
+        flags = [f"--{name.replace('_', '-')}" for name in
+                 ["no_token_positional_embeddings", *(f"{stack}_learned_pos" for stack in stacks)]
+                 if getattr(args, name, False)]
+        raise OptionValueError(
+            f"--input-positions {choice} contradicts fairseq's {' '.join(flags)} (which ask for '{asked}'): give one "
+            f"of them (for a stored checkpoint, override input_positions: --model-overrides "
+            f"\"{{'input_positions': '{asked}'}}\")")
     args.input_positions = choice
+    args.input_positions_flags = choice if choice != "stock" else None
     if choice == "none":
         args.no_token_positional_embeddings = True
     elif choice in ("sinusoidal", "learned"):
         args.no_token_positional_embeddings = False
         args.encoder_learned_pos = args.decoder_learned_pos = choice == "learned"
+
+
+def _flags_of(choice: str) -> Optional[str]:
+    """What fairseq's flags ask (`fairseq_input_positions`) once `set_position_defaults` set them for `choice`."""
+    return {"none": "none", "sinusoidal": None, "learned": "learned"}[choice]
 
 
 #: the stacks of each model family (register_architectures' model names), whose --STACK-learned-pos fairseq reads

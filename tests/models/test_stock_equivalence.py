@@ -1,11 +1,15 @@
 """With no encoding term, our models ARE fairseq's: same initialisation (the attention class is
 swapped after fairseq builds it), same outputs, same beam search (which exercises fairseq's
 beamable cross-attention and cache reordering inside our attention)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from fairseq import search
+from fairseq import checkpoint_utils, search
 from fairseq.sequence_generator import SequenceGenerator
+from posenc_fairseq.models.common import fairseq_input_positions
+from test_workflows import save_checkpoint
 from util import TINY_ROBERTA, TINY_TRANSFORMER, build_model, random_batch
 
 
@@ -61,7 +65,8 @@ def test_fairseq_input_position_flags_build_what_stock_builds(translation_data):
     --input-positions is not given (before, the encoding's default silently replaced them):
     transformer_sinusoidal without input embedding is stock `transformer` without it, weights and
     outputs; T5 with both learned flags gets learned tables, with one fairseq's mix. A stored
-    value that is not a choice is refused when the model is built."""
+    value that is not a choice is refused when the model is built, and so are flags that contradict
+    --input-positions."""
     from fairseq.modules import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
     from posenc_fairseq.encodings.option_types import OptionValueError
     from posenc_fairseq.models.common import set_position_defaults
@@ -71,7 +76,7 @@ def test_fairseq_input_position_flags_build_what_stock_builds(translation_data):
     for flags, expected, kinds in [
             (["--encoder-learned-pos", "--decoder-learned-pos"], "learned", (LearnedPositionalEmbedding,) * 2),
             (["--encoder-learned-pos"], "stock", (LearnedPositionalEmbedding, SinusoidalPositionalEmbedding)),
-            (["--encoder-learned-pos", "--input-positions", "none"], "none", (type(None),) * 2),  # given: it wins
+            (["--encoder-learned-pos", "--input-positions", "learned"], "learned", (LearnedPositionalEmbedding,) * 2),
             ([], "none", (type(None),) * 2)]:  # T5's own choice
         model, _, args = build_model(translation_data, "transformer_t5", [*TINY_TRANSFORMER, *flags])
         assert args.input_positions == expected, flags
@@ -79,6 +84,36 @@ def test_fairseq_input_position_flags_build_what_stock_builds(translation_data):
     args.input_positions = "bogus"  # as a stored config or --model-overrides would give it
     with pytest.raises(OptionValueError, match=r"^--input-positions bogus: expected one of none, sinusoidal"):
         set_position_defaults(args, "t5")
+    for flags in (["--encoder-learned-pos", "--input-positions", "none"],
+                  ["--no-token-positional-embeddings", "--input-positions", "sinusoidal"]):
+        with pytest.raises(OptionValueError, match=r"^--input-positions \w+ contradicts fairseq's --"):
+            build_model(translation_data, "transformer_t5", [*TINY_TRANSFORMER, *flags])
+
+
+@pytest.mark.parametrize("encoding", ["sinusoidal", "learned", "t5"])
+def test_overriding_fairseqs_input_flags_of_a_checkpoint_is_refused_or_applied(translation_data, tmp_path, encoding):
+    """A checkpoint stores its input embedding as input_positions and the fairseq flags it set: fairseq's
+    loader with --model-overrides of those flags was silently overruled by the stored choice (the
+    embedding stayed). Flags that ask something else are refused, naming what to override; an override
+    of input_positions itself is applied, and the stored flags alone change nothing."""
+    from posenc_fairseq.encodings.option_types import OptionValueError
+
+    torch.manual_seed(0)
+    model, _, args = build_model(translation_data, f"transformer_{encoding}", TINY_TRANSFORMER)
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(model, args, path)
+    stored = args.input_positions
+    assert stored == {"t5": "none"}.get(encoding, encoding)
+    for overrides in ({"no_token_positional_embeddings": True}, {"encoder_learned_pos": True, "decoder_learned_pos": True}):
+        if fairseq_input_positions(SimpleNamespace(**{**vars(args), **overrides})) == stored:
+            continue  # (asks what it has: T5's stored --no-token-positional-embeddings wins over learned, as in stock)
+        with pytest.raises(OptionValueError, match=rf"^--input-positions {stored} contradicts fairseq's --"):
+            checkpoint_utils.load_model_ensemble([str(path)], arg_overrides=overrides)
+    if encoding == "sinusoidal":  # (a learned table would be an unexpected key without its embedding)
+        (none,), _ = checkpoint_utils.load_model_ensemble([str(path)], arg_overrides={"input_positions": "none"})
+        assert none.encoder.embed_positions is None and none.decoder.embed_positions is None
+    (again,), _ = checkpoint_utils.load_model_ensemble([str(path)])  # the stored flags are its own: no conflict
+    assert again.encoder.embed_positions.__class__ is model.encoder.embed_positions.__class__
 
 
 def test_quant_noise_touches_the_weights_stock_touches(translation_data):
