@@ -14,7 +14,7 @@ Values an encoding computes from positions and parameters go to its `cache` (cac
 fairseq: encodings are plain torch and testable in milliseconds.
 """
 import argparse
-from typing import Callable, Dict, Iterable, NamedTuple, Optional
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -80,6 +80,13 @@ class PositionalEncoding(nn.Module):
     @staticmethod
     def add_args(parser: argparse.ArgumentParser):
         """Command-line options of this encoding (names prefixed with the encoding name)."""
+
+    @classmethod
+    def depth_changed_by_pruning(cls, args, role: str, kept: List[int]) -> Optional[str]:
+        """What LayerDrop pruning to the `role` stack's layers `kept` (sorted, 0-based) would change
+        that this encoding (with options `args`) defines by a layer's depth rather than by its
+        parameters, else None. The pruned model would not be the trained one with layers removed."""
+        return None
 
     # --- called by the stacks -------------------------------------------------------------
     def begin(self, role: str, positions: Optional[AnyPositions] = None,

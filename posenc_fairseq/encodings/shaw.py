@@ -186,6 +186,14 @@ class LFHC(Shaw):
                             help="lfhc: floor(x/l) for both signs of x = i - j (eq. 9 as printed, default) or trunc "
                                  "(truncation toward zero: a symmetric reading of eq. 9's two identical branches)")
 
+    @classmethod
+    def depth_changed_by_pruning(cls, args, role, kept):
+        moved = [layer for new, layer in enumerate(kept) if new != layer]
+        if role in SELF_ROLES and moved:
+            return (f"LFHC's coarse-graining l (eq. 9) is the layer's depth: {role} layer {moved[0]} would run at "
+                    f"depth {kept.index(moved[0])} (a prefix of the layers, 0..n-1, keeps every depth)")
+        return None
+
     def bucket_of(self, query_positions, key_positions, layer):
         relative = tensor_of(query_positions)[:, None] - tensor_of(key_positions)[None, :]  # x = i - j (eq. 5)
         return lfhc_buckets(relative, self.k, layer + 1, self.rounding)

@@ -112,6 +112,13 @@ class ScalarBias(PositionalEncoding):
         self.share_layers = bool(getattr(args, "scalar_bias_share_layers", False))
 
     # --- layout ---------------------------------------------------------------------------
+    @classmethod
+    def depth_changed_by_pruning(cls, args, role, kept):
+        if getattr(args, "scalar_bias_layers", None) in (None, "first") and role in ("encoder", "decoder") and kept[0] != 0:
+            return (f"--scalar-bias-layers first gives the bias to the {role}'s first layer: without layer 0 it would "
+                    f"move to layer {kept[0]}")
+        return None
+
     def has_bias(self, role: str, layer: int) -> bool:
         return role in ("encoder", "decoder") and layer < self.dims.layers(role) and \
             layers_with_bias(self.bias_layers, role, layer)

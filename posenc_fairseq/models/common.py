@@ -358,13 +358,21 @@ def prune_encoding_state_dict(state_dict, model_cfg, prefix="positional_encoding
     new index, one of a dropped layer is removed; every other encoding key is kept. FLOATER's table
     `cache` is laid out by layer and is dropped, so the loaded model solves it for its own layers.
     Same condition as fairseq's (a config with an arch and *_layers_to_keep), so that the encoding
-    is renumbered exactly when the layers are. Returns a new dict."""
+    is renumbered exactly when the layers are. A pruning that would change what the encoding defines
+    by a layer's depth (`depth_changed_by_pruning`: LFHC's l, a first-layer-only bias or FLOATER block)
+    is refused. Returns a new dict."""
     if model_cfg is None:
         return state_dict
     arch = getattr(model_cfg, "_name", None) or getattr(model_cfg, "arch", None)
     keep = {role: _layers_to_keep(model_cfg, role) for role in ("encoder", "decoder")}
     if arch is None or arch == "ptt_transformer" or not any(keep.values()):
         return state_dict
+    encoding = ENCODINGS.get(getattr(model_cfg, "positional_encoding", None))
+    for role, layers in keep.items():
+        changed = encoding.depth_changed_by_pruning(model_cfg, role, layers) if encoding and layers else None
+        if changed:
+            raise OptionValueError(f"--{role}-layers-to-keep {','.join(map(str, layers))}: {changed}, a model it "
+                                   "was not trained as; keep other layers")
     mapping = {role: {old: new for new, old in enumerate(layers)} for role, layers in keep.items() if layers}
     pruned = {}
     for key, value in state_dict.items():

@@ -18,6 +18,7 @@ from fairseq.modules import FairseqDropout
 from fairseq.sequence_generator import SequenceGenerator
 from posenc_fairseq.attention import PositionalAttention
 from posenc_fairseq.encodings import ENCODINGS
+from posenc_fairseq.encodings.option_types import OptionValueError
 from test_every_encoding import decoder_logits_full_and_stepwise as stepwise_and_full
 from util import (QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, random_batch, run)
 
@@ -145,36 +146,55 @@ def original_key(key, kept):
     return ".".join(rename(part) for part in key.split("."))
 
 
-#: encodings whose math depends on the layer's depth, not only on its parameters: after pruning a
-#: layer takes the depth of its new position (LFHC's coarse-graining l); see README "Works with"
-DEPTH_DEFINED = {"lfhc"}
+#: encodings (and options) whose math depends on a layer's depth, not only on its parameters
+DEPTH_DEFINED = {"lfhc": [], "t5": ["--scalar-bias-layers", "first"], "at5_nob": ["--scalar-bias-layers", "first"],
+                 "floater": ["--floater-first-block-only"]}
 
 
 @pytest.mark.parametrize("encoding", EVERY_ENCODING)
 def test_layerdrop_pruning_keeps_each_layers_own_position_parameters(translation_data, tmp_path, encoding):
-    """fairseq's load_model_ensemble with --encoder-layers-to-keep 0,2 --decoder-layers-to-keep 1
+    """fairseq's load_model_ensemble with --encoder-layers-to-keep 0,2 --decoder-layers-to-keep 1,2
     (what fairseq-generate --model-overrides does) on a 3+3-layer checkpoint equals the full model
-    with those layers removed, each kept layer with its own position parameters."""
+    with those layers removed, each kept layer with its own position parameters (LFHC: a prefix of
+    the encoder's layers, which keeps every depth; see the refusals below)."""
     extra = ["--encoder-layers", "3", "--decoder-layers", "3", "--scalar-bias-layers", "all"]
     model, task, args = translation_model(translation_data, f"transformer_{encoding}", extra)
     save_checkpoint(model, args, tmp_path / "full.pt")
+    kept = {"encoder": [0, 1] if encoding == "lfhc" else [0, 2], "decoder": [0, 1] if encoding == "lfhc" else [1, 2]}
     (pruned,), _ = checkpoint_utils.load_model_ensemble(
-        [str(tmp_path / "full.pt")], arg_overrides={"encoder_layers_to_keep": "0,2", "decoder_layers_to_keep": "1"})
+        [str(tmp_path / "full.pt")], arg_overrides={f"{role}_layers_to_keep": ",".join(map(str, layers))
+                                                    for role, layers in kept.items()})
     pruned.eval()
-    assert len(pruned.encoder.layers) == 2 and len(pruned.decoder.layers) == 1
+    assert len(pruned.encoder.layers) == 2 and len(pruned.decoder.layers) == 2
     # every per-layer encoding parameter is the one of the layer it followed
     full_state = model.positional_encoding.state_dict()
     for key, value in pruned.positional_encoding.state_dict().items():
         if key.endswith("cache"):  # FLOATER's table: solved again for the kept layers
             continue
-        assert torch.equal(value, full_state[original_key(key, {"encoder": [0, 2], "decoder": [1]})]), key
-    if encoding in DEPTH_DEFINED:
-        return
-    keep_layers(model.encoder, [0, 2])
-    keep_layers(model.decoder, [1])
+        assert torch.equal(value, full_state[original_key(key, kept)]), key
+    keep_layers(model.encoder, kept["encoder"])
+    keep_layers(model.decoder, kept["decoder"])
     src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
     with torch.no_grad():
         assert (pruned(src, src_lengths, prev)[0] - model(src, src_lengths, prev)[0]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("encoding", sorted(DEPTH_DEFINED))
+def test_layerdrop_pruning_that_would_change_a_layers_depth_is_refused(translation_data, tmp_path, encoding):
+    """LFHC's l, a bias in the first layer only, FLOATER's first block only: defined by a layer's depth,
+    not by its parameters. Pruning that moves such a layer (LFHC: a layer to another depth; the others:
+    dropping layer 0) would give a model that was never trained, so it is refused; a pruning that moves
+    nothing of the kind loads."""
+    extra = ["--encoder-layers", "3", "--decoder-layers", "3", *DEPTH_DEFINED[encoding]]
+    model, _, args = translation_model(translation_data, f"transformer_{encoding}", extra)
+    save_checkpoint(model, args, tmp_path / "full.pt")
+    with pytest.raises(OptionValueError, match=r"^--encoder-layers-to-keep 1,2: .* a model it was not trained as"):
+        checkpoint_utils.load_model_ensemble([str(tmp_path / "full.pt")], arg_overrides={"encoder_layers_to_keep": "1,2"})
+    # (both stacks: fairseq's prune_state_dict drops every layer of a stack without a list)
+    (pruned,), _ = checkpoint_utils.load_model_ensemble(
+        [str(tmp_path / "full.pt")], arg_overrides={"encoder_layers_to_keep": "0,1", "decoder_layers_to_keep": "0,2"
+                                                    if encoding != "lfhc" else "0,1"})
+    assert len(pruned.encoder.layers) == len(pruned.decoder.layers) == 2
 
 
 @pytest.mark.parametrize("family", ["transformer", "roberta"])

@@ -190,6 +190,13 @@ class Floater(PositionalEncoding):
         group.add_argument("--floater-dynamics-lr-scale", type=LR_SCALE, metavar="X",
                            help="learning rate of h = X * the others' (needs fairseq's composite optimizer; default 1)")
 
+    @classmethod
+    def depth_changed_by_pruning(cls, args, role, kept):
+        if getattr(args, "floater_first_block_only", None) and kept[0] != 0:
+            return (f"--floater-first-block-only serves the {role}'s first layer: without layer 0 it would serve "
+                    f"layer {kept[0]}")
+        return None
+
     # --- binding ------------------------------------------------------------------------------
     def bind_model(self, model: nn.Module, attentions):
         """Serve `attentions`, the (role, layer, attention module) the model binds to this encoding:
