@@ -46,6 +46,8 @@ def set_position_defaults(args, encoding: str, stacks=("encoder", "decoder")):
     args.positional_encoding = getattr(args, "positional_encoding", None) or encoding
     asked = fairseq_input_positions(args, stacks)
     written = getattr(args, "input_positions_flags", None)
+    if written is not None and written not in INPUT_POSITIONS:  # (a stored config or an override)
+        raise OptionValueError(f"--input-positions-flags {written}: expected one of {', '.join(INPUT_POSITIONS)}")
     if written is not None and asked == _flags_of(written):
         asked = None  # the flags this package wrote for the stored choice: not a request
     choice = getattr(args, "input_positions", None)
@@ -74,7 +76,7 @@ def set_position_defaults(args, encoding: str, stacks=("encoder", "decoder")):
 
 def _flags_of(choice: str) -> Optional[str]:
     """What fairseq's flags ask (`fairseq_input_positions`) once `set_position_defaults` set them for `choice`."""
-    return {"none": "none", "sinusoidal": None, "learned": "learned"}[choice]
+    return {"none": "none", "sinusoidal": None, "learned": "learned", "stock": "stock"}[choice]
 
 
 #: the stacks of each model family (register_architectures' model names), whose --STACK-learned-pos fairseq reads

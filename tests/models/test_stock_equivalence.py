@@ -84,6 +84,9 @@ def test_fairseq_input_position_flags_build_what_stock_builds(translation_data):
     args.input_positions = "bogus"  # as a stored config or --model-overrides would give it
     with pytest.raises(OptionValueError, match=r"^--input-positions bogus: expected one of none, sinusoidal"):
         set_position_defaults(args, "t5")
+    args.input_positions, args.input_positions_flags = "none", "bogus"
+    with pytest.raises(OptionValueError, match=r"^--input-positions-flags bogus: expected one of none, sinusoidal"):
+        set_position_defaults(args, "t5")
     for flags in (["--encoder-learned-pos", "--input-positions", "none"],
                   ["--no-token-positional-embeddings", "--input-positions", "sinusoidal"]):
         with pytest.raises(OptionValueError, match=r"^--input-positions \w+ contradicts fairseq's --"):
