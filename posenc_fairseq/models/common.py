@@ -1,7 +1,9 @@
 """What the translation and RoBERTa models share: options, stacks that tell the encoding the
 token positions, and attaching one encoding to a model."""
 import argparse
+import contextlib
 import copy
+import hashlib
 import re
 from typing import Optional
 
@@ -313,9 +315,27 @@ class PerStackEncoding(nn.Module):
             part.reset_to_identity()
 
 
+@contextlib.contextmanager
+def own_random_stream():
+    """Random draws inside come from the CPU generator seeded by a hash of its state, which is restored
+    after: the encoding's initial values still follow the seed, and every draw after (a classification
+    head, dropout, sampling in fairseq-generate) is the one stock fairseq makes with the same seed, so a
+    converted checkpoint samples as its source and encodings trained from one seed share their dropout."""
+    seed = int.from_bytes(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).digest()[:8], "little") >> 1
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)  # (the CPU one only: models are built on the CPU)
+        yield
+
+
 def attach_encoding(model, args, encoder_stack, decoder_stack=None):
-    """Build the model's one encoding and bind every attention layer to it. Encoder and decoder
-    of different embedding sizes or head counts get a `PerStackEncoding` (each part sized by its stack)."""
+    """Build the model's one encoding (in its own random stream) and bind every attention layer to it.
+    Encoder and decoder of different embedding sizes or head counts get a `PerStackEncoding` (each part
+    sized by its stack)."""
+    with own_random_stream():
+        return _attach_encoding(model, args, encoder_stack, decoder_stack)
+
+
+def _attach_encoding(model, args, encoder_stack, decoder_stack):
     encoder_layers = args.encoder_layers
     decoder_layers = args.decoder_layers if decoder_stack is not None else 0
     same_size = decoder_stack is None or (args.decoder_embed_dim == args.encoder_embed_dim

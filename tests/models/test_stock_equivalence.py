@@ -139,3 +139,24 @@ def test_quant_noise_touches_the_weights_stock_touches(translation_data):
     untouched = stock_and_sinusoidal(translation_data, options)[0].state_dict()
     noised = {k.split(".")[-2] for k, v in stock.state_dict().items() if not torch.equal(untouched[k], v)}
     assert "fc1" in noised and "q_proj" in noised  # (the FFN's and cross-attention's: the test sees noise)
+
+
+@pytest.mark.parametrize("encoding", ["t5", "at5", "shaw", "xl", "floater"])
+def test_the_encoding_draws_from_its_own_random_stream(translation_data, encoding):
+    """fairseq-generate and fairseq-train seed torch before building the model: the encoding's
+    initialisation must not move the global stream, or a converted checkpoint samples (and drops out)
+    otherwise than its stock source with the same --seed. The encoding's initial values still follow
+    the seed: the same seed gives the same values, another seed others."""
+    def built(arch, seed):
+        torch.manual_seed(seed)
+        model, _, _ = build_model(translation_data, arch, TINY_TRANSFORMER)
+        return model, torch.rand(8)  # what the next draw (dropout, sampling) gets
+
+    _, stock_next = built("transformer", 0)
+    model, next_draw = built(f"transformer_{encoding}", 0)
+    assert torch.equal(next_draw, stock_next)
+    again, _ = built(f"transformer_{encoding}", 0)
+    other, _ = built(f"transformer_{encoding}", 1)
+    ours, same, different = (dict(m.positional_encoding.named_parameters()) for m in (model, again, other))
+    assert ours and all(torch.equal(ours[name], same[name]) for name in ours)
+    assert any(not torch.equal(ours[name], different[name]) for name in ours if ours[name].abs().sum() > 0)
