@@ -319,8 +319,8 @@ class PerStackEncoding(nn.Module):
 def own_random_stream():
     """Random draws inside come from the CPU generator seeded by a hash of its state, which is restored
     after: the encoding's initial values still follow the seed, and every draw after (a classification
-    head, dropout, sampling in fairseq-generate) is the one stock fairseq makes with the same seed, so a
-    converted checkpoint samples as its source and encodings trained from one seed share their dropout."""
+    head, sampling in fairseq-generate) is the one stock fairseq makes with the same seed, so a converted
+    checkpoint samples as its source."""
     seed = int.from_bytes(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).digest()[:8], "little") >> 1
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)  # (the CPU one only: models are built on the CPU)
