@@ -13,13 +13,31 @@ Fixed for every model, stock ones included, not only for this plugin's:
   `transformer_lm`, run with the same `--user-dir`) must be scored on the same sentences as its
   encodings: a fix for our models only would score the two on different test sets;
 - training keeps the batch too, so each epoch sees every sentence (stock fairseq-fixed never trains
-  on the dropped tail).
+  on the dropped tail). A stock architecture trained with the plugin's --user-dir therefore takes
+  one more, smaller, batch per epoch than without it. The first batch kept is logged, and
+  POSENC_KEEP_LAST_BATCH=off gives fairseq-fixed's batches, to repeat a stock run exactly.
 fairseq calls `data_utils.batch_by_size` through the module, and imports the --user-dir before it
 builds any iterator, so replacing it there restores the full data set everywhere.
 """
 import functools
+import logging
+import os
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
+
+#: the environment variable that turns the fix off ("off": fairseq-fixed's batches), read at each call
+SWITCH = "POSENC_KEEP_LAST_BATCH"
+MODES = ("on", "off")
+
+
+def keeping() -> bool:
+    """POSENC_KEEP_LAST_BATCH now ("on" where unset); an unknown value is refused."""
+    value = os.environ.get(SWITCH, "on")
+    if value not in MODES:
+        raise ValueError(f"{SWITCH}={value!r}: expected one of {', '.join(MODES)}")
+    return value == "on"
 
 
 def drops_last_batch(batch_by_size) -> bool:
@@ -30,15 +48,25 @@ def drops_last_batch(batch_by_size) -> bool:
 
 
 def keeping_last_batch(batch_by_size):
-    """`batch_by_size` with the sentences it dropped added back as one last batch."""
+    """`batch_by_size` with the sentences it dropped added back as one last batch (unless
+    POSENC_KEEP_LAST_BATCH=off); the first time it adds one, it says so in the log."""
+    logged = []
+
     @functools.wraps(batch_by_size)
     def batch_by_size_keeping_last_batch(indices, *args, **kwargs):
         batches = batch_by_size(indices, *args, **kwargs)
         if kwargs.get("fixed_shapes") is not None:  # that path drops nothing, and reorders `indices`
             return batches
+        if not keeping():
+            return batches
         covered = sum(len(batch) for batch in batches)
         if covered < len(indices):  # batches are consecutive slices of `indices`: the tail was dropped
             batches = list(batches) + [np.asarray(indices[covered:], dtype=np.int64)]
+            if not logged:
+                logged.append(True)
+                logger.info(f"kept a last batch of {len(indices) - covered} sentence(s) that fairseq-fixed's "
+                            f"batch_by_size drops, for every model, stock ones included ({SWITCH}=off: "
+                            f"fairseq-fixed's batches; posenc_fairseq/compat/batch_by_size.py)")
         return batches
 
     return batch_by_size_keeping_last_batch
