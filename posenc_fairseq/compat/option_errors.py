@@ -6,7 +6,8 @@ checkpoint's stored options) raise OptionValueError from inside fairseq's model 
 fairseq lets end in a traceback. This `sys.excepthook` prints such an error the way argparse would
 (`PROG: error: MESSAGE` on stderr, no traceback; exit status 1, Python's for an uncaught
 exception) and passes every other exception to the hook that was there before. Only this plugin
-raises OptionValueError, so stock models see no change.
+raises OptionValueError, so stock models see no change. POSENC_DEBUG=1 shows the traceback, with
+any exception the refusal was raised from.
 """
 import os
 import sys
@@ -20,7 +21,7 @@ def apply():
     previous = sys.excepthook
 
     def report_option_errors_in_one_line(kind, error, traceback):
-        if issubclass(kind, OptionValueError):
+        if issubclass(kind, OptionValueError) and not os.environ.get("POSENC_DEBUG"):
             program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
             print(f"{program}: error: {error}", file=sys.stderr)
             return

@@ -49,3 +49,24 @@ def test_a_patch_is_skipped_where_its_problem_is_absent():
     assert list(report) == PATCHES
     assert report["root_logger"] == report["checkpoint_loading"] == "not needed here"
     assert "drops a last batch" in report["batch_by_size"]
+
+
+def test_an_option_error_is_one_line_unless_posenc_debug_asks_for_the_traceback(monkeypatch, capsys):
+    import posenc_fairseq  # noqa: F401  (installs the hook)
+    from posenc_fairseq.encodings.option_types import OptionValueError
+
+    try:
+        try:
+            raise KeyError("the cause")
+        except KeyError as cause:
+            raise OptionValueError("--t5-num-buckets 7: expected an even integer") from cause
+    except OptionValueError as error:
+        refusal = error
+    monkeypatch.delenv("POSENC_DEBUG", raising=False)
+    sys.excepthook(OptionValueError, refusal, refusal.__traceback__)
+    err = capsys.readouterr().err
+    assert err.endswith("error: --t5-num-buckets 7: expected an even integer\n") and "Traceback" not in err
+    monkeypatch.setenv("POSENC_DEBUG", "1")
+    sys.excepthook(OptionValueError, refusal, refusal.__traceback__)
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "KeyError: 'the cause'" in err
