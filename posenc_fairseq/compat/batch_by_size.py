@@ -21,9 +21,10 @@ builds any iterator, so replacing it there restores the full data set everywhere
 """
 import functools
 import logging
-import os
 
 import numpy as np
+
+from ..switches import choice
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +35,7 @@ MODES = ("on", "off")
 
 def keeping() -> bool:
     """POSENC_KEEP_LAST_BATCH now ("on" where unset); an unknown value is refused."""
-    value = os.environ.get(SWITCH, "on")
-    if value not in MODES:
-        raise ValueError(f"{SWITCH}={value!r}: expected one of {', '.join(MODES)}")
-    return value == "on"
+    return choice(SWITCH, MODES, "on") == "on"
 
 
 def drops_last_batch(batch_by_size) -> bool:

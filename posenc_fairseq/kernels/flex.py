@@ -33,7 +33,6 @@ the padded keys get a finite fill (a fully masked row gives uniform weights as o
 path, not NaN or zeros), its finite entries are added. No BlockMask: masked blocks (the causal upper triangle)
 are computed and then filled rather than skipped.
 """
-import os
 import warnings
 from typing import Optional
 
@@ -42,6 +41,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
 from ..encodings.distance import DistanceLogits
+from ..switches import choice
 
 MODES = ("off", "on", "train")
 #: the environment variable that selects where FlexAttention serves (`mode`)
@@ -55,10 +55,7 @@ _compiled = None
 
 def mode() -> str:
     """POSENC_FLEX_ATTENTION now ("off" where unset); an unknown value is refused."""
-    value = os.environ.get(SWITCH, "off")
-    if value not in MODES:
-        raise ValueError(f"{SWITCH}={value!r}: expected one of {', '.join(MODES)}")
-    return value
+    return choice(SWITCH, MODES, "off")
 
 
 def available(q: Tensor, flex_mode: str, grad_enabled: bool) -> bool:

@@ -43,6 +43,7 @@ from torch import Tensor
 
 from ..encodings.distance import varying_columns, vectors_per_column, window
 from ..encodings.positions import take_runs
+from ..switches import choice
 from .masks import is_future_mask
 
 MODES = ("auto", "off", "on")
@@ -55,9 +56,7 @@ SWITCH = "POSENC_TRITON_ATTENTION"
 def mode() -> str:
     """POSENC_TRITON_ATTENTION now ("auto" where unset; "interpreted" for "on" under Triton's
     interpreter); an unknown value is refused."""
-    value = os.environ.get(SWITCH, "auto")
-    if value not in MODES:
-        raise ValueError(f"{SWITCH}={value!r}: expected one of {', '.join(MODES)}")
+    value = choice(SWITCH, MODES, "auto")
     return INTERPRETED if value == "on" and interpreted() else value
 
 

@@ -1,0 +1,21 @@
+"""Each environment switch is read when used, defaults where unset and refuses an unknown value
+(posenc_fairseq/switches.py), for every module that has one."""
+import pytest
+
+from posenc_fairseq.compat import batch_by_size
+from posenc_fairseq.kernels import flex, triton_attention
+
+
+@pytest.mark.parametrize("module,default", [(flex, "off"), (triton_attention, "auto"), (batch_by_size, "on")])
+def test_every_switch_defaults_follows_and_refuses(monkeypatch, module, default):
+    read = {flex: flex.mode, triton_attention: triton_attention.mode,
+            batch_by_size: lambda: "on" if batch_by_size.keeping() else "off"}[module]
+    monkeypatch.delenv(module.SWITCH, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert read() == default
+    for value in module.MODES:
+        monkeypatch.setenv(module.SWITCH, value)
+        assert read() == value
+    monkeypatch.setenv(module.SWITCH, "On")
+    with pytest.raises(ValueError, match=rf"^{module.SWITCH}='On': expected one of {', '.join(module.MODES)}$"):
+        read()
