@@ -418,12 +418,41 @@ def prune_encoding_state_dict(state_dict, model_cfg, prefix="positional_encoding
     return pruned
 
 
-class PrunableEncodingMixin:
-    """Model mixin: per-layer encoding parameters follow their layer under LayerDrop pruning."""
+LEARNED_TABLE = "embed_positions.weight"
+
+
+def check_learned_input_tables(model_keys, state_dict, cfg) -> None:
+    """Refuse, in one line naming the option, a checkpoint whose learned input position tables
+    (fairseq's `STACK.embed_positions.weight`) are not where the model has them: a model built with
+    another --input-positions than the checkpoint's (a converted checkpoint fine-tuned with
+    --restore-file under the encoding's default, say), which fairseq's strict load reports only as
+    an unexpected or missing key. (A sinusoidal embedding keeps nothing in a checkpoint, so
+    sinusoidal and none are not told apart here, as in stock fairseq.)"""
+    ours = {key for key in model_keys if key.endswith(LEARNED_TABLE)}
+    theirs = {key for key in state_dict if key.endswith(LEARNED_TABLE)}
+    if ours == theirs:
+        return
+    choice = getattr(cfg, "input_positions", None)
+    if theirs - ours:
+        raise OptionValueError(
+            f"--input-positions {choice}: the checkpoint has a learned input position table "
+            f"({sorted(theirs - ours)[0]}) that this model has no place for; build the model with the "
+            f"checkpoint's --input-positions (stock for a converted checkpoint, docs/conversion.md)")
+    raise OptionValueError(
+        f"--input-positions {choice}: the model has a learned input position table "
+        f"({sorted(ours - theirs)[0]}) that the checkpoint lacks; build the model with the checkpoint's "
+        f"--input-positions")
+
+
+class EncodingStateMixin:
+    """Model mixin for loading a state dict: per-layer encoding parameters follow their layer under
+    LayerDrop pruning, and learned input tables that the model and checkpoint disagree on are refused."""
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
         cfg = model_cfg if model_cfg is not None else args
         state_dict = prune_encoding_state_dict(state_dict, cfg)
+        if strict:
+            check_learned_input_tables(self.state_dict().keys(), state_dict, cfg)
         return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 
 

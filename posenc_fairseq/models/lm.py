@@ -20,7 +20,7 @@ from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerL
 
 from ..attention import bound_attentions
 from ..encodings import ModelDims, build_encoding
-from .common import PositionalTransformerDecoder, PrunableEncodingMixin, add_position_args, register_architectures
+from .common import EncodingStateMixin, PositionalTransformerDecoder, add_position_args, register_architectures
 
 
 def transformer_lm_architecture(args):
@@ -81,7 +81,7 @@ def attach_decoder_encoding(model, args, decoder):
 
 
 @register_model("posenc_lm")
-class PositionalLanguageModel(PrunableEncodingMixin, TransformerLanguageModel):
+class PositionalLanguageModel(EncodingStateMixin, TransformerLanguageModel):
     @classmethod
     def add_args(cls, parser):
         TransformerLanguageModel.add_args(parser)  # the options of fairseq's TransformerLanguageModelConfig

@@ -8,7 +8,7 @@ from fairseq.models.roberta import RobertaEncoder, RobertaModel
 from fairseq.models.roberta import model as stock
 from fairseq.modules.transformer_sentence_encoder import init_bert_params
 
-from .common import (PositionalTransformerEncoder, PrunableEncodingMixin, add_position_args, attach_encoding,
+from .common import (EncodingStateMixin, PositionalTransformerEncoder, add_position_args, attach_encoding,
                      register_architectures)
 
 SIZES = {
@@ -26,7 +26,7 @@ class PositionalRobertaEncoder(RobertaEncoder):
 
 
 @register_model("posenc_roberta")
-class PositionalRobertaModel(PrunableEncodingMixin, RobertaModel):
+class PositionalRobertaModel(EncodingStateMixin, RobertaModel):
     @staticmethod
     def add_args(parser):
         RobertaModel.add_args(parser)

@@ -7,7 +7,7 @@ from fairseq.models import register_model
 from fairseq.models.transformer import TransformerModel
 from fairseq.models.transformer import transformer_legacy as stock
 
-from .common import (PositionalTransformerDecoder, PositionalTransformerEncoder, PrunableEncodingMixin,
+from .common import (EncodingStateMixin, PositionalTransformerDecoder, PositionalTransformerEncoder,
                      add_position_args, attach_encoding, register_architectures)
 
 SIZES = {
@@ -19,7 +19,7 @@ SIZES = {
 
 
 @register_model("posenc_transformer")
-class PositionalTransformerModel(PrunableEncodingMixin, TransformerModel):
+class PositionalTransformerModel(EncodingStateMixin, TransformerModel):
     @staticmethod
     def add_args(parser):
         TransformerModel.add_args(parser)

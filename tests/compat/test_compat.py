@@ -70,3 +70,27 @@ def test_an_option_error_is_one_line_unless_posenc_debug_asks_for_the_traceback(
     sys.excepthook(OptionValueError, refusal, refusal.__traceback__)
     err = capsys.readouterr().err
     assert "Traceback" in err and "KeyError: 'the cause'" in err
+
+
+def test_an_option_error_that_fairseq_re_raised_keeps_fairseqs_words_beside_it(monkeypatch, capsys):
+    """fairseq's trainer turns any failed checkpoint load into `Exception("Cannot load model
+    parameters ...")`, raised while handling ours: one line with both."""
+    import posenc_fairseq  # noqa: F401  (installs the hook)
+    from posenc_fairseq.encodings.option_types import OptionValueError
+
+    try:
+        try:
+            raise OptionValueError("--input-positions none: the checkpoint has a learned input position table")
+        except Exception:
+            raise Exception("Cannot load model parameters from checkpoint x.pt")
+    except Exception as error:
+        wrapped = error
+    monkeypatch.delenv("POSENC_DEBUG", raising=False)
+    sys.excepthook(Exception, wrapped, wrapped.__traceback__)
+    assert capsys.readouterr().err.endswith(
+        "error: Cannot load model parameters from checkpoint x.pt (--input-positions none: the checkpoint has a "
+        "learned input position table)\n")
+    plain = ValueError("not ours")
+    sys.excepthook(ValueError, plain, None)
+    err = capsys.readouterr().err
+    assert "error: not ours" not in err and "ValueError: not ours" in err

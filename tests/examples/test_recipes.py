@@ -5,6 +5,7 @@ are slow (`make test-fast` skips them)."""
 import json
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from posenc_fairseq.toy_data import parallel_corpus, write_parallel
 from recipe_data import write_glue, write_race
-from util import BIN, REPO, TINY_ROBERTA, TINY_TRANSFORMER, built_once, run
+from util import BIN, REPO, TINY_ROBERTA, TINY_TRANSFORMER, built_once, command_env, run
 
 EXAMPLES = REPO / "examples"
 CONVERT_ROBERTA = REPO / "scripts" / "convert_roberta_checkpoint.py"
@@ -122,6 +123,39 @@ def test_glue_recipe(task, metric, low, tiny_roberta, glue_bin, tmp_path):
         number(r"MRPC dev acc", out)
     if task == "STS-B":
         number(r"STS-B dev spearman", out, low=-100.0)
+
+
+def train_steps(output):
+    """(loss, accuracy, gnorm) of each training progress line: what a step computed, without timings."""
+    return re.findall(r"train_inner \| epoch \d+: .*?loss=([^,]+), nll_loss=[^,]+, accuracy=([^,]+), .*?"
+                      r"gnorm=([^,]+)", output)
+
+
+@needs_roberta_conversion
+@pytest.mark.parametrize("encoding", ["t5", "xl"])
+def test_glue_recipe_from_a_converted_checkpoint_starts_as_stock(encoding, stock_roberta_checkpoint, glue_bin,
+                                                                 tmp_path):
+    """Fine-tuning a stock RoBERTa converted to ENCODING (examples/glue/README.md: ARCH=roberta_NAME and
+    --input-positions stock) computes stock's first step: the same loss, accuracy and gradient norm
+    of a freshly drawn classification head (the encoding starts as the identity and is built in its
+    own random stream). Without --input-positions stock the encoding's default input embedding has no
+    place for RoBERTa's learned table: one `error:` line that says what to give."""
+    converted = tmp_path / f"{encoding}.pt"
+    run([PY, CONVERT_ROBERTA, stock_roberta_checkpoint, converted, "--encoding", encoding], env=ENV)
+    finetune = [EXAMPLES / "glue" / "finetune.sh", "MRPC", glue_bin / "MRPC-bin"]
+    env = dict(ENV, MAX_POSITIONS="64", TOTAL_NUM_UPDATES="1", WARMUP_UPDATES="1")
+    stock = run([*finetune, stock_roberta_checkpoint, tmp_path / "stock", *TINY_ROBERTA, *TINY_RUN],
+                env=dict(env, ARCH="roberta_base"))
+    ours = run([*finetune, converted, tmp_path / encoding, *TINY_ROBERTA, *TINY_RUN, "--input-positions", "stock"],
+               env=dict(env, ARCH=f"roberta_{encoding}"))
+    assert len(train_steps(stock)) == 1 and train_steps(ours) == train_steps(stock)
+    done = subprocess.run([str(part) for part in [*finetune, converted, tmp_path / "default", *TINY_ROBERTA, *TINY_RUN]],
+                          capture_output=True, text=True, env=command_env(dict(env, ARCH=f"roberta_{encoding}")))
+    assert done.returncode != 0
+    last = done.stdout.strip().splitlines()[-1]  # (finetune.sh sends both streams to its log through tee)
+    assert last.startswith("fairseq-train: error: Cannot load model parameters from checkpoint"), done.stdout[-3000:]
+    assert "the checkpoint has a learned input position table (encoder.sentence_encoder.embed_positions.weight)" in last
+    assert "Traceback" not in done.stdout
 
 
 # ---------------------------------------------------------------- 3. RACE

@@ -212,7 +212,7 @@ def test_half_precision_forward_is_finite_and_close(masked_lm_data, encoding, dt
 @pytest.mark.parametrize("encoding", EVERY_ENCODING)
 def test_decoder_layers_to_keep_prunes_the_encoding_with_its_layers(masked_lm_data, encoding):
     """--decoder-layers-to-keep 1 (LayerDrop pruning at load, models/common.py's
-    PrunableEncodingMixin): a 2-layer language model's state dict loads strictly into the pruned one.
+    EncodingStateMixin): a 2-layer language model's state dict loads strictly into the pruned one.
     (Layer 0 where the encoding defines something by depth: LFHC's l, the bias of T5/AT5's first layer;
     moving those is refused, test_workflows.py.)"""
     full, task, _ = lm_model(masked_lm_data, encoding)

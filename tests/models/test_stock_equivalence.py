@@ -112,9 +112,18 @@ def test_overriding_fairseqs_input_flags_of_a_checkpoint_is_refused_or_applied(t
             continue  # (asks what it has: T5's stored --no-token-positional-embeddings wins over learned, as in stock)
         with pytest.raises(OptionValueError, match=rf"^--input-positions {stored} contradicts fairseq's --"):
             checkpoint_utils.load_model_ensemble([str(path)], arg_overrides=overrides)
-    if encoding == "sinusoidal":  # (a learned table would be an unexpected key without its embedding)
+    if encoding == "sinusoidal":
         (none,), _ = checkpoint_utils.load_model_ensemble([str(path)], arg_overrides={"input_positions": "none"})
         assert none.encoder.embed_positions is None and none.decoder.embed_positions is None
+    if encoding == "learned":  # the trained tables have no place in the model: refused in one line
+        with pytest.raises(OptionValueError, match=r"^--input-positions none: the checkpoint has a learned input "
+                                                   r"position table \(decoder.embed_positions.weight\)"):
+            checkpoint_utils.load_model_ensemble([str(path)], arg_overrides={"input_positions": "none"})
+    if encoding == "t5":  # the model's learned tables would start untrained
+        with pytest.raises(OptionValueError, match=r"^--input-positions learned: the model has a learned input "
+                                                   r"position table \(decoder.embed_positions.weight\) that the "
+                                                   r"checkpoint lacks"):
+            checkpoint_utils.load_model_ensemble([str(path)], arg_overrides={"input_positions": "learned"})
     (again,), _ = checkpoint_utils.load_model_ensemble([str(path)])  # the stored flags are its own: no conflict
     assert again.encoder.embed_positions.__class__ is model.encoder.embed_positions.__class__
 
