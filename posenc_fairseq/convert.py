@@ -188,6 +188,22 @@ def split_overrides(argv) -> Tuple[Dict[str, object], List[str]]:
     return {key: value for key, value in vars(known).items() if value != defaults[key]}, rest
 
 
+def command_line(options: Dict[str, object]) -> List[str]:
+    """The command-line options that give `options` ({dest: value}, as `split_overrides` returns them)
+    back, in the parser's order: what fairseq-train must be given to build a converted model again."""
+    parts = []
+    for action in option_parser()._actions:
+        if action.dest not in options or not action.option_strings:
+            continue
+        value = options[action.dest]
+        if action.nargs == 0:  # a flag: present where it differs from its default
+            parts += [action.option_strings[0]] if value != action.default else []
+        else:
+            parts += [action.option_strings[0], *(str(item) for item in (value if isinstance(value, (list, tuple))
+                                                                        else [value]))]
+    return parts
+
+
 def parse_overrides(argv) -> Dict[str, object]:
     """`split_overrides` of encoding options only: ConversionError on anything else."""
     overrides, unknown = split_overrides(argv)

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import filecmp
 import os
+import shlex
 import stat
 import sys
 import tempfile
@@ -250,7 +251,8 @@ def remove_created(paths):
 
 
 def main(kind: str, argv=None):
-    from .convert import ConversionError, _arch as converted_architecture, check_encoding, convert_checkpoint, split_overrides
+    from .convert import (ConversionError, _arch as converted_architecture, check_encoding, command_line,
+                          convert_checkpoint, split_overrides)
 
     # the encoding's options first, wherever they stand: argparse cannot tell that an option it does not
     # know takes a value, so `--t5-num-buckets 64 SRC DST` would read 64 as SRC
@@ -295,7 +297,12 @@ def main(kind: str, argv=None):
     init = overrides.get("floater_init")  # applied after the check (convert_checkpoint)
     equal = ("outputs equal to the source" if init in (None, "zero") else
              f"outputs equal to the source before --floater-init {init} moved the dynamics off zero")
-    print(f"wrote {args.dst} (architecture {converted_architecture(converted)}, {equal})")
+    architecture = converted_architecture(converted)
+    print(f"wrote {args.dst} (architecture {architecture}, {equal})")
+    # fairseq-train builds a model for --restore-file / --finetune-from-model from its command line
+    options = {key: value for key, value in {"input_positions": "stock", **overrides}.items() if key != "positional_encoding"}
+    print(f"to train from it, give fairseq-train: --arch {architecture} "
+          f"{' '.join(shlex.quote(part) for part in command_line(options))}")
     if copied:
         print(f"copied dict.txt to {copied}")
     return 0

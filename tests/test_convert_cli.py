@@ -381,7 +381,45 @@ def test_floater_init_small_is_not_reported_as_equal(work, monkeypatch, capsys):
     assert status == 0, err
     assert "outputs equal to the source before --floater-init small moved the dynamics off zero" in out
     status, out, err = run_main("transformer", "src/transformer.pt", "zero.pt", "--encoding", "floater", capsys=capsys)
-    assert status == 0 and out.rstrip().endswith("outputs equal to the source)"), (out, err)
+    assert status == 0 and out.splitlines()[0].endswith("outputs equal to the source)"), (out, err)
+
+
+@pytest.mark.parametrize("encoding,options", [("t5", ["--t5-num-buckets", "16"]), ("xl", [])])
+def test_the_printed_options_rebuild_the_converted_model(work, monkeypatch, capsys, encoding, options):
+    """fairseq-train builds the model for --restore-file / --finetune-from-model from its command line,
+    not from the checkpoint: the options the converter prints give a model that loads the converted
+    state strictly and computes the source's outputs. (Without --input-positions stock, T5's and XL's
+    default input embedding, none, drops stock's sinusoidal one, and the load says nothing.)"""
+    import shlex
+
+    from fairseq import options as fairseq_options
+    from fairseq.models import ARCH_MODEL_REGISTRY
+    from util import USER_DIR
+
+    monkeypatch.chdir(work)
+    status, out, err = run_main("transformer", "src/transformer.pt", "out.pt", "--encoding", encoding, *options,
+                                capsys=capsys)
+    assert status == 0, err
+    hint = out.splitlines()[-1]
+    assert hint.startswith("to train from it, give fairseq-train: --arch "), out
+    given = shlex.split(hint.split(": ", 1)[1])
+    assert "--input-positions" in given and all(option in given for option in options)
+    source = torch.load(work / "src" / "transformer.pt", map_location="cpu", weights_only=False)
+    sizes = [f"--{name.replace('_', '-')}={getattr(source['args'], name)}" for name in (
+        "encoder_layers", "decoder_layers", "encoder_embed_dim", "decoder_embed_dim", "encoder_ffn_embed_dim",
+        "decoder_ffn_embed_dim", "encoder_attention_heads", "decoder_attention_heads", "max_source_positions",
+        "max_target_positions")]
+    args = fairseq_options.parse_args_and_arch(fairseq_options.get_training_parser(), [
+        str(work), "--task", "translation", "--user-dir", USER_DIR, "--cpu", *sizes, *given])
+    task = convert._Task(convert._dictionary(24), max_positions=64)
+    rebuilt = ARCH_MODEL_REGISTRY[args.arch].build_model(args, task)
+    rebuilt.load_state_dict(torch.load(work / "out.pt", map_location="cpu", weights_only=False)["model"], strict=True,
+                            model_cfg=args)
+    stock = ARCH_MODEL_REGISTRY["transformer"].build_model(source["args"], task)
+    stock.load_state_dict(source["model"])
+    tokens = torch.randint(4, 24, (2, 7), generator=torch.Generator().manual_seed(0))
+    outputs = [model.eval()(tokens, torch.tensor([7, 7]), tokens[:, :5])[0] for model in (stock, rebuilt)]
+    assert (outputs[0] - outputs[1]).abs().max() <= 1e-5
 
 
 def test_adaptive_input_and_softmax_lm_converts_to_equal_outputs(tmp_path):
