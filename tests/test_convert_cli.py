@@ -394,6 +394,7 @@ def test_the_printed_options_rebuild_the_converted_model(work, monkeypatch, caps
 
     from fairseq import options as fairseq_options
     from fairseq.models import ARCH_MODEL_REGISTRY
+    from posenc_fairseq.encodings.option_types import OptionValueError
     from util import USER_DIR
 
     monkeypatch.chdir(work)
@@ -420,6 +421,21 @@ def test_the_printed_options_rebuild_the_converted_model(work, monkeypatch, caps
     tokens = torch.randint(4, 24, (2, 7), generator=torch.Generator().manual_seed(0))
     outputs = [model.eval()(tokens, torch.tensor([7, 7]), tokens[:, :5])[0] for model in (stock, rebuilt)]
     assert (outputs[0] - outputs[1]).abs().max() <= 1e-5
+    # without the option the encoding's default (none) would drop the sinusoidal embedding: refused, not
+    # silent; --input-positions none, given, drops it as asked
+    without = [part for part in given if part not in ("--input-positions", "stock")]
+    for chosen in ([], ["--input-positions", "none"]):
+        args = fairseq_options.parse_args_and_arch(fairseq_options.get_training_parser(), [
+            str(work), "--task", "translation", "--user-dir", USER_DIR, "--cpu", *sizes, *without, *chosen])
+        model = ARCH_MODEL_REGISTRY[args.arch].build_model(args, task)
+        weights = torch.load(work / "out.pt", map_location="cpu", weights_only=False)["model"]
+        if chosen:
+            model.load_state_dict(weights, strict=True, model_cfg=args)
+            assert model.encoder.embed_positions is None
+        else:
+            with pytest.raises(OptionValueError, match=r"^--input-positions none \(the encoding's default\): the "
+                                                       r"checkpoint's weights were trained or converted with the stock"):
+                model.load_state_dict(weights, strict=True, model_cfg=args)
 
 
 def test_adaptive_input_and_softmax_lm_converts_to_equal_outputs(tmp_path):

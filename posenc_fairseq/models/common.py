@@ -34,6 +34,8 @@ def add_position_args(parser: argparse.ArgumentParser):
                              "where given, else the encoding's choice")
     # (the choice that last set fairseq's flags, stored with the model: see set_position_defaults)
     parser.add_argument("--input-positions-flags", choices=INPUT_POSITIONS, help=argparse.SUPPRESS)
+    # (the encoding's default where nothing asked for a choice: see set_position_defaults)
+    parser.add_argument("--input-positions-default", choices=INPUT_POSITIONS, help=argparse.SUPPRESS)
     for name in sorted(ENCODINGS):
         ENCODINGS[name].add_args(parser)
 
@@ -56,7 +58,8 @@ def set_position_defaults(args, encoding: str, stacks=("encoder", "decoder")):
     if choice is None:
         choice = asked
     if choice is None:
-        choice = ENCODINGS[args.positional_encoding].default_input_positions
+        # recorded, so that a later load can tell the default from a choice (`check_stock_input_kept`)
+        choice = args.input_positions_default = ENCODINGS[args.positional_encoding].default_input_positions
     if choice not in INPUT_POSITIONS:  # (argparse checks the command line; a stored config or an override, here)
         raise OptionValueError(f"--input-positions {choice}: expected one of {', '.join(INPUT_POSITIONS)}")
     if asked is not None and asked != choice and choice != "stock" and not (choice, asked) == ("learned", "stock"):
@@ -354,6 +357,7 @@ def _attach_encoding(model, args, encoder_stack, decoder_stack):
             encoder_layers=0, decoder_layers=decoder_layers))
         encoding = PerStackEncoding(encoder_part, decoder_part)
     model.positional_encoding = encoding
+    model.stock_input_kept = keeps_stock_input(args)
     encoder_stack.bind_encoding(encoder_part)
     encoder_stack.held.encoding = encoding  # begin() reaches every part
     if decoder_stack is not None:
@@ -419,6 +423,29 @@ def prune_encoding_state_dict(state_dict, model_cfg, prefix="positional_encoding
 
 
 LEARNED_TABLE = "embed_positions.weight"
+#: the state-dict key that says the weights were trained or converted with the stock input embedding
+STOCK_INPUT_KEPT = "positional_encoding.input_positions_stock"
+
+
+def keeps_stock_input(args) -> bool:
+    """Whether a model built from `args` keeps the base architecture's input embedding where its
+    encoding would not (a converted checkpoint's relative encodings): its state dict says so."""
+    return (args.input_positions == "stock"
+            and ENCODINGS[args.positional_encoding].default_input_positions != "stock")
+
+
+def check_stock_input_kept(state_dict, cfg) -> None:
+    """Refuse weights that keep the stock input embedding (`STOCK_INPUT_KEPT`) for a model that
+    dropped it by default: fairseq-train builds --restore-file's model from its command line, and a
+    sinusoidal embedding keeps nothing in a checkpoint, so nothing else would tell. A choice given
+    (--input-positions none, say) is taken as meant."""
+    if STOCK_INPUT_KEPT not in state_dict or cfg is None or getattr(cfg, "input_positions", None) == "stock":
+        return
+    if getattr(cfg, "input_positions_default", None) == cfg.input_positions:
+        raise OptionValueError(
+            f"--input-positions {cfg.input_positions} (the encoding's default): the checkpoint's weights were "
+            f"trained or converted with the stock input embedding; give --input-positions stock to keep it, "
+            f"or --input-positions {cfg.input_positions} to drop it")
 
 
 def check_learned_input_tables(model_keys, state_dict, cfg) -> None:
@@ -445,15 +472,23 @@ def check_learned_input_tables(model_keys, state_dict, cfg) -> None:
 
 
 class EncodingStateMixin:
-    """Model mixin for loading a state dict: per-layer encoding parameters follow their layer under
-    LayerDrop pruning, and learned input tables that the model and checkpoint disagree on are refused."""
+    """Model mixin for state dicts: per-layer encoding parameters follow their layer under LayerDrop
+    pruning; learned input tables that the model and checkpoint disagree on are refused, and so are
+    weights that keep the stock input embedding for a model that dropped it by default."""
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
         cfg = model_cfg if model_cfg is not None else args
         state_dict = prune_encoding_state_dict(state_dict, cfg)
         if strict:
+            check_stock_input_kept(state_dict, cfg)
             check_learned_input_tables(self.state_dict().keys(), state_dict, cfg)
+        state_dict = {key: value for key, value in state_dict.items() if key != STOCK_INPUT_KEPT}
         return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if getattr(self, "stock_input_kept", False):
+            destination[prefix + STOCK_INPUT_KEPT] = torch.ones(1)
 
 
 def register_architectures(model_name: str, prefix: str, sizes: dict):

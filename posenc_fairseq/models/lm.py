@@ -20,7 +20,8 @@ from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerL
 
 from ..attention import bound_attentions
 from ..encodings import ModelDims, build_encoding
-from .common import EncodingStateMixin, PositionalTransformerDecoder, add_position_args, register_architectures
+from .common import (EncodingStateMixin, PositionalTransformerDecoder, add_position_args, keeps_stock_input,
+                     own_random_stream, register_architectures)
 
 
 def transformer_lm_architecture(args):
@@ -69,11 +70,18 @@ SIZES = {
 
 
 def attach_decoder_encoding(model, args, decoder):
-    """Build the model's one encoding for a decoder-only model and bind every layer to it."""
+    """Build the model's one encoding for a decoder-only model (in its own random stream, as
+    `attach_encoding`) and bind every layer to it."""
+    with own_random_stream():
+        return _attach_decoder_encoding(model, args, decoder)
+
+
+def _attach_decoder_encoding(model, args, decoder):
     dims = ModelDims(embed_dim=args.decoder_embed_dim, heads=args.decoder_attention_heads,
                      encoder_layers=0, decoder_layers=args.decoder_layers)
     encoding = build_encoding(args.positional_encoding, args, dims)
     model.positional_encoding = encoding
+    model.stock_input_kept = keeps_stock_input(args)
     decoder.bind_encoding(encoding)
     if hasattr(encoding, "bind_model"):  # (an encoding that keeps state of the attention layers)
         encoding.bind_model(model, bound_attentions(model))

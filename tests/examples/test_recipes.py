@@ -138,8 +138,8 @@ def test_glue_recipe_from_a_converted_checkpoint_starts_as_stock(encoding, stock
     """Fine-tuning a stock RoBERTa converted to ENCODING (examples/glue/README.md: ARCH=roberta_NAME and
     --input-positions stock) computes stock's first step: the same loss, accuracy and gradient norm
     of a freshly drawn classification head (the encoding starts as the identity and is built in its
-    own random stream). Without --input-positions stock the encoding's default input embedding has no
-    place for RoBERTa's learned table: one `error:` line that says what to give."""
+    own random stream). Without --input-positions stock the encoding's default input embedding would
+    drop RoBERTa's learned table: one `error:` line that says what to give."""
     converted = tmp_path / f"{encoding}.pt"
     run([PY, CONVERT_ROBERTA, stock_roberta_checkpoint, converted, "--encoding", encoding], env=ENV)
     finetune = [EXAMPLES / "glue" / "finetune.sh", "MRPC", glue_bin / "MRPC-bin"]
@@ -154,7 +154,8 @@ def test_glue_recipe_from_a_converted_checkpoint_starts_as_stock(encoding, stock
     assert done.returncode != 0
     last = done.stdout.strip().splitlines()[-1]  # (finetune.sh sends both streams to its log through tee)
     assert last.startswith("fairseq-train: error: Cannot load model parameters from checkpoint"), done.stdout[-3000:]
-    assert "the checkpoint has a learned input position table (encoder.sentence_encoder.embed_positions.weight)" in last
+    assert ("--input-positions none (the encoding's default): the checkpoint's weights were trained or converted "
+            "with the stock input embedding; give --input-positions stock") in last
     assert "Traceback" not in done.stdout
 
 

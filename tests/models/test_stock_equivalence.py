@@ -150,22 +150,33 @@ def test_quant_noise_touches_the_weights_stock_touches(translation_data):
     assert "fc1" in noised and "q_proj" in noised  # (the FFN's and cross-attention's: the test sees noise)
 
 
-@pytest.mark.parametrize("encoding", ["t5", "at5", "shaw", "xl", "floater"])
-def test_the_encoding_draws_from_its_own_random_stream(translation_data, encoding):
+@pytest.mark.parametrize("family,encoding", [*(("transformer", name) for name in ["t5", "at5", "shaw", "xl", "floater"]),
+                                             ("transformer_lm", "t5"), ("transformer_lm", "floater"), ("roberta", "xl")])
+def test_the_encoding_draws_from_its_own_random_stream(translation_data, masked_lm_data, family, encoding):
     """fairseq-generate and fairseq-train seed torch before building the model: the encoding's
     initialisation must not move the global stream, or a converted checkpoint samples (and drops out)
     otherwise than its stock source with the same --seed. The encoding's initial values still follow
-    the seed: the same seed gives the same values, another seed others."""
+    the seed: the same seed gives the same values, another seed others. Every model family (the
+    decoder-only one builds its encoding apart)."""
+    data, options, task = {
+        "transformer": (translation_data, TINY_TRANSFORMER, "translation"),
+        "transformer_lm": (masked_lm_data, ["--decoder-layers", "2", "--decoder-embed-dim", "32",
+                                            "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4"],
+                           "language_modeling"),
+        "roberta": (masked_lm_data, TINY_ROBERTA, "masked_lm")}[family]
+
     def built(arch, seed):
         torch.manual_seed(seed)
-        model, _, _ = build_model(translation_data, arch, TINY_TRANSFORMER)
+        # (RoBERTa's stock input embedding is a learned table: drawn as stock's where kept, as converted)
+        ours = ["--input-positions", "stock"] if arch.startswith("roberta_") and arch != "roberta_base" else []
+        model, _, _ = build_model(data, arch, [*options, *ours], task=task)
         return model, torch.rand(8)  # what the next draw (dropout, sampling) gets
 
-    _, stock_next = built("transformer", 0)
-    model, next_draw = built(f"transformer_{encoding}", 0)
+    _, stock_next = built({"roberta": "roberta_base"}.get(family, family), 0)
+    model, next_draw = built(f"{family}_{encoding}", 0)
     assert torch.equal(next_draw, stock_next)
-    again, _ = built(f"transformer_{encoding}", 0)
-    other, _ = built(f"transformer_{encoding}", 1)
+    again, _ = built(f"{family}_{encoding}", 0)
+    other, _ = built(f"{family}_{encoding}", 1)
     ours, same, different = (dict(m.positional_encoding.named_parameters()) for m in (model, again, other))
     assert ours and all(torch.equal(ours[name], same[name]) for name in ours)
     assert any(not torch.equal(ours[name], different[name]) for name in ours if ours[name].abs().sum() > 0)
