@@ -9,3 +9,13 @@ def choice(variable: str, choices: tuple, default: str) -> str:
     if value not in choices:
         raise ValueError(f"{variable}={value!r}: expected one of {', '.join(choices)}")
     return value
+
+
+def count(variable: str, default: int) -> int:
+    """`variable`'s value now as a whole number >= 0, `default` where unset; anything else is refused."""
+    value = os.environ.get(variable)
+    if value is None:
+        return default
+    if not value.strip().isdigit():
+        raise ValueError(f"{variable}={value!r}: expected a whole number >= 0")
+    return int(value)

@@ -2,7 +2,9 @@
 (posenc_fairseq/switches.py), for every module that has one."""
 import pytest
 
+from posenc_fairseq import switches
 from posenc_fairseq.compat import batch_by_size
+from posenc_fairseq.encodings.floater import graphs
 from posenc_fairseq.kernels import flex, triton_attention
 
 
@@ -19,3 +21,16 @@ def test_every_switch_defaults_follows_and_refuses(monkeypatch, module, default)
     monkeypatch.setenv(module.SWITCH, "On")
     with pytest.raises(ValueError, match=rf"^{module.SWITCH}='On': expected one of {', '.join(module.MODES)}$"):
         read()
+
+
+def test_a_count_defaults_follows_and_refuses(monkeypatch):
+    monkeypatch.setenv(graphs.ENABLE, "1")
+    monkeypatch.delenv(graphs.MIN_WORK, raising=False)
+    assert graphs.gpu_min_work() == graphs.DEFAULT_MIN_WORK
+    monkeypatch.setenv(graphs.MIN_WORK, "4096")
+    assert graphs.gpu_min_work() == 4096
+    for bad in ("1e6", "-1", "many", ""):
+        monkeypatch.setenv(graphs.MIN_WORK, bad)
+        with pytest.raises(ValueError, match=rf"^{graphs.MIN_WORK}='{bad}': expected a whole number >= 0$"):
+            graphs.gpu_min_work()
+    assert switches.count("POSENC_NOT_SET_ANYWHERE", 7) == 7

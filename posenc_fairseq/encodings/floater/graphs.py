@@ -32,6 +32,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from ...switches import count
 from .loops import (Memo, _hidden_backward_loops, _hidden_forward_loops, _HiddenRun, kept_recent, kept_reductions,
                     tableau_key)
 from .solver import KEEP_STAGES_BYTES, hidden_gradients, single_thread, without_autocast
@@ -56,7 +57,7 @@ def gpu_min_work() -> Optional[int]:
     (always the CPU's compiled loops, `solver.solve_device`) while the graphs are off."""
     if not enabled():
         return None
-    return int(os.environ.get(MIN_WORK, DEFAULT_MIN_WORK))
+    return count(MIN_WORK, DEFAULT_MIN_WORK)
 
 
 class GraphKey(NamedTuple):
