@@ -314,6 +314,40 @@ def test_converted_lm_equals_stock_source(stock_lm, stock_logits, masked_lm_data
     assert (logits - stock_logits).abs().max() <= 1e-5
 
 
+def test_fine_tuning_a_converted_lm_with_the_printed_options_starts_as_stock(stock_lm, masked_lm_data, tmp_path):
+    """fairseq-train builds --restore-file's model from its command line. With the options the converter
+    prints, a converted LM takes stock's first fine-tuning step (the same loss and gradient norm); with
+    the encoding's defaults it would drop the sinusoidal input embedding, which keeps nothing in a
+    checkpoint, and is refused in one line instead."""
+    import re
+    import shlex
+    import subprocess
+
+    from util import BIN, command_env
+
+    destination = tmp_path / "t5.pt"
+    out = run([sys.executable, REPO / "scripts" / "convert_transformer_lm_checkpoint.py", stock_lm, destination,
+               "--encoding", "t5"])
+    printed = shlex.split(out.strip().splitlines()[-1].split("give fairseq-train: ", 1)[1])
+    assert printed[:4] == ["--arch", "transformer_lm_t5", "--input-positions", "stock"]
+    train = ["fairseq-train", masked_lm_data, *LM_TASK, *TINY_LM, *QUICK_TRAIN, "--max-update", "1", "--no-save",
+             "--reset-optimizer", "--reset-dataloader", "--reset-meters", "--user-dir", USER_DIR]
+
+    def first_step(output):
+        return re.findall(r"train_inner \| epoch 001: .*?(loss=[^,]+), .*?(gnorm=[^,]+)", output)
+
+    stock = first_step(run([*train, "--arch", "transformer_lm", "--restore-file", stock_lm]))
+    assert len(stock) == 1
+    assert first_step(run([*train, *printed, "--restore-file", destination])) == stock
+    done = subprocess.run([str(BIN / train[0]), *(str(part) for part in train[1:]), "--arch", "transformer_lm_t5",
+                           "--restore-file", str(destination)],
+                          capture_output=True, text=True, env=command_env())
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("fairseq-train: error: Cannot load model parameters"), \
+        done.stderr[-2000:]
+    assert "give --input-positions stock to keep it" in done.stderr
+
+
 def test_conversion_script_and_eval_lm_context_window(stock_lm, masked_lm_data, tmp_path):
     destination = tmp_path / "t5.pt"
     out = run([sys.executable, REPO / "scripts" / "convert_transformer_lm_checkpoint.py", stock_lm, destination,
