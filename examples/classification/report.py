@@ -23,18 +23,25 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("work_dir", type=Path)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--encodings", nargs="+", metavar="NAME",
+                   help="the encodings (WORK_DIR/<encoding>) of this table; default: every folder with a result")
     args = p.parse_args(argv)
     results = {}
     for path in sorted(args.work_dir.glob("*/*.json")):
-        if path.stem in TASKS:
-            results.setdefault(path.parent.name, {})[path.stem] = json.loads(path.read_text())["value"]
+        if path.stem in TASKS and (args.encodings is None or path.parent.name in args.encodings):
+            result = json.loads(path.read_text())
+            if not isinstance(result, dict) or "value" not in result:
+                p.error(f"{path}: not a result of evaluate.py --json")
+            value = f"{result['value']:.2f}"  # (evaluate.py says where it scored another metric or subset)
+            results.setdefault(path.parent.name, {})[path.stem] = (
+                value if result.get("as_in_table", True) else f"{value} ({result['metric']})")
     tasks = [t for t in TASKS if any(t in r for r in results.values())]
     header = ["encoding"] + [f"{t} paper | {t} ours" for t in tasks]
     lines = ["| " + " | ".join(header) + " |", "|---" * (1 + 2 * len(tasks)) + "|"]
     order = list(PAPER) + sorted(set(results) - set(PAPER))  # the paper's row order, then the others
     for encoding, row in sorted(results.items(), key=lambda item: order.index(item[0])):
         paper = dict(zip(TASKS, PAPER.get(encoding, ["–"] * len(TASKS))))
-        cells = [encoding] + [f"{paper[t]} | " + (f"{row[t]:.2f}" if t in row else "–") for t in tasks]
+        cells = [encoding] + [f"{paper[t]} | " + row.get(t, "–") for t in tasks]
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)

@@ -20,10 +20,13 @@ EVAL_CPU=()
 [[ -n "${CPU:-}" ]] && EVAL_CPU=(--cpu)
 for ENCODING in $ENCODINGS; do
   for TASK in $TASKS; do
-    ENCODING="$ENCODING" "$HERE/train.sh" "$TASK" "$DATA/$TASK-bin" "$WORK/$ENCODING/$TASK" "$@"
+    # this recipe's own outputs: train.sh would resume an earlier run's checkpoint, report.py read its result
+    rm -f "$WORK/$ENCODING/$TASK"/checkpoint*.pt "$WORK/$ENCODING/$TASK.json"
+    ENCODING="$ENCODING" ARCH="roberta_$ENCODING" "$HERE/train.sh" "$TASK" "$DATA/$TASK-bin" "$WORK/$ENCODING/$TASK" "$@"
     # shellcheck disable=SC2086
     "$PYTHON" "$HERE/evaluate.py" "$TASK" "$DATA/$TASK-bin" "$WORK/$ENCODING/$TASK/checkpoint_best.pt" \
         "${EVAL_CPU[@]}" --json "$WORK/$ENCODING/$TASK.json" ${EVAL_ARGS:-}
   done
 done
-"$PYTHON" "$HERE/report.py" "$WORK" --out "$WORK/table1.md"
+# shellcheck disable=SC2086
+"$PYTHON" "$HERE/report.py" "$WORK" --out "$WORK/table1.md" --encodings $ENCODINGS

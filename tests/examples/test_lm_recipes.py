@@ -4,6 +4,7 @@ runs, on tiny generated data in the real formats, through the real fairseq comma
 models and few updates, for two of the paper's encodings; each test checks the table the recipe writes."""
 import json
 import re
+import subprocess
 
 import pytest
 
@@ -35,6 +36,10 @@ def test_lm_recipe_table3(tmp_path):
     for split, articles, seed in (("train", 40, 1), ("valid", 3, 2), ("test", 3, 3)):
         (raw / f"wiki.{split}.tokens").write_text(wikitext_corpus(articles, seed=seed))
     run([EXAMPLES / "lm" / "preprocess.sh", raw, tmp_path / "bin"], env=dict(ENV, WORKERS="1"))
+    # an earlier run's checkpoint in the same WORK: resumed, it would be reported as this run (it is not
+    # even a checkpoint here, so the run fails unless the recipe starts afresh)
+    (tmp_path / "work" / "gcdf").mkdir(parents=True)
+    (tmp_path / "work" / "gcdf" / "checkpoint_last.pt").write_text("an earlier run's")
     out = run([EXAMPLES / "lm" / "run_table3.sh", tmp_path / "bin", tmp_path / "work", *TINY_RUN],
               env=dict(ENV, ENCODINGS="lfhc gcdf", MEMORY="16 48", BLOCK="16", LAYERS="2", EMBED_DIM="32",
                        HEADS="4", FFN_DIM="64", TOKENS_PER_SAMPLE="32", BATCH_SIZE="8", MAX_UPDATE="150", LR="5e-3",
@@ -70,6 +75,11 @@ def classification_data(tmp_path_factory, masked_lm_data):
 
 def test_classification_recipe_table1(classification_data, tmp_path):
     assert (classification_data / "SNLI-bin" / "label" / "test.bin").exists()
+    # an earlier run in the same WORK: its checkpoint must not be resumed, its other encoding not reported
+    (tmp_path / "work" / "gcdf" / "IMDB").mkdir(parents=True)
+    (tmp_path / "work" / "gcdf" / "IMDB" / "checkpoint_last.pt").write_text("an earlier run's")
+    (tmp_path / "work" / "t5").mkdir()
+    (tmp_path / "work" / "t5" / "IMDB.json").write_text(json.dumps({"task": "IMDB", "metric": "acc", "value": 99.0}))
     out = run([EXAMPLES / "classification" / "run_table1.sh", classification_data, tmp_path / "work", *TINY_RUN],
               env=dict(ENV, ENCODINGS="gcdf", TASKS="IMDB SNLI QQP", LAYERS="2", EMBED_DIM="32", HEADS="4",
                        FFN_DIM="64", BATCH_SIZE="16", MAX_UPDATE="4", WARMUP_UPDATES="1", LR="1e-3",
@@ -80,5 +90,31 @@ def test_classification_recipe_table1(classification_data, tmp_path):
     number(r"QQP avg\(acc/f1\)", out)
     assert re.search(r"SNLI test acc = ", out)  # SNLI is scored on its (labelled) test split
     rows = table_rows(tmp_path / "work" / "table1.md")
+    assert set(rows) == {"gcdf"}
     assert len(rows["gcdf"]) == 3 and all(0 <= value <= 100 for value in rows["gcdf"])
     assert "88.98±0.04" in (tmp_path / "work" / "table1.md").read_text()  # the paper's GCDF IMDB accuracy
+
+
+def test_classification_results_on_other_subsets_say_so(tmp_path):
+    """evaluate.py names a metric computed on other subsets than the table's (MNLI on matched alone is
+    not avg(m/mm)), and report.py shows it beside the number; --encodings keeps one run's rows."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("classification_evaluate", EXAMPLES / "classification" / "evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    assert evaluate.metric_name("MNLI", ["valid", "valid1"]) == "avg(m/mm)"
+    assert evaluate.metric_name("MNLI", ["valid"]) == "acc on valid"
+    assert evaluate.metric_name("QQP", ["valid", "test"]) == "avg(acc/f1) on valid+test"
+    assert evaluate.metric_name("SNLI", ["test"]) == "acc"
+    for encoding, task, result in (("gcdf", "MNLI", {"metric": "acc on valid", "value": 41.67, "as_in_table": False}),
+                                   ("gcdf", "IMDB", {"metric": "acc", "value": 80.0, "as_in_table": True}),
+                                   ("t5", "IMDB", {"metric": "acc", "value": 99.0, "as_in_table": True})):
+        (tmp_path / encoding).mkdir(exist_ok=True)
+        (tmp_path / encoding / f"{task}.json").write_text(json.dumps(result))
+    out = run([PY, EXAMPLES / "classification" / "report.py", tmp_path, "--out", tmp_path / "t.md", "--encodings", "gcdf"])
+    assert "41.67 (acc on valid)" in out and "80.00" in out and "99.00" not in out and "| t5 " not in out
+    (tmp_path / "t5" / "QQP.json").write_text("[]")
+    done = subprocess.run([PY, str(EXAMPLES / "classification" / "report.py"), str(tmp_path), "--out", str(tmp_path / "t.md")],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "QQP.json: not a result of evaluate.py --json" in done.stderr
