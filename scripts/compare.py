@@ -92,10 +92,10 @@ def parse_args(argv):
         # (later options win)
         args.generate_args = ("--max-len-a 1 --max-len-b 20" + (
             f" --bpe sentencepiece --sentencepiece-model {spm}" if spm.exists() else "") + " " + args.generate_args).strip()
-    if not any(given(option, args.train_options) for option in ("--max-update", "--max-epoch")):
-        parser.error("give the training length after `--`: --max-update N or --max-epoch N")
-    if (args.fp16 or args.bf16) and args.device != "cuda":
-        parser.error("--fp16/--bf16 need --device cuda")
+    ends = [value for option in ("--max-update", "--max-epoch") for value in values_of(option, args.train_options)]
+    if not any(value.strip().isdigit() and int(value) > 0 for value in ends):  # (fairseq reads 0 as no limit)
+        parser.error("give the training length after `--`: --max-update N or --max-epoch N (N > 0)")
+    DEMO.refuse_unusable_device(parser, args)
     if not args.data.is_dir():
         parser.error(f"no data folder {args.data}")
     for option in ("--save-dir", "--arch", "--user-dir", "--cpu"):
@@ -108,14 +108,23 @@ def parse_args(argv):
 SHORT_ALIASES = {"--arch": "-a"}
 
 
+def names(option: str, part: str) -> bool:
+    """Whether the command-line word `part` names `option` as fairseq-train reads it: `--option`,
+    `--option=VALUE`, an abbreviation (argparse takes an unambiguous prefix, e.g. `--ar`) or its
+    short alias (`-a`)."""
+    name = part.split("=", 1)[0]
+    return name == SHORT_ALIASES.get(option) or (name.startswith("--") and len(name) > 2 and option.startswith(name))
+
+
 def given(option: str, options: list) -> bool:
-    """Whether `options` give `option` as fairseq-train reads it: `--option VALUE`, `--option=VALUE`,
-    an abbreviation (argparse takes an unambiguous prefix, e.g. `--ar`) or its short alias (`-a`)."""
-    for part in options:
-        name = part.split("=", 1)[0]
-        if name == SHORT_ALIASES.get(option) or (name.startswith("--") and len(name) > 2 and option.startswith(name)):
-            return True
-    return False
+    """Whether `options` give `option` (`names`)."""
+    return any(names(option, part) for part in options)
+
+
+def values_of(option: str, options: list) -> list:
+    """The values `options` give `option` (`--option VALUE` or `--option=VALUE`), in order."""
+    return [part.split("=", 1)[1] if "=" in part else (options[index + 1] if index + 1 < len(options) else "")
+            for index, part in enumerate(options) if names(option, part)]
 
 
 def stored_task(checkpoint: Path):
@@ -131,6 +140,14 @@ def stored_task(checkpoint: Path):
         return names[0] or "translation", names[1]
     args = state.get("args")
     return getattr(args, "task", "translation"), getattr(args, "criterion", None)
+
+
+def words_in(source: str) -> int:
+    """The words of a source line as fairseq-generate prints it (S-i): the data's tokens, which may be
+    sentencepiece pieces (a word starts at each piece with U+2581) or subword-nmt's (`@@ ` joins)."""
+    if "\u2581" in source:
+        return sum(piece.startswith("\u2581") for piece in source.split())
+    return len(source.replace("@@ ", "").split())
 
 
 def bleu_by_length(generate_output: str, bins):
@@ -149,7 +166,7 @@ def bleu_by_length(generate_output: str, bins):
             text = text.split("\t", 1)[1] if "\t" in text else ""  # D-i <score> <detokenized>
         {"S": source, "T": reference, "D": hypothesis}[kind].setdefault(int(index), text)
     edges = [0] + sorted(bins) + [float("inf")]
-    lengths = {i: len(source.get(i, "").split()) for i in hypothesis if i in reference}
+    lengths = {i: words_in(source.get(i, "")) for i in hypothesis if i in reference}
     result = []
     for number, (low, high) in enumerate(zip(edges[:-1], edges[1:])):
         above = low - 1 if number == 0 else low  # the first bin holds its low edge (0 words), the rest start above
@@ -212,11 +229,20 @@ def train_and_evaluate(args, arch, env, device):
     seconds = time.time() - started
     text = log.read_text()
     params = re.search(r"num\. (?:shared )?model params: ([0-9,]+)", text)
-    valid = re.findall(r"\| valid \|.*?\| loss ([0-9.]+)", text)
     result = evaluate(args, arch, work, work / "checkpoints" / "checkpoint_last.pt", env, device)
     result.update(arch=arch, params=int(params.group(1).replace(",", "")) if params else None,
-                  train_seconds=seconds, valid_loss=float(valid[-1]) if valid else None)
+                  train_seconds=seconds, valid_loss=last_valid_loss(text))
     return result
+
+
+def last_valid_loss(train_log: str):
+    """The validation loss fairseq-train logged after its last update (the model the metric scores),
+    or None where it did not validate then (--validate-interval N stopping on an epoch not a multiple
+    of N): an earlier validation is another model's."""
+    final = re.findall(r"\| train \|.*?\| num_updates (\d+)", train_log)
+    for loss, updates in reversed(re.findall(r"\| valid \|.*?\| loss ([0-9.]+) \|.*?\| num_updates (\d+)", train_log)):
+        return float(loss) if final and updates == final[-1] else None
+    return None
 
 
 def markdown_table(results):

@@ -210,6 +210,39 @@ def test_importing_the_plugin_leaves_logging_alone():
     assert run([sys.executable, "-c", code]).strip().endswith("True")
 
 
+def test_compare_counts_words_of_sentencepiece_and_bpe_sources(compare):
+    """--length-bins are in words, whatever the data's subword tokens: fairseq-generate prints the
+    source (S-i) as the binarised data's tokens."""
+    assert compare.words_in("\u2581pego \u2581mi b a \u2581ba") == 3
+    assert compare.words_in("pe@@ go mi@@ b@@ a ba") == 3
+    assert compare.words_in("pego miba ba") == 3 and compare.words_in("") == 0
+    output = "S-0\t\u2581a b \u2581c d e \u2581f\nT-0\tx y\nD-0\t-0.1\tx y\n"
+    assert [(label, count) for label, _, count in compare.bleu_by_length(output, [3])] == [("0-3", 1), (">3", 0)]
+
+
+def test_compare_reports_the_validation_of_the_model_it_scores(compare):
+    """fairseq-train validates at the end of training only where the epoch asks for it (--validate-interval):
+    an earlier validation is another model's, so it is not reported as the run's valid loss."""
+    def log(*lines):
+        return "\n".join(f"2026-11-29 | INFO | {line}" for line in lines)
+
+    valid = "valid | epoch 00{} | valid on 'valid' subset | loss {} | ppl 9 | wps 1 | num_updates {}"
+    train = "train | epoch 00{} | loss 7 | ppl 9 | wps 1 | num_updates {} | lr 0.1"
+    assert compare.last_valid_loss(log(train.format(1, 10), valid.format(2, "5.819", 20), train.format(2, 20),
+                                       train.format(3, 30))) is None
+    assert compare.last_valid_loss(log(valid.format(3, "5.5", 30), train.format(3, 30))) == 5.5
+    assert compare.last_valid_loss(log(train.format(1, 10))) is None
+
+
+@pytest.mark.parametrize("ends", [["--max-update", "0"], ["--max-epoch=0"], ["--max-update", "0", "--max-epoch", "0"]])
+def test_compare_refuses_a_training_length_fairseq_reads_as_no_limit(compare, translation_data, tmp_path, ends, capsys):
+    with pytest.raises(SystemExit):
+        compare.parse_args([str(translation_data), "--arch", "transformer_alibi", "--out", str(tmp_path), "--", *ends])
+    assert "--max-update N or --max-epoch N (N > 0)" in capsys.readouterr().err
+    compare.parse_args([str(translation_data), "--arch", "transformer_alibi", "--out", str(tmp_path), "--",
+                        *ends, "--max-update", "3"])
+
+
 def test_demo_refuses_half_precision_on_cpu_and_cuda_without_a_gpu():
     import torch
 
@@ -219,3 +252,14 @@ def test_demo_refuses_half_precision_on_cpu_and_cuda_without_a_gpu():
     if not torch.cuda.is_available():
         done = subprocess.run(demo + ["--device", "cuda"], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and "sees no CUDA GPU" in done.stderr
+
+
+def test_compare_refuses_cuda_without_a_gpu(compare, translation_data, tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is there")
+    with pytest.raises(SystemExit):
+        compare.parse_args([str(translation_data), "--arch", "transformer_alibi", "--out", str(tmp_path),
+                            "--device", "cuda", "--", "--max-update", "3"])
+    assert "--device cuda: torch" in capsys.readouterr().err

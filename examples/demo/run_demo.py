@@ -47,6 +47,16 @@ TRAIN_OPTIONS = [
 ARCH_OPTIONS = {"floater": ["--floater-recompute-every", "10"]}
 
 
+def refuse_unusable_device(parser, args):
+    """--device/--fp16/--bf16 (args) that cannot run here end in one parser error."""
+    if (args.fp16 or args.bf16) and args.device != "cuda":
+        parser.error("--fp16/--bf16 need --device cuda (fairseq trains in fp32 on CPU)")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA GPU (a CPU build of torch, or no GPU)")
+
 def arch_options(arch: str):
     """The demo's extra options of one architecture (its encoding's entry in ARCH_OPTIONS)."""
     name = arch.split("_", 1)[1] if "_" in arch else arch
@@ -161,13 +171,7 @@ def demo():
                         help="CPU threads of each fairseq command (OMP_NUM_THREADS; default %(default)s)")
     parser.add_argument("--log-interval", type=int, default=50, help="updates between progress lines")
     args = parser.parse_args()
-    if (args.fp16 or args.bf16) and args.device != "cuda":
-        parser.error("--fp16/--bf16 need --device cuda (fairseq trains in fp32 on CPU)")
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA GPU (a CPU build of torch, or no GPU)")
+    refuse_unusable_device(parser, args)
     if not args.arch.startswith("transformer_"):
         parser.error("the demo translates: choose a transformer_* architecture")
     started = time.time()
