@@ -3,6 +3,7 @@ reading text files line by line as fairseq does, parallel files checked to match
 writing a file whole or not at all."""
 import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -69,3 +70,10 @@ def write_text_atomic(path: Path, text: str, encoding="utf-8"):
     except BaseException:
         os.unlink(handle.name)
         raise
+
+
+def fairseq_command(name: str) -> str:
+    """fairseq's command `name` (fairseq-generate, ...) beside this Python where it is (a venv's
+    python run without the venv on PATH), else from PATH."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else name

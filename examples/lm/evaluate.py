@@ -22,11 +22,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples"))
-from script_helpers import at_least, write_text_atomic  # noqa: E402
+from script_helpers import at_least, fairseq_command, write_text_atomic  # noqa: E402
 
 
 def eval_lm(data_bin, checkpoint, memory, block, subset, batch_size, cpu, extra):
-    command = [os.environ.get("FAIRSEQ_EVAL_LM", "fairseq-eval-lm"), str(data_bin), "--path", str(checkpoint),
+    command = [os.environ.get("FAIRSEQ_EVAL_LM", fairseq_command("fairseq-eval-lm")), str(data_bin), "--path", str(checkpoint),
                "--user-dir", str(REPO / "posenc_fairseq"), "--gen-subset", subset,
                "--sample-break-mode", "none", "--tokens-per-sample", str(memory + block),
                "--context-window", str(memory), "--batch-size", str(batch_size), "--num-workers", "0", *extra]

@@ -21,11 +21,12 @@ from pathlib import Path
 import sacrebleu
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "examples"))
+from script_helpers import fairseq_command  # noqa: E402
 
 
 def generate(data_bin, checkpoint, subset, beam, lenpen, batch_size, extra):
-    exe = Path(sys.executable).parent / "fairseq-generate"
-    command = [str(exe if exe.exists() else "fairseq-generate"), str(data_bin), "--path", str(checkpoint),
+    command = [fairseq_command("fairseq-generate"), str(data_bin), "--path", str(checkpoint),
                "--user-dir", str(REPO / "posenc_fairseq"), "--gen-subset", subset,
                "--beam", str(beam), "--lenpen", str(lenpen), "--batch-size", str(batch_size),
                "--post-process", "sentencepiece", "--scoring", "sacrebleu", *extra]

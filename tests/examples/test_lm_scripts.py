@@ -42,3 +42,23 @@ def test_report_matches_columns_by_memory(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         report.main([str(tmp_path / "ppl_missing.json"), "--out", str(tmp_path / "x.md")])
     assert exit_info.value.code == 2 and "no file" in capsys.readouterr().err
+
+
+def test_evaluate_runs_the_fairseq_eval_lm_beside_its_python(monkeypatch, tmp_path):
+    """A venv's python run without the venv on PATH still finds fairseq's commands."""
+    import sys
+    from pathlib import Path
+
+    evaluate = load_script(LM / "evaluate.py")
+    ran = []
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing there
+    monkeypatch.delenv("FAIRSEQ_EVAL_LM", raising=False)
+
+    def recorded(command, **kwargs):
+        ran.append(command)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(evaluate.subprocess, "run", recorded)
+    with pytest.raises(SystemExit):
+        evaluate.main(["DATA", "CHECKPOINT", "--memory", "4", "--block", "4"])
+    assert ran[0][0] == str(Path(sys.executable).parent / "fairseq-eval-lm")
