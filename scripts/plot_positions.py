@@ -31,6 +31,7 @@ import argparse
 import csv
 import math
 import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -54,6 +55,10 @@ def load_model(checkpoint: Path, data: Path = None):
     except FileNotFoundError as error:
         raise SystemExit(f"error: {error}\n(fairseq needs the dictionaries of the data the model was trained on: "
                          "give their folder with --data)")
+    except pickle.UnpicklingError as error:  # (torch's message advises weights_only=False: not the point here)
+        detail = next((line.strip() for line in str(error).splitlines() if "Unsupported" in line), "")
+        raise SystemExit(f"error: torch.load cannot read {checkpoint}: not a fairseq checkpoint"
+                         + (f" ({detail[:200]})" if detail else ""))
     model = models[0].float().eval()
     if getattr(model, "positional_encoding", None) is None:
         raise SystemExit(f"error: {checkpoint} is not a model of this package (no positional_encoding); "
@@ -394,11 +399,15 @@ def plot_checkpoint(checkpoint, out, data=None, length=128, max_distance=None, l
     from posenc_fairseq.encodings.xl import TransformerXL
 
     model = load_model(Path(checkpoint), data)
-    writer = Writer(Path(out), dpi)
     # unequal encoder/decoder sizes: one encoding part per stack (PerStackEncoding), each drawn alone
     whole = model.positional_encoding
     parts = [("", whole)] if not hasattr(whole, "parts") else [
         (f"{role}_part_", part) for role, part in zip(("encoder", "decoder"), whole.parts())]
+    deepest = max(max(part.dims.encoder_layers, part.dims.decoder_layers) for _, part in parts)
+    missing = sorted(set(layers or []) - set(range(deepest)))
+    if missing:  # (before anything is written)
+        raise SystemExit(f"error: --layers {','.join(map(str, missing))}: {checkpoint} has layers 0-{deepest - 1}")
+    writer = Writer(Path(out), dpi)
     for prefix, encoding in parts:
         writer.prefix = prefix
         all_layers = range(max(encoding.dims.encoder_layers, encoding.dims.decoder_layers))

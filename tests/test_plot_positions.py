@@ -211,3 +211,17 @@ def test_floater_matrix_solves_the_ode_of_the_checkpoint(tiny_checkpoint, tmp_pa
     angles = (positions.double() + 2)[:, None] * frequencies[None, :]  # fairseq counts from padding_idx + 1 = 2
     torch.testing.assert_close(values, torch.cat([angles.sin(), angles.cos()], dim=1), atol=1e-5, rtol=1e-4)
     assert "input embedding" in listing
+
+
+def test_a_layer_the_model_lacks_or_a_file_that_is_no_checkpoint_ends_in_one_line(tiny_checkpoint, tmp_path):
+    """Before, --layers 7 of a 2-layer FLOATER model drew nothing and exited 0, and a file that is not a
+    checkpoint ended in torch's traceback advising weights_only=False."""
+    checkpoint = tiny_checkpoint("transformer_floater", "--floater-init", "small")
+    (tmp_path / "notes.pt").write_text("not a checkpoint")
+    for arguments, message in (([checkpoint, "--layers", "1,7"], "error: --layers 7: "),
+                               ([tmp_path / "notes.pt"], "error: torch.load cannot read ")):
+        out = tmp_path / "out"
+        done = subprocess.run([sys.executable, str(SCRIPT), *map(str, arguments), "--out", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 1 and done.stderr.strip().startswith(message), done.stderr[-2000:]
+        assert "Traceback" not in done.stderr and not out.exists()
