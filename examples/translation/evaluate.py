@@ -25,6 +25,17 @@ sys.path.insert(0, str(REPO / "examples"))
 from script_helpers import fairseq_command  # noqa: E402
 
 
+def lower_edges(text):
+    """--bins B0,B1,...: increasing lengths >= 0 (checked before fairseq-generate runs)."""
+    try:
+        edges = [int(edge) for edge in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of lengths: {text!r}") from None
+    if edges[0] < 0 or any(high <= low for low, high in zip(edges, edges[1:])):
+        raise argparse.ArgumentTypeError(f"lengths must be at least 0 and increasing: {text!r}")
+    return edges
+
+
 def generate(data_bin, checkpoint, subset, beam, lenpen, batch_size, extra):
     command = [fairseq_command("fairseq-generate"), str(data_bin), "--path", str(checkpoint),
                "--user-dir", str(REPO / "posenc_fairseq"), "--gen-subset", subset,
@@ -64,7 +75,8 @@ def main(argv=None):
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--lenpen", type=float, default=0.6)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--bins", default="", help="comma-separated lower edges of source-length bins")
+    p.add_argument("--bins", type=lower_edges, default=[], metavar="B0,B1,...",
+                   help="comma-separated lower edges of source-length bins (increasing, >= 0)")
     p.add_argument("--json", help="write the scores here")
     p.add_argument("--save-output", help="write fairseq-generate's output here")
     args, extra = p.parse_known_args(argv)
@@ -81,7 +93,7 @@ def main(argv=None):
               "bleu": bleu(hyps, refs), "bins": []}
     print(f"BLEU = {result['bleu']:.2f} ({len(hyps)} sentences)")
     if args.bins:
-        edges = [int(e) for e in args.bins.split(",")]
+        edges = args.bins
         for lo, hi in zip(edges, edges[1:] + [None]):
             keep = [i for i, s in enumerate(srcs) if len(s.split()) >= lo and (hi is None or len(s.split()) < hi)]
             score = bleu([hyps[i] for i in keep], [refs[i] for i in keep])

@@ -143,3 +143,17 @@ def test_evaluate_scores_the_best_of_nbest_hypotheses():
     sources, hypotheses, references = evaluate.parse(output)
     assert hypotheses == references == ["this is a small test", "another sentence here"]
     assert evaluate.bleu(hypotheses, references) == pytest.approx(100.0)
+
+
+@pytest.mark.parametrize("bins,message", [("5,8x", "not a comma-separated list of lengths"),
+                                          ("8,5", "lengths must be at least 0 and increasing"),
+                                          ("-1,4", "lengths must be at least 0 and increasing")])
+def test_evaluate_refuses_bad_bins_before_generating(bins, message, monkeypatch, capsys):
+    """Before, --bins was read after the whole fairseq-generate run: 5,8x ended in a traceback with no
+    --json written, and 8,5 gave overlapping bins."""
+    evaluate = load_script(TRANSLATION / "evaluate.py")
+    monkeypatch.setattr(evaluate, "generate", lambda *args, **kwargs: pytest.fail("generated"))
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(["DATA", "CHECKPOINT", f"--bins={bins}"])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert evaluate.lower_edges("0,5,9") == [0, 5, 9]
