@@ -61,7 +61,9 @@ def main(argv=None):
     table = "\n".join(lines)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(args.out.with_suffix(".md"), table + "\n")
+    # the prefix as given: with_suffix would replace a dotted part (s2l.seed1 -> s2l.md)
+    markdown, picture = (args.out.parent / f"{args.out.name}{suffix}" for suffix in (".md", ".png"))
+    write_text_atomic(markdown, table + "\n")
 
     import matplotlib
     matplotlib.use("Agg")
@@ -78,8 +80,8 @@ def main(argv=None):
     ax.set_title("Short-to-long extrapolation")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(args.out.with_suffix(".png"), dpi=100)
-    print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.png')}")
+    fig.savefig(picture, dpi=100)
+    print(f"wrote {markdown} and {picture}")
 
 
 if __name__ == "__main__":
