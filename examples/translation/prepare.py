@@ -12,6 +12,7 @@ sentencepiece model and text that the binarised data do not match. Writes:
   DEST/bin/                           fairseq-preprocess output (--joined-dictionary)
 """
 import argparse
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,11 @@ from pathlib import Path
 import sentencepiece as spm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from script_helpers import check_parallel, read_lines  # noqa: E402
+from script_helpers import at_least, check_parallel, fairseq_command, read_lines  # noqa: E402
+
+
+#: what a preparation writes into DEST
+OUTPUTS = ("spm.model", "spm.vocab", "spm", "bin")
 
 
 def main(argv=None):
@@ -28,13 +33,13 @@ def main(argv=None):
     p.add_argument("dest", type=Path)
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="de")
-    p.add_argument("--vocab-size", type=int, default=32000, help="joint vocabulary (paper WMT14: 32k)")
+    p.add_argument("--vocab-size", type=at_least(1), default=32000, help="joint vocabulary (paper WMT14: 32k)")
     p.add_argument("--model-type", default="unigram", choices=["unigram", "bpe", "word", "char"])
     p.add_argument("--character-coverage", type=float, default=1.0)
     p.add_argument("--input-sentence-size", type=int, default=10_000_000,
                    help="sentences sampled to train sentencepiece")
     p.add_argument("--splits", default="train,valid,test")
-    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--workers", type=at_least(1), default=8)
     args = p.parse_args(argv)
     if not args.raw_dir.is_dir():
         p.error(f"no folder {args.raw_dir}")
@@ -44,10 +49,32 @@ def main(argv=None):
     for split in dict.fromkeys(["train"] + splits):
         check_parallel(args.raw_dir / f"{split}.{args.src}", args.raw_dir / f"{split}.{args.tgt}", p.error)
 
-    earlier = [name for name in ("spm.model", "spm.vocab", "spm", "bin") if (args.dest / name).exists()]
+    earlier = [name for name in OUTPUTS if (args.dest / name).exists()]
     if earlier:
         p.error(f"{args.dest} holds an earlier preparation ({', '.join(earlier)}): remove it or choose another DEST")
+    created_dest = not args.dest.exists()
     args.dest.mkdir(parents=True, exist_ok=True)
+    try:
+        prepare(args, splits)
+    except BaseException as error:  # (Ctrl-C too) nothing half-written is left to block the next run
+        for name in OUTPUTS:
+            path = args.dest / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        if created_dest:
+            args.dest.rmdir()
+        if isinstance(error, subprocess.CalledProcessError):
+            raise SystemExit(f"error: fairseq-preprocess failed (exit status {error.returncode}); nothing kept in "
+                             f"{args.dest}")
+        if isinstance(error, KeyboardInterrupt):
+            raise SystemExit(f"interrupted; nothing kept in {args.dest}")
+        raise
+
+
+def prepare(args, splits):
+    """sentencepiece trained on train, every split encoded, then binarised (into args.dest)."""
     prefix = args.dest / "spm"
     spm.SentencePieceTrainer.train(
         input=[str(args.raw_dir / f"train.{args.src}"), str(args.raw_dir / f"train.{args.tgt}")],
@@ -65,7 +92,7 @@ def main(argv=None):
                 for piece in sp.encode(lines, out_type=str):
                     out.write(" ".join(piece) + "\n")
 
-    command = [str(Path(sys.executable).parent / "fairseq-preprocess"),
+    command = [fairseq_command("fairseq-preprocess"),
                "--source-lang", args.src, "--target-lang", args.tgt,
                "--destdir", str(args.dest / "bin"), "--joined-dictionary", "--workers", str(args.workers)]
     for split, flag in (("train", "--trainpref"), ("valid", "--validpref"), ("test", "--testpref")):

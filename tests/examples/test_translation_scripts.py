@@ -128,6 +128,39 @@ def test_prepare_splits_lines_at_line_ends_only(tmp_path):
     assert {path: path.read_bytes() for path in (tmp_path / "out").rglob("*") if path.is_file()} == before
 
 
+@pytest.mark.parametrize("existing_dest", [False, True])
+def test_prepare_that_fails_midway_leaves_nothing_behind(tmp_path, monkeypatch, existing_dest):
+    """Before, a failed fairseq-preprocess left spm.model, spm/ and part of bin/ in DEST (and a
+    traceback), and the corrected rerun was refused as 'an earlier preparation'."""
+    import subprocess as subprocess_module
+
+    prepare = load_script(TRANSLATION / "prepare.py")
+    raw = tmp_path / "raw"
+    words = [f"w{i}" for i in range(30)]
+    source = [" ".join(words[(i * 7 + j) % 30] for j in range(4)) for i in range(40)]
+    write_pair(raw, "train", source, [line.upper() for line in source])
+    dest = tmp_path / "out"
+    if existing_dest:
+        dest.mkdir()
+        (dest / "README").write_text("the user's")
+
+    def failing(command, check):
+        (dest / "bin").mkdir()
+        (dest / "bin" / "dict.en.txt").write_text("partial")
+        raise subprocess_module.CalledProcessError(1, command)
+
+    monkeypatch.setattr(prepare.subprocess, "run", failing)
+    with pytest.raises(SystemExit, match="fairseq-preprocess failed .exit status 1.; nothing kept in"):
+        prepare.main([str(raw), str(dest), "--vocab-size", "40", "--workers", "1", "--src", "en", "--tgt", "de"])
+    assert sorted(path.name for path in dest.iterdir()) == ["README"] if existing_dest else not dest.exists()
+
+
+def test_prepare_refuses_zero_workers(tmp_path, capsys):
+    prepare = load_script(TRANSLATION / "prepare.py")
+    err = usage_error(capsys, prepare.main, tmp_path, tmp_path / "out", "--workers", "0")
+    assert "argument --workers: must be at least 1, got 0" in err
+
+
 # ---------------------------------------------------------------- evaluate.py
 def test_evaluate_scores_the_best_of_nbest_hypotheses():
     """fairseq-generate --nbest 2 prints each sentence's hypotheses best first (fairseq_cli/generate.py)."""
