@@ -79,11 +79,27 @@ def stacks(model):
 
 
 # --- output ----------------------------------------------------------------------------------------
+#: the files the last run wrote into its output folder, one name per line
+MANIFEST = "plot_positions.files"
+
+
 class Writer:
+    """Writes the tables and figures into `out`; first removes those an earlier run wrote there (its
+    MANIFEST: another checkpoint's files would read as this one's), never anything else."""
+
     def __init__(self, out: Path, dpi: int):
         self.out, self.dpi, self.written = out, dpi, []
         self.prefix = ""  # 'encoder_part_' / 'decoder_part_' for models with one encoding part per stack
         out.mkdir(parents=True, exist_ok=True)
+        manifest = out / MANIFEST
+        if manifest.is_file():
+            for name in manifest.read_text().splitlines():
+                if name and "/" not in name and (out / name).is_file():
+                    (out / name).unlink()
+            manifest.unlink()
+
+    def finish(self):
+        (self.out / MANIFEST).write_text("".join(f"{path.name}\n" for path, _ in self.written))
 
     def csv(self, name: str, header, rows, what: str):
         path = self.out / (self.prefix + name)
@@ -426,6 +442,7 @@ def plot_checkpoint(checkpoint, out, data=None, length=128, max_distance=None, l
             plot_logit_bias(model, encoding, writer, length, given_or(max_distance, 128))
     writer.prefix = ""
     plot_input_positions(model, writer, length)
+    writer.finish()
     return whole.name, writer.written
 
 

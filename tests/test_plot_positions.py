@@ -225,3 +225,16 @@ def test_a_layer_the_model_lacks_or_a_file_that_is_no_checkpoint_ends_in_one_lin
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 1 and done.stderr.strip().startswith(message), done.stderr[-2000:]
         assert "Traceback" not in done.stderr and not out.exists()
+
+
+def test_a_second_checkpoint_into_the_same_folder_leaves_none_of_the_firsts_files(tiny_checkpoint, tmp_path):
+    """Before, FLOATER's tables and input-embedding table stayed beside a later ALiBi model's plots in
+    the same --out, as if ALiBi had them; a file the script did not write stays."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's")
+    plot(tiny_checkpoint("transformer_floater", "--floater-init", "small"), out, "--layers", "0")
+    assert list(out.glob("floater_*"))
+    listing = plot(tiny_checkpoint("transformer_alibi"), out)
+    written = {line.split(":")[0].rsplit("/", 1)[-1] for line in listing.splitlines() if line.startswith(str(out))}
+    assert {path.name for path in out.iterdir()} == written | {"notes.txt", "plot_positions.files"}
