@@ -295,6 +295,10 @@ def plot(results, path):
     plt.close(figure)
 
 
+#: what compare.py writes into --out beside the architectures' folders
+OUTPUTS = ("results.md", "results.csv", "compare.png")
+
+
 def main(argv=None):
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -302,13 +306,18 @@ def main(argv=None):
                PYTHONWARNINGS=os.environ.get("PYTHONWARNINGS", "ignore"))
     device = ["--cpu"] if args.device == "cpu" else []
     device += ["--fp16"] if args.fp16 else ["--bf16"] if args.bf16 else []
-    results = []
+    for name in OUTPUTS:  # an earlier run's: never read as this run's if this one stops early
+        (args.out / name).unlink(missing_ok=True)
+    results, interrupted = [], None
     for number, arch in enumerate(args.arch, 1):
         print(f"[{number}/{len(args.arch)}] {arch}: training, logs in {args.out / arch}", flush=True)
         (args.out / arch / "error.log").unlink(missing_ok=True)  # an earlier run's
         try:
             result = train_and_evaluate(args, arch, env, device)
             print(f"[{number}/{len(args.arch)}] {arch}: {result['metric']} = {result['value']:.2f}", flush=True)
+        except KeyboardInterrupt:
+            interrupted = arch
+            break
         except DEMO.CommandFailed as error:
             print(f"[{number}/{len(args.arch)}] {arch}: {error}", flush=True)
             result = {"arch": arch, "error": str(error).split(";")[0]}
@@ -319,7 +328,13 @@ def main(argv=None):
                   f"(traceback in {args.out / arch / 'error.log'})", flush=True)
             result = {"arch": arch, "error": f"{type(error).__name__}: {error}"}
         results.append(result)
+    if interrupted is not None:
+        print(f"\ninterrupted while running {interrupted}", flush=True)
+        if not results:
+            return 130
     table = markdown_table(results)
+    if interrupted is not None:
+        table += f"\nInterrupted while running {interrupted}: it and the architectures after it are not in this table.\n"
     (args.out / "results.md").write_text(table)
     with open(args.out / "results.csv", "w", newline="") as handle:
         writer = csv.writer(handle)
@@ -332,6 +347,8 @@ def main(argv=None):
     print()
     print(table, end="")
     print(f"\ntable: {args.out / 'results.md'}; plot: {args.out / 'compare.png'}")
+    if interrupted is not None:
+        return 130
     return 0 if all("error" not in r for r in results) else 1
 
 

@@ -165,6 +165,29 @@ def test_compare_run_again_leaves_no_stale_error_log(compare, monkeypatch, tmp_p
     assert compare.main(argv) == 0 and not (tmp_path / "out" / "roberta_t5" / "error.log").exists()
 
 
+def test_compare_interrupted_keeps_what_finished_and_no_earlier_table(compare, monkeypatch, tmp_path):
+    """Ctrl-C during the second architecture: the table holds the first and says where it stopped;
+    an earlier run's table and plot never stand as this run's."""
+    def train_and_evaluate(args, arch, env, device):
+        if arch == "roberta_xl":
+            raise KeyboardInterrupt
+        return {"arch": arch, "metric": "accuracy % (valid)", "value": 75.0, "bins": [], "params": 1000,
+                "train_seconds": 1.0, "valid_loss": 0.5}
+    monkeypatch.setattr(compare, "train_and_evaluate", train_and_evaluate)
+    (tmp_path / "data").mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("results.md", "results.csv", "compare.png"):
+        (out / name).write_text("an earlier run's")
+    argv = [str(tmp_path / "data"), "--arch", "roberta_t5", "roberta_xl", "--out", str(out), "--", "--max-update", "1"]
+    assert compare.main(argv) == 130
+    table = (out / "results.md").read_text()
+    assert "| roberta_t5 |" in table and "Interrupted while running roberta_xl" in table
+    assert "an earlier run's" not in (out / "results.csv").read_text()
+    assert compare.main([*argv[:2], "roberta_xl", *argv[3:]]) == 130  # nothing finished: no table at all
+    assert not any((out / name).exists() for name in ("results.md", "results.csv", "compare.png"))
+
+
 def options_output(capsys, *argv):
     """scripts/options.py run in this process (fairseq is imported already: no start-up cost)."""
     import importlib.util
