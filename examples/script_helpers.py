@@ -77,3 +77,19 @@ def fairseq_command(name: str) -> str:
     python run without the venv on PATH), else from PATH."""
     beside = Path(sys.executable).parent / name
     return str(beside) if beside.exists() else name
+
+
+def increasing_counts(minimum: int, what: str):
+    """An argparse `type`: comma-separated increasing integers >= minimum (`what` they count, for the
+    message), e.g. the edges of length bins."""
+    def parse(text):
+        try:
+            edges = [int(edge) for edge in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a comma-separated list of {what}: {text!r}") from None
+        if edges[0] < minimum or any(high <= low for low, high in zip(edges, edges[1:])):
+            raise argparse.ArgumentTypeError(f"{what} must be at least {minimum} and increasing: {text!r}")
+        return edges
+
+    parse.__name__ = what
+    return parse

@@ -36,6 +36,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 USER_DIR = REPO / "posenc_fairseq"
+sys.path.insert(0, str(REPO / "examples"))
+from script_helpers import increasing_counts  # noqa: E402
+
+#: --length-bins B1,B2,...: the upper edges of the source-length bins in words
+length_bins = increasing_counts(1, "word counts")
 
 
 def demo_module():
@@ -46,17 +51,6 @@ def demo_module():
 
 
 DEMO = demo_module()  # its runner (live progress lines, full log) and the demo's settings
-
-
-def length_bins(text):
-    """--length-bins B1,B2,...: increasing word counts >= 1."""
-    try:
-        edges = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of word counts: {text!r}") from None
-    if edges[0] < 1 or any(b <= a for a, b in zip(edges, edges[1:])):
-        raise argparse.ArgumentTypeError(f"word counts must be at least 1 and increasing: {text!r}")
-    return edges
 
 
 def parse_args(argv):

@@ -22,18 +22,10 @@ import sacrebleu
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples"))
-from script_helpers import fairseq_command  # noqa: E402
+from script_helpers import fairseq_command, increasing_counts  # noqa: E402
 
-
-def lower_edges(text):
-    """--bins B0,B1,...: increasing lengths >= 0 (checked before fairseq-generate runs)."""
-    try:
-        edges = [int(edge) for edge in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of lengths: {text!r}") from None
-    if edges[0] < 0 or any(high <= low for low, high in zip(edges, edges[1:])):
-        raise argparse.ArgumentTypeError(f"lengths must be at least 0 and increasing: {text!r}")
-    return edges
+#: --bins B0,B1,...: the lower edges of the source-length bins, checked before fairseq-generate runs
+lower_edges = increasing_counts(0, "lengths")
 
 
 def generate(data_bin, checkpoint, subset, beam, lenpen, batch_size, extra):
