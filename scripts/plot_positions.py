@@ -394,8 +394,11 @@ def plot_input_positions(model, writer, length):
         kind, table = found
         made = True
         positions = torch.arange(table.size(0))
+        whole = f" (the whole table: {table.size(0)} positions, fewer than --length {length})" \
+            if table.size(0) < length else ""
         writer.csv(f"input_positions_{role}.csv", ["position"] + [f"dim{k}" for k in range(table.size(1))],
-                   matrix_rows(positions, table), f"{role}: {kind} absolute input embedding, positions x dimensions")
+                   matrix_rows(positions, table),
+                   f"{role}: {kind} absolute input embedding, positions x dimensions{whole}")
         figure, axis = plt.subplots(figsize=(5, 3))
         image = axis.imshow(table.t().numpy(), aspect="auto", cmap="RdBu_r", origin="lower",
                             extent=[-0.5, table.size(0) - 0.5, -0.5, table.size(1) - 0.5])

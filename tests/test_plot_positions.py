@@ -144,6 +144,11 @@ def test_lfhc_similarity_of_relative_embeddings_and_learned_input_embedding(tiny
         _, positions, values = read(tmp_path / f"input_positions_{role}.csv")
         weight = state[f"{role}.embed_positions.weight"].double()
         torch.testing.assert_close(values, weight[2: 2 + len(positions)], atol=1e-6, rtol=1e-5)
+    # a --length beyond the table draws the whole table, and says so
+    rows = state["encoder.embed_positions.weight"].size(0) - 2
+    listing = plot(checkpoint, tmp_path / "long", "--length", rows + 10)
+    assert f"input embedding, positions x dimensions (the whole table: {rows} positions, fewer than --length " \
+           f"{rows + 10})" in listing
 
 
 def test_gcdf_prior_and_projected_norm(tiny_checkpoint, tmp_path):
