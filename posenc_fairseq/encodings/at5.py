@@ -148,7 +148,7 @@ class AT5Bias(ScalarBias):
 
     def __init__(self, args, dims):
         super().__init__(args, dims)
-        self.length_scale = option(args, "at5_length_scale", length_scale_type, 256.0)
+        self.length_scale = self.defining_option(args, "at5_length_scale", length_scale_type, 256.0)
         gamma_range = option_pair(args, "at5_gamma_range", gamma_type, (1.0, self.length_scale), ordered=True)
         if gamma_range[1] == 0:
             raise OptionValueError("--at5-gamma-range 0 0: expected MAX > 0 (gamma = 0 gives "
@@ -159,10 +159,11 @@ class AT5Bias(ScalarBias):
                                    f"{gamma_range[1]:g}: expected MIN > 0 (a geometric spread starts above 0); for "
                                    "the paper's uniform draws pass --at5-gamma-init uniform (a checkpoint from before "
                                    "geometric became the default: --model-overrides \"{'at5_gamma_init': 'uniform'}\")")
-        widths = option_pair(args, "at5_mlp_widths", width_type, (32, 4))
-        activation = option(args, "at5_activation", one_of(*sorted(ACTIVATIONS)), "sigmoid")
+        widths = self.defining_option(args, "at5_mlp_widths", width_type, (32, 4), read=option_pair)
+        activation = self.defining_option(args, "at5_activation", one_of(*sorted(ACTIVATIONS)), "sigmoid")
         dropout = option(args, "at5_dropout", probability, 0.0)
-        self.nob_input = option(args, "at5_nob_input", one_of(*NOB_INPUTS), "distance")
+        read_nob_input = option if self.uses_gamma else self.defining_option  # (at5_nob reads it)
+        self.nob_input = read_nob_input(args, "at5_nob_input", one_of(*NOB_INPUTS), "distance")
         self.mlps = nn.ModuleDict()
         self.raw_gammas = nn.ParameterDict()  # gamma = exp(GAMMA_STEP_SCALE * raw), see gamma()
         names = [f"{key}_{direction}" for key in self.table_keys() for direction in self.directions(key)]

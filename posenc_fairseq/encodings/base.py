@@ -19,9 +19,11 @@ from typing import Callable, Dict, Iterable, List, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
+from . import trained_with
 from .cache import EncodingCache, TermKey
 from ..kernels import flex, triton_attention
 from .distance import DistanceTerm
+from .option_types import given, option
 from .positions import AnyPositions
 
 ROLES = ("encoder", "decoder", "cross")
@@ -80,6 +82,37 @@ class PositionalEncoding(nn.Module):
     @staticmethod
     def add_args(parser: argparse.ArgumentParser):
         """Command-line options of this encoding (names prefixed with the encoding name)."""
+
+    def defining_option(self, args, dest: str, checker, default, read=option, follows=()):
+        """`read(args, dest, checker, default)` (option_types' `option` or `option_pair`) of an option
+        that defines what this encoding computes: kept, with whether `args` gave it, in the entry its
+        weights are saved with (trained_with.py). `follows`: the options a computed `default` follows,
+        whose being given counts as this one's. May be called before `__init__` (a plain dict)."""
+        value = read(args, dest, checker, default)
+        chosen = any(given(args, name) is not None for name in (dest, *follows))
+        self.defining_options[dest] = trained_with.DefiningOption(value, chosen)
+        return value
+
+    @property
+    def defining_options(self) -> Dict[str, "trained_with.DefiningOption"]:
+        return vars(self).setdefault("_defining_options", {})
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + trained_with.KEY] = trained_with.entry(self.name, self.defining_options)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # (checked by the model's load_state_dict, which alone knows whether the load is strict)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if prefix + trained_with.KEY in unexpected_keys:  # (not a parameter)
+            unexpected_keys.remove(prefix + trained_with.KEY)
+
+    def check_trained_with(self, saved) -> None:
+        """Refuse the saved entry (`trained_with.check`) of weights trained with another encoding, or
+        with another value of an option this encoding has by default."""
+        trained_with.check(saved, self.name, self.defining_options)
 
     @classmethod
     def depth_changed_by_pruning(cls, args, role: str, kept: List[int]) -> Optional[str]:

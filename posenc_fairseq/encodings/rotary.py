@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .base import PositionalEncoding, register_encoding, stack_of
-from .option_types import float_in_range, option
+from .option_types import float_in_range
 from .positions import is_shared_range, tensor_of
 
 #: base of the rotation frequencies base^(-2m/D): positive (0 and negative bases give inf/NaN
@@ -82,7 +82,7 @@ class Rotary(PositionalEncoding):
 
     def __init__(self, args, dims):
         super().__init__(args, dims)
-        self.base = option(args, "rotary_base", base_type, 10000.0)
+        self.base = self.defining_option(args, "rotary_base", base_type, 10000.0)
 
     def project(self, role, layer, which, x, positions):
         if role == "cross" or which == "v":

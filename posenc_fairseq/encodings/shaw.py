@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from .base import PositionalEncoding, register_encoding
 from .distance import DistanceTerm
-from .option_types import Checker, check_size, checked, one_of, option
+from .option_types import Checker, check_size, checked, one_of
 from .cache import range_values, use_kept_values
 from .positions import row_runs, tensor_of
 
@@ -73,7 +73,7 @@ class Shaw(PositionalEncoding):
     def __init__(self, args, dims):
         super().__init__(args, dims)
         prefix = self.option_prefix.replace("-", "_")
-        self.k = option(args, f"{prefix}_k", k_type, 16)
+        self.k = self.defining_option(args, f"{prefix}_k", k_type, 16)
         values = getattr(args, f"{prefix}_values", None)
         self.values = self.default_values if values is None else checked(f"{prefix}_values", values, switch)
         tables = (2 if self.values else 1) * (dims.encoder_layers + dims.decoder_layers)
@@ -177,7 +177,7 @@ class LFHC(Shaw):
 
     def __init__(self, args, dims):
         super().__init__(args, dims)
-        self.rounding = option(args, "lfhc_rounding", one_of(*ROUNDINGS), "floor")
+        self.rounding = self.defining_option(args, "lfhc_rounding", one_of(*ROUNDINGS), "floor")
 
     @classmethod
     def add_args(cls, parser):

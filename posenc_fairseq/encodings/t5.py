@@ -108,7 +108,7 @@ class ScalarBias(PositionalEncoding):
 
     def __init__(self, args, dims):
         super().__init__(args, dims)
-        self.bias_layers = option(args, "scalar_bias_layers", bias_layers_type, "first")
+        self.bias_layers = self.defining_option(args, "scalar_bias_layers", bias_layers_type, "first")
         self.share_layers = bool(getattr(args, "scalar_bias_share_layers", False))
 
     # --- layout ---------------------------------------------------------------------------
@@ -179,7 +179,7 @@ class _TableBias(ScalarBias):
 
     def __init__(self, args, dims):
         super().__init__(args, dims)
-        self.max_distance = option(args, "t5_max_distance", max_distance_type, 128)
+        self.max_distance = self.defining_option(args, "t5_max_distance", max_distance_type, 128)
         rows = sum(self.rows(self.key_role(key) == "encoder") for key in self.table_keys())
         check_size(self.size_option(), rows * dims.heads, f"the {self.name} bias tables")
         self.tables = nn.ParameterDict({
@@ -231,7 +231,7 @@ class T5Bias(_TableBias):
     """T5: e_h(l) = E[b(l), h] with T5's fixed buckets (paper eqs. 14-16)."""
 
     def __init__(self, args, dims):
-        self.num_buckets = option(args, "t5_num_buckets", num_buckets_type, 32)
+        self.num_buckets = self.defining_option(args, "t5_num_buckets", num_buckets_type, 32)
         max_distance = option(args, "t5_max_distance", max_distance_type, 128)
         if max_distance <= self.num_buckets // 2:  # the causal side's exact buckets (the larger)
             raise OptionValueError(

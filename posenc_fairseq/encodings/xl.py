@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .base import PositionalEncoding, register_encoding
 from .distance import DistanceTerm
-from .option_types import float_in_range, option
+from .option_types import float_in_range
 from .cache import range_values, use_kept_values
 
 #: lambda of eq. 15: positive (0 removes the position term, a negative one only flips its sign);
@@ -157,7 +157,7 @@ class TransformerXL(PositionalEncoding):
 class GCDF(TransformerXL):
     def __init__(self, args, dims):
         super().__init__(args, dims)
-        self.scale = option(args, "gcdf_lambda", lambda_type, 4.0)
+        self.scale = self.defining_option(args, "gcdf_lambda", lambda_type, 4.0)
 
     @staticmethod
     def add_args(parser):

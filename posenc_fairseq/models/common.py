@@ -17,7 +17,8 @@ from fairseq.modules import LearnedPositionalEmbedding
 from ..attention import bound_attentions, use_positional_attention
 from ..layer_checkpoint import checkpoint_layer
 from ..encodings import ENCODINGS, ModelDims, build_encoding
-from ..encodings.base import hook_use, overrides
+from ..encodings import trained_with
+from ..encodings.base import PositionalEncoding, hook_use, overrides
 from ..encodings.option_types import OptionValueError
 from ..encodings.positions import AnyPositions, PaddedPositions, shared_range, tensor_of
 
@@ -471,10 +472,21 @@ def check_learned_input_tables(model_keys, state_dict, cfg) -> None:
         f"--input-positions")
 
 
+def check_trained_with(model, state_dict) -> None:
+    """Refuse weights whose encoding entry (encodings/trained_with.py) says they were trained with
+    another encoding, or with another value of an option the model's encoding has by default: every
+    encoding module of `model` (a `PerStackEncoding`'s two parts) checks its own."""
+    for name, module in model.named_modules():
+        saved = state_dict.get(f"{name}.{trained_with.KEY}") if isinstance(module, PositionalEncoding) else None
+        if saved is not None:
+            module.check_trained_with(saved)
+
+
 class EncodingStateMixin:
     """Model mixin for state dicts: per-layer encoding parameters follow their layer under LayerDrop
     pruning; learned input tables that the model and checkpoint disagree on are refused, and so are
-    weights that keep the stock input embedding for a model that dropped it by default."""
+    weights that keep the stock input embedding for a model that dropped it by default, and weights
+    trained with another encoding or option value than the model's default (`check_trained_with`)."""
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
         cfg = model_cfg if model_cfg is not None else args
@@ -482,6 +494,7 @@ class EncodingStateMixin:
         if strict:
             check_stock_input_kept(state_dict, cfg)
             check_learned_input_tables(self.state_dict().keys(), state_dict, cfg)
+            check_trained_with(self, state_dict)
         state_dict = {key: value for key, value in state_dict.items() if key != STOCK_INPUT_KEPT}
         return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 

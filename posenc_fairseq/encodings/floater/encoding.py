@@ -19,7 +19,7 @@ from ..option_types import OptionValueError, float_in_range, int_in_range, one_o
 from ..positions import AnyPositions, Positions, bounds, is_shared_range, tensor_of
 from . import solver
 from .dynamics import Dynamics
-from .solver import MAX_STEPS_PER_POSITION, METHODS, SolverOptions
+from .solver import FIXED_GRID, MAX_STEPS_PER_POSITION, METHODS, SolverOptions
 from .table import BiasLimit, PassTables, Tables, Window, bias_limit, overflow_error, snapshot
 
 INITS = ("zero", "small")
@@ -93,28 +93,34 @@ class Floater(PositionalEncoding):
     def __init__(self, args, dims):
         super().__init__(args, dims)
 
-        def floater(name, checker, default):
-            return option(args, f"floater_{name}", checker, default)
+        def floater(name, checker, default, defines=True, follows=()):
+            """FLOATER's option `name`; `defines`: whether it defines the tables (else training alone);
+            `follows`: see `defining_option`."""
+            if not defines:
+                return option(args, f"floater_{name}", checker, default)
+            return self.defining_option(args, f"floater_{name}", checker, default,
+                                        follows=[f"floater_{other}" for other in follows])
 
         dim = dims.embed_dim
         self.delta = floater("delta", DELTA, 0.1)
         self.method = floater("method", one_of(*METHODS), "rk4")
-        self.step_size = floater("step_size", STEP_SIZE, self.delta / 5)
+        self.step_size = floater("step_size", STEP_SIZE, self.delta / 5, defines=self.method in FIXED_GRID,
+                                 follows=["delta"])
         self.substeps = max(1, math.ceil(self.delta / self.step_size - 1e-9))
         if self.substeps > MAX_STEPS_PER_POSITION:
             raise OptionValueError(f"--floater-step-size {self.step_size:g}: {self.substeps} solver steps per position "
                                    f"(--floater-delta {self.delta:g}); at most {MAX_STEPS_PER_POSITION} are allowed")
-        self.tolerance = floater("tolerance", TOLERANCE, 1e-6)
-        self.adjoint = bool(floater("adjoint", bool, False))
+        self.tolerance = floater("tolerance", TOLERANCE, 1e-6, defines=self.method not in FIXED_GRID)
+        self.adjoint = bool(floater("adjoint", bool, False, defines=False))
         self.first_block_only = bool(floater("first_block_only", bool, False))
-        self.recompute_every = floater("recompute_every", positive_int, 1)
+        self.recompute_every = floater("recompute_every", positive_int, 1, defines=False)
         hidden = floater("hidden", HIDDEN, dim)
-        self.init = floater("init", one_of(*INITS), "zero")
-        self.freeze_dynamics = bool(floater("freeze_dynamics", bool, False))
-        self.train_dynamics_only = bool(floater("train_dynamics_only", bool, False))
+        self.init = floater("init", one_of(*INITS), "zero", defines=False)
+        self.freeze_dynamics = bool(floater("freeze_dynamics", bool, False, defines=False))
+        self.train_dynamics_only = bool(floater("train_dynamics_only", bool, False, defines=False))
         if self.freeze_dynamics and self.train_dynamics_only:
             raise OptionValueError("--floater-freeze-dynamics and --floater-train-dynamics-only exclude each other")
-        self.dynamics_lr_scale = floater("dynamics_lr_scale", LR_SCALE, 1.0)
+        self.dynamics_lr_scale = floater("dynamics_lr_scale", LR_SCALE, 1.0, defines=False)
         optimizer = getattr(args, "optimizer", None)
         if self.dynamics_lr_scale != 1.0 and isinstance(optimizer, str) and optimizer != "composite":
             raise OptionValueError(f"--floater-dynamics-lr-scale needs fairseq's composite optimizer (got --optimizer "

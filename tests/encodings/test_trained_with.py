@@ -1,0 +1,160 @@
+"""The entry that says what an encoding's weights were trained with (encodings/trained_with.py):
+fairseq-train builds --restore-file's model from its command line, so an encoding option left out
+there, or another parameter-free encoding, is refused in one line instead of silently giving the
+weights another encoding. Given values are taken as meant; checkpoints without the entry load."""
+import subprocess
+
+import pytest
+import torch
+
+from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding, trained_with
+from posenc_fairseq.encodings.option_types import OptionValueError
+from util import BIN, QUICK_TRAIN, TINY_TRANSFORMER, USER_DIR, build_model, command_env, encoding_options, \
+    random_batch
+
+KEY = f"positional_encoding.{trained_with.KEY}"
+
+#: (arch, the option as trained, its flag's dest, the value trained, the default a model left without it has)
+TRAINED = [
+    ("transformer_t5", ["--t5-max-distance", "64"], "t5_max_distance", 64, 128),
+    ("transformer_at5", ["--at5-length-scale", "64"], "at5_length_scale", 64.0, 256.0),
+    ("transformer_at5_nob", ["--at5-activation", "tanh"], "at5_activation", "tanh", "sigmoid"),
+    ("transformer_lfhc", ["--lfhc-rounding", "trunc"], "lfhc_rounding", "trunc", "floor"),
+    ("transformer_gcdf", ["--gcdf-lambda", "2"], "gcdf_lambda", 2.0, 4.0),
+    ("transformer_rotary", ["--rotary-base", "500"], "rotary_base", 500.0, 10000.0),
+    ("transformer_floater", ["--floater-stop-position", "5"], "floater_stop_position", 5, None),
+    ("transformer_floater", ["--floater-autonomous"], "floater_autonomous", True, False),
+]
+
+
+def model(translation_data, arch, *options):
+    return build_model(translation_data, arch, [*TINY_TRANSFORMER, *options])[0]
+
+
+def outputs(network, task, seed=0):
+    network.eval()
+    source, lengths, previous = random_batch(task.source_dictionary, seed=seed)
+    with torch.no_grad():
+        return network(source, lengths, previous)[0]
+
+
+def test_every_encoding_saves_its_name_and_the_options_that_define_it():
+    dims = ModelDims(embed_dim=16, heads=4, encoder_layers=2, decoder_layers=2)
+    for name in ENCODINGS:
+        saved = build_encoding(name, encoding_options(), dims).state_dict()[trained_with.KEY]
+        assert trained_with.read(saved)["encoding"] == name
+    t5 = build_encoding("t5", encoding_options("--t5-max-distance", "64", "--t5-num-buckets", "16"), dims)
+    assert trained_with.read(t5.state_dict()[trained_with.KEY])["options"] == {
+        "scalar_bias_layers": "first", "t5_max_distance": 64, "t5_num_buckets": 16}
+    # options of training alone are not kept: changing them on a resumed run is ordinary
+    floater = build_encoding("floater", encoding_options("--floater-recompute-every", "3", "--floater-init", "small",
+                                                         "--floater-adjoint"), dims)
+    kept = trained_with.read(floater.state_dict()[trained_with.KEY])["options"]
+    assert kept["floater_method"] == "rk4" and kept["floater_step_size"] == pytest.approx(0.02)
+    assert not {"floater_recompute_every", "floater_init", "floater_adjoint", "floater_tolerance"} & kept.keys()
+    at5 = build_encoding("at5", encoding_options("--at5-dropout", "0.1", "--at5-gamma-init", "uniform"), dims)
+    assert not {"at5_dropout", "at5_gamma_init", "at5_gamma_range", "at5_nob_input"} & \
+        trained_with.read(at5.state_dict()[trained_with.KEY])["options"].keys()
+
+
+@pytest.mark.parametrize("arch, trained, dest, value, default", TRAINED, ids=lambda item: str(item))
+def test_a_strict_load_refuses_weights_trained_with_another_value_than_the_default(
+        translation_data, arch, trained, dest, value, default):
+    weights = model(translation_data, arch, *trained).state_dict()
+    flag = "--" + dest.replace("_", "-")
+    with pytest.raises(OptionValueError) as refused:
+        model(translation_data, arch).load_state_dict(weights, strict=True)
+    message = str(refused.value)
+    assert message.startswith(f"{trained_with.shown(dest, default)} (the default): the checkpoint's weights were "
+                              f"trained with {' '.join(trained)}; give {' '.join(trained)} to keep it"), message
+    assert f"--model-overrides \"{{'{dest}': {value!r}}}\"" in message and "\n" not in message
+    # the same value given, or another one given, is taken as meant; a non-strict load does not check
+    model(translation_data, arch, *trained).load_state_dict(weights, strict=True)
+    if not isinstance(value, bool):
+        model(translation_data, arch, flag, str(default) if default is not None else "7").load_state_dict(weights)
+    model(translation_data, arch).load_state_dict(weights, strict=False)
+    # weights without the entry (stock fairseq's, older checkpoints) load as before
+    model(translation_data, arch).load_state_dict({k: v for k, v in weights.items() if k != KEY}, strict=True)
+
+
+def test_what_the_refusal_prevents_is_another_model(translation_data):
+    """Rotary weights under the default base compute something else than the trained model."""
+    _, task, _ = build_model(translation_data, "transformer_rotary", TINY_TRANSFORMER)
+    trained = model(translation_data, "transformer_rotary", "--rotary-base", "500")
+    silent = model(translation_data, "transformer_rotary")
+    silent.load_state_dict({k: v for k, v in trained.state_dict().items() if k != KEY})
+    assert (outputs(silent, task) - outputs(trained, task)).abs().max() > 1e-3
+
+
+def test_another_parameter_free_encoding_is_refused(translation_data):
+    alibi = model(translation_data, "transformer_alibi").state_dict()
+    with pytest.raises(OptionValueError, match=r"^the checkpoint's weights were trained with the alibi encoding, not "
+                                               r"rotary: give the checkpoint's --arch \(an? alibi architecture\)"):
+        model(translation_data, "transformer_rotary").load_state_dict(alibi, strict=True)
+    model(translation_data, "transformer_alibi").load_state_dict(alibi, strict=True)
+
+
+def test_per_stack_parts_each_check_their_own(translation_data):
+    """Encoder and decoder of different sizes have an encoding part each (`PerStackEncoding`)."""
+    sizes = ["--decoder-embed-dim", "16", "--decoder-ffn-embed-dim", "32"]
+    weights = model(translation_data, "transformer_gcdf", *sizes, "--gcdf-lambda", "2").state_dict()
+    assert {f"positional_encoding.{part}.{trained_with.KEY}" for part in ("encoder", "decoder")} <= weights.keys()
+    with pytest.raises(OptionValueError, match=r"^--gcdf-lambda 4 \(the default\)"):
+        model(translation_data, "transformer_gcdf", *sizes).load_state_dict(weights, strict=True)
+
+
+def test_averaged_entries_read_back_and_mixed_ones_are_refused(translation_data):
+    """fairseq's average_checkpoints sums every entry and divides, its EMA decays each: equal entries give
+    themselves back; entries of differently built models give no entry of this package, and say so."""
+    first = model(translation_data, "transformer_t5", "--t5-max-distance", "64").state_dict()[KEY]
+    second = model(translation_data, "transformer_t5", "--t5-max-distance", "32").state_dict()[KEY]
+    assert trained_with.read((first + first + first) / 3) == trained_with.read(first)
+    assert trained_with.read(first * 0.999 + first * (1 - 0.999)) == trained_with.read(first)  # (fairseq's EMA step)
+    with pytest.raises(OptionValueError, match="entry is unreadable .* averaged"):
+        trained_with.read((first + second) / 2)
+
+
+def restore(data, checkpoint, *options):
+    """fairseq-train --restore-file for one update; the finished process."""
+    command = [str(BIN / "fairseq-train"), str(data), "--user-dir", USER_DIR, *TINY_TRANSFORMER, *QUICK_TRAIN,
+               "--max-update", "3", "--no-save", "--restore-file", str(checkpoint), "--reset-optimizer",
+               "--reset-dataloader", "--reset-meters", *options]
+    return subprocess.run(command, capture_output=True, text=True, env=command_env())
+
+
+def test_fairseq_train_restore_file_without_the_trained_option_is_refused(translation_data, tiny_checkpoint):
+    checkpoint = tiny_checkpoint("transformer_t5", "--t5-max-distance", "64", "--t5-num-buckets", "16")
+    done = restore(translation_data, checkpoint, "--arch", "transformer_t5", "--t5-num-buckets", "16")
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("fairseq-train: error: Cannot load model parameters") and \
+        "--t5-max-distance 128 (the default): the checkpoint's weights were trained with --t5-max-distance 64" in last
+    done = restore(translation_data, checkpoint, "--arch", "transformer_t5", "--t5-num-buckets", "16",
+                   "--t5-max-distance", "64")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_stored_config_whose_default_changed_is_refused_and_overrides_load_it(translation_data, tiny_checkpoint,
+                                                                                 tmp_path):
+    """A checkpoint's config leaves out options given at their default; were a default to change, the
+    stored model would load as another one. Its entry says so; --model-overrides gives the value back."""
+    from fairseq import checkpoint_utils
+
+    checkpoint = tiny_checkpoint("transformer_t5", "--t5-max-distance", "64", "--t5-num-buckets", "16")
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    (original,), _, task = checkpoint_utils.load_model_ensemble_and_task([str(checkpoint)])
+    state["cfg"]["model"].t5_max_distance = None  # as if saved by a version whose default was 64
+    edited = tmp_path / "edited.pt"
+    torch.save(state, edited)
+    with pytest.raises(OptionValueError, match=r"--model-overrides \"\{'t5_max_distance': 64\}\""):
+        checkpoint_utils.load_model_ensemble([str(edited)])
+    (overridden,), _ = checkpoint_utils.load_model_ensemble([str(edited)], arg_overrides={"t5_max_distance": 64})
+    assert torch.equal(outputs(overridden, task), outputs(original, task))
+    assert checkpoint.read_bytes() != edited.read_bytes()
+
+
+def test_training_and_saving_keep_the_entry_through_fairseq(translation_data, tiny_checkpoint):
+    checkpoint = tiny_checkpoint("transformer_t5", "--t5-max-distance", "64", "--t5-num-buckets", "16")
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)["model"][KEY]
+    assert trained_with.read(saved) == {"encoding": "t5", "options": {
+        "scalar_bias_layers": "first", "t5_max_distance": 64, "t5_num_buckets": 16}}
