@@ -11,7 +11,8 @@ load under torch >= 2.6). The newest checkpoint is the last one: the highest epo
 with --num-*-checkpoints, the last one given otherwise. Floating-point entries of the model are
 averaged (in float64) and saved as float32, whatever their dtype (float16 too, as fairseq's script
 does); integer entries (e.g. counters) and everything outside the model are taken from the newest.
-All checkpoints must hold the same model entries with the same shapes.
+All checkpoints must hold the same model entries with the same shapes, and have been trained with the
+same encoding options (their `trained_with` entries, posenc_fairseq/encodings/trained_with.py, equal).
 """
 import argparse
 import collections
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import posenc_fairseq  # noqa: E402,F401  (allow-lists fairseq's checkpoint contents)
 from fairseq import checkpoint_utils  # noqa: E402
+from posenc_fairseq.encodings import trained_with  # noqa: E402
 from script_helpers import at_least  # noqa: E402
 
 
@@ -76,13 +78,18 @@ def average(paths):
         else:  # models that differ in their entries cannot be averaged entry by entry
             check_same_entries(*first, path, entries(model))
         for key, value in model.items():
-            if value.is_floating_point():
+            if key.rsplit(".", 1)[-1] == trained_with.KEY:  # what the weights were trained with: not averaged
+                if key in summed and not torch.equal(summed[key], value):
+                    raise SystemExit(f"error: model entry {key} differs between {first[0]} and {path}: their "
+                                     "encodings were built with other options, and their average is no model")
+                summed[key] = value
+            elif value.is_floating_point():
                 summed[key] = value.double() + summed[key] if key in summed else value.double()
             else:
                 summed[key] = value  # the newest one's, once the loop ends
     averaged = collections.OrderedDict()
     for key, value in summed.items():
-        averaged[key] = (value / len(paths)).float() if value.is_floating_point() else value
+        averaged[key] = (value / len(paths)).float() if value.dtype == torch.float64 else value
     state["model"] = averaged
     return state
 

@@ -76,12 +76,13 @@ def check(saved, name: str, options: Dict[str, DefiningOption]) -> None:
     if trained["encoding"] != name:
         raise OptionValueError(
             f"the checkpoint's weights were trained with the {trained['encoding']} encoding, not {name}: give the "
-            f"checkpoint's --arch (a {trained['encoding']} architecture)")
+            f"checkpoint's --arch (an architecture of the {trained['encoding']} encoding)")
     for dest, value in sorted(trained["options"].items()):
         ours = options.get(dest)
         if ours is None or ours.given or json.loads(json.dumps(ours.value)) == value:
             continue
-        change = "" if isinstance(ours.value, bool) or ours.value is None else f", or {shown(dest, ours.value)} to change it"
+        fixed = isinstance(ours.value, bool) or ours.value is None  # (a flag cannot be given as absent)
+        change = "" if fixed else f", or {shown(dest, ours.value)} to change it"
         raise OptionValueError(
             f"{shown(dest, ours.value)} (the default): the checkpoint's weights were trained with "
             f"{shown(dest, value)}; give {shown(dest, value)} to keep it{change} (a stored checkpoint: "

@@ -9,8 +9,8 @@ import torch
 
 from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding, trained_with
 from posenc_fairseq.encodings.option_types import OptionValueError
-from util import BIN, QUICK_TRAIN, TINY_TRANSFORMER, USER_DIR, build_model, command_env, encoding_options, \
-    random_batch
+from util import (BIN, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, command_env,
+                  encoding_options, random_batch)
 
 KEY = f"positional_encoding.{trained_with.KEY}"
 
@@ -89,9 +89,23 @@ def test_what_the_refusal_prevents_is_another_model(translation_data):
 def test_another_parameter_free_encoding_is_refused(translation_data):
     alibi = model(translation_data, "transformer_alibi").state_dict()
     with pytest.raises(OptionValueError, match=r"^the checkpoint's weights were trained with the alibi encoding, not "
-                                               r"rotary: give the checkpoint's --arch \(an? alibi architecture\)"):
+                                               r"rotary: give the checkpoint's --arch \(an architecture of the "
+                                               r"alibi encoding\)$"):
         model(translation_data, "transformer_rotary").load_state_dict(alibi, strict=True)
     model(translation_data, "transformer_alibi").load_state_dict(alibi, strict=True)
+
+
+@pytest.mark.parametrize("arch, task, size", [
+    ("roberta_gcdf", "masked_lm", TINY_ROBERTA),
+    ("transformer_lm_gcdf", "language_modeling", ["--decoder-layers", "2", "--decoder-embed-dim", "32",
+                                                  "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4"]),
+])
+def test_roberta_and_the_language_model_check_it_too(masked_lm_data, arch, task, size):
+    """Their fine-tuning (GLUE, RACE; a language model's) goes through --restore-file as well."""
+    weights = build_model(masked_lm_data, arch, [*size, "--gcdf-lambda", "2"], task=task)[0].state_dict()
+    with pytest.raises(OptionValueError, match=r"^--gcdf-lambda 4 \(the default\): the checkpoint's weights were "
+                                               r"trained with --gcdf-lambda 2; give --gcdf-lambda 2 to keep it"):
+        build_model(masked_lm_data, arch, size, task=task)[0].load_state_dict(weights, strict=True)
 
 
 def test_per_stack_parts_each_check_their_own(translation_data):

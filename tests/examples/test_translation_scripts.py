@@ -58,6 +58,23 @@ def test_average_checkpoints_refuses_models_with_other_entries_or_shapes(averagi
     assert not (tmp_path / "avg.pt").exists()
 
 
+def test_average_checkpoints_refuses_models_trained_with_other_encoding_options(averaging, tmp_path, capsys):
+    """Their `trained_with` entries (equal lengths here: t5_max_distance 64 and 32) would average to no entry."""
+    from posenc_fairseq.encodings import trained_with
+
+    def entry(max_distance):
+        return trained_with.entry("t5", {"t5_max_distance": trained_with.DefiningOption(max_distance, True)})
+
+    a = save_checkpoint(tmp_path / "a.pt", {"w": torch.tensor([2.0]), "positional_encoding.trained_with": entry(64)})
+    b = save_checkpoint(tmp_path / "b.pt", {"w": torch.tensor([4.0]), "positional_encoding.trained_with": entry(32)})
+    assert f"model entry positional_encoding.trained_with differs between {a} and {b}" in usage_error(
+        capsys, averaging.main, "--inputs", a, b, "--output", tmp_path / "avg.pt")
+    assert not (tmp_path / "avg.pt").exists()
+    averaging.main(["--inputs", str(a), str(a), "--output", str(tmp_path / "avg.pt")])
+    model = torch.load(tmp_path / "avg.pt", weights_only=False)["model"]
+    assert model["w"].tolist() == [2.0] and torch.equal(model["positional_encoding.trained_with"], entry(64))
+
+
 def test_average_checkpoints_averages_floats_and_keeps_the_newest_integers(averaging, tmp_path, capsys):
     for epoch in (1, 2, 3):
         save_checkpoint(tmp_path / f"checkpoint{epoch}.pt",
