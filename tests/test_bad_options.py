@@ -325,3 +325,27 @@ def test_bad_combination_ends_fairseq_train_with_one_line(translation_data, tmp_
     assert done.stderr.strip().splitlines()[-1].startswith(f"fairseq-train: error: {option}"), done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "save").exists() or not any((tmp_path / "save").iterdir())
+
+
+# --- a misspelt option in a config: --model-overrides, hub keywords, arg_overrides set any name ---------
+def test_a_misspelt_option_in_a_config_is_refused_naming_the_option():
+    args = encoding_options(floater_stop_positon=64)
+    with pytest.raises(OptionValueError, match=r"^--floater-stop-positon: no encoding has this option \(did you mean "
+                                               r"--floater-stop-position\?\); a name given to --model-overrides"):
+        build_encoding("floater", args, DIMS)
+    with pytest.raises(OptionValueError, match=r"^--t5-max-distanse: .*did you mean --t5-max-distance\?"):
+        build_encoding("t5", {"t5_max_distanse": 64}, DIMS)  # (a dict config, and another encoding's name)
+    # unset (None), or of a form no encoding's options have (xl_*: XL has none; fairseq's own names): not judged
+    build_encoding("floater", encoding_options(floater_stop_positon=None, xl_clamp=3, encoder_layers=2), DIMS)
+
+
+def test_fairseq_generate_refuses_a_misspelt_model_override_in_one_line(translation_data, tiny_checkpoint):
+    from util import BIN
+    checkpoint = tiny_checkpoint("transformer_t5", "--t5-max-distance", "64", "--t5-num-buckets", "16")
+    done = subprocess.run([str(BIN / "fairseq-generate"), str(translation_data), "--user-dir", USER_DIR,
+                           "--path", str(checkpoint), "--cpu", "--max-tokens", "2000", "--beam", "1",
+                           "--model-overrides", "{'t5_max_distanse': 256}"],
+                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert "error: --t5-max-distanse: no encoding has this option (did you mean --t5-max-distance?)" in last, last

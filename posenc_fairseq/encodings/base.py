@@ -14,7 +14,9 @@ Values an encoding computes from positions and parameters go to its `cache` (cac
 fairseq: encodings are plain torch and testable in milliseconds.
 """
 import argparse
-from typing import Callable, Dict, Iterable, List, NamedTuple, Optional
+import difflib
+import functools
+from typing import Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +25,7 @@ from . import trained_with
 from .cache import EncodingCache, TermKey
 from ..kernels import flex, triton_attention
 from .distance import DistanceTerm
-from .option_types import given, option
+from .option_types import OptionValueError, flag_name, given, option
 from .positions import AnyPositions
 
 ROLES = ("encoder", "decoder", "cross")
@@ -281,7 +283,39 @@ def register_encoding(name: str):
 def build_encoding(name: str, args, dims: ModelDims) -> PositionalEncoding:
     if name not in ENCODINGS:
         raise ValueError(f"unknown positional encoding {name!r}; choose one of {sorted(ENCODINGS)}")
+    refuse_unknown_options(args)
     return ENCODINGS[name](args, dims)
+
+
+def encoding_option_names() -> FrozenSet[str]:
+    """The dests of every registered encoding's options."""
+    return _option_names(tuple(ENCODINGS.values()))
+
+
+@functools.lru_cache(maxsize=None)
+def _option_names(kinds: Tuple[type, ...]) -> FrozenSet[str]:
+    parser = argparse.ArgumentParser(add_help=False)
+    for kind in kinds:
+        kind.add_args(parser)
+    return frozenset(action.dest for action in parser._actions)
+
+
+def refuse_unknown_options(args) -> None:
+    """Refuse (OptionValueError, one line) a name in the model's config (Namespace, dict or DictConfig)
+    that begins as the options of an encoding (or the scalar-bias family) do but is none of them.
+    fairseq's --model-overrides, hub keyword arguments and arg_overrides set any name they are given,
+    so a misspelt option would be ignored silently (argparse refuses one on the command line). Every
+    option this package ever had is still registered: a stored config holds no other."""
+    known = encoding_option_names()
+    prefixes = tuple(prefix for prefix in (f"{name}_" for name in (*ENCODINGS, "scalar_bias"))
+                     if any(dest.startswith(prefix) for dest in known))
+    for name in list(args.keys() if hasattr(args, "keys") else vars(args).keys()):
+        unknown = isinstance(name, str) and name.startswith(prefixes) and name not in known
+        if unknown and given(args, name) is not None:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {flag_name(close[0])}?)" if close else ""
+            raise OptionValueError(f"{flag_name(name)}: no encoding has this option{hint}; a name given to "
+                                   "--model-overrides, from_pretrained or arg_overrides must be one")
 
 
 def layers_with_bias(option: str, role: str, layer: int) -> bool:
