@@ -12,7 +12,8 @@ with --num-*-checkpoints, the last one given otherwise. Floating-point entries o
 averaged (in float64) and saved as float32, whatever their dtype (float16 too, as fairseq's script
 does); integer entries (e.g. counters) and everything outside the model are taken from the newest.
 All checkpoints must hold the same model entries with the same shapes, and have been trained with the
-same encoding options (their `trained_with` entries, posenc_fairseq/encodings/trained_with.py, equal).
+same encoding options (their `trained_with` entries, posenc_fairseq/encodings/trained_with.py, equal
+where present: checkpoints saved before the package wrote them have none).
 """
 import argparse
 import collections
@@ -45,9 +46,15 @@ def last_checkpoints(directory, n, by_update):
     return [path for _, path in sorted(found)[-n:]]
 
 
+def is_trained_with(key):
+    """Whether `key` is an encoding's entry of what its weights were trained with (not averaged)."""
+    return key.rsplit(".", 1)[-1] == trained_with.KEY
+
+
 def entries(model):
-    """{name: (shape, dtype)} of a model state: what must agree between the checkpoints averaged."""
-    return {key: (tuple(value.shape), value.dtype) for key, value in model.items()}
+    """{name: (shape, dtype)} of a model state: what must agree between the checkpoints averaged (the
+    trained_with entries aside: checkpoints saved before the package wrote them lack them)."""
+    return {key: (tuple(value.shape), value.dtype) for key, value in model.items() if not is_trained_with(key)}
 
 
 def check_same_entries(first_path, first, path, other):
@@ -70,6 +77,7 @@ def average(paths):
     """The state of the newest (last) checkpoint with its floating-point model entries averaged over
     all of `paths`."""
     summed, first, state = collections.OrderedDict(), None, None
+    holder = {}  # the checkpoint each trained_with entry was read from
     for path in paths:
         state = checkpoint_utils.load_checkpoint_to_cpu(path)
         model = state["model"]
@@ -78,11 +86,11 @@ def average(paths):
         else:  # models that differ in their entries cannot be averaged entry by entry
             check_same_entries(*first, path, entries(model))
         for key, value in model.items():
-            if key.rsplit(".", 1)[-1] == trained_with.KEY:  # what the weights were trained with: not averaged
+            if is_trained_with(key):  # what the weights were trained with: not averaged
                 if key in summed and not torch.equal(summed[key], value):
-                    raise SystemExit(f"error: model entry {key} differs between {first[0]} and {path}: their "
+                    raise SystemExit(f"error: model entry {key} differs between {holder[key]} and {path}: their "
                                      "encodings were built with other options, and their average is no model")
-                summed[key] = value
+                summed[key], holder[key] = value, path
             elif value.is_floating_point():
                 summed[key] = value.double() + summed[key] if key in summed else value.double()
             else:

@@ -80,6 +80,9 @@ class PositionalEncoding(nn.Module):
         # attention layers the stack runs in that pass
         self.contexts: Dict[str, PassContext] = {}
         self.cache = EncodingCache()
+        choice = given(args, "input_positions")
+        if choice is not None:  # (a model's: its absolute input embedding, which the weights were trained with)
+            self.keep_defining("input_positions", choice, given(args, "input_positions_default") != choice)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser):
@@ -88,12 +91,17 @@ class PositionalEncoding(nn.Module):
     def defining_option(self, args, dest: str, checker, default, read=option, follows=()):
         """`read(args, dest, checker, default)` (option_types' `option` or `option_pair`) of an option
         that defines what this encoding computes: kept, with whether `args` gave it, in the entry its
-        weights are saved with (trained_with.py). `follows`: the options a computed `default` follows,
-        whose being given counts as this one's. May be called before `__init__` (a plain dict)."""
+        weights are saved with (trained_with.py). `follows`: the options a computed `default` follows
+        (given with another value than the weights were trained with, it counts as given too). May be
+        called before `__init__` (a plain dict)."""
         value = read(args, dest, checker, default)
-        chosen = any(given(args, name) is not None for name in (dest, *follows))
-        self.defining_options[dest] = trained_with.DefiningOption(value, chosen)
+        self.keep_defining(dest, value, given(args, dest) is not None, follows)
         return value
+
+    def keep_defining(self, dest: str, value, chosen: bool, follows=()) -> None:
+        """Keep `value` of option `dest` (the value computed with, where it is not the one read) in the
+        entry, with whether the config gave it (`chosen`)."""
+        self.defining_options[dest] = trained_with.DefiningOption(value, chosen, tuple(follows))
 
     @property
     def defining_options(self) -> Dict[str, "trained_with.DefiningOption"]:

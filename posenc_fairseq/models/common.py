@@ -37,6 +37,10 @@ def add_position_args(parser: argparse.ArgumentParser):
     parser.add_argument("--input-positions-flags", choices=INPUT_POSITIONS, help=argparse.SUPPRESS)
     # (the encoding's default where nothing asked for a choice: see set_position_defaults)
     parser.add_argument("--input-positions-default", choices=INPUT_POSITIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--allow-encoding-change", action="store_true", default=None,
+                        help="load weights (--restore-file, --finetune-from-model) trained with another encoding or "
+                             "other values of its options than this model's defaults, as a deliberate change; "
+                             "without it such a load is refused (encodings/trained_with.py)")
     for name in sorted(ENCODINGS):
         ENCODINGS[name].add_args(parser)
 
@@ -486,7 +490,8 @@ class EncodingStateMixin:
     """Model mixin for state dicts: per-layer encoding parameters follow their layer under LayerDrop
     pruning; learned input tables that the model and checkpoint disagree on are refused, and so are
     weights that keep the stock input embedding for a model that dropped it by default, and weights
-    trained with another encoding or option value than the model's default (`check_trained_with`)."""
+    trained with another encoding or option value than the model's default (`check_trained_with`,
+    unless --allow-encoding-change)."""
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
         cfg = model_cfg if model_cfg is not None else args
@@ -494,7 +499,8 @@ class EncodingStateMixin:
         if strict:
             check_stock_input_kept(state_dict, cfg)
             check_learned_input_tables(self.state_dict().keys(), state_dict, cfg)
-            check_trained_with(self, state_dict)
+            if not getattr(cfg, "allow_encoding_change", None):
+                check_trained_with(self, state_dict)
         state_dict = {key: value for key, value in state_dict.items() if key != STOCK_INPUT_KEPT}
         return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 

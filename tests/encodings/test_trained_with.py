@@ -90,9 +90,67 @@ def test_another_parameter_free_encoding_is_refused(translation_data):
     alibi = model(translation_data, "transformer_alibi").state_dict()
     with pytest.raises(OptionValueError, match=r"^the checkpoint's weights were trained with the alibi encoding, not "
                                                r"rotary: give the checkpoint's --arch \(an architecture of the "
-                                               r"alibi encoding\)$"):
+                                               r"alibi encoding, or --positional-encoding alibi\), or "
+                                               r"--allow-encoding-change to load the weights as they are$"):
         model(translation_data, "transformer_rotary").load_state_dict(alibi, strict=True)
     model(translation_data, "transformer_alibi").load_state_dict(alibi, strict=True)
+
+
+def load_with_config(translation_data, weights, arch, *options):
+    """A model of `arch` built with `options` loads `weights` as fairseq's trainer does (with its config)."""
+    built, _, args = build_model(translation_data, arch, [*TINY_TRANSFORMER, *options])
+    built.load_state_dict(weights, strict=True, model_cfg=args)
+
+
+def test_allow_encoding_change_loads_the_weights_as_they_are(translation_data):
+    """The way to change on purpose what no value can be given for: a flag or an option unset by default
+    (FLOATER from first-block-only weights to every block), or the encoding itself."""
+    first_block = model(translation_data, "transformer_floater", "--floater-first-block-only",
+                        "--floater-stop-position", "20").state_dict()
+    with pytest.raises(OptionValueError, match=r"^no --floater-first-block-only, no --floater-stop-position \(the "
+                                               r"defaults\): .* trained with --floater-first-block-only "
+                                               r"--floater-stop-position 20; give --floater-first-block-only "
+                                               r"--floater-stop-position 20 to keep them, or --allow-encoding-change"):
+        load_with_config(translation_data, first_block, "transformer_floater")
+    load_with_config(translation_data, first_block, "transformer_floater", "--allow-encoding-change")
+    alibi = model(translation_data, "transformer_alibi").state_dict()
+    load_with_config(translation_data, alibi, "transformer_rotary", "--allow-encoding-change")
+
+
+def test_every_differing_option_is_named_at_once_with_every_digit(translation_data):
+    weights = model(translation_data, "transformer_gcdf", "--gcdf-lambda", "2.718281828", "--input-positions",
+                    "sinusoidal").state_dict()
+    with pytest.raises(OptionValueError) as refused:
+        model(translation_data, "transformer_gcdf").load_state_dict(weights, strict=True)
+    assert str(refused.value).startswith(
+        "--gcdf-lambda 4, --input-positions none (the defaults): the checkpoint's weights were trained with "
+        "--gcdf-lambda 2.718281828 --input-positions sinusoidal; give --gcdf-lambda 2.718281828 --input-positions "
+        "sinusoidal to keep them, another value to change them, or --allow-encoding-change"), str(refused.value)
+    assert "--model-overrides \"{'gcdf_lambda': 2.718281828, 'input_positions': 'sinusoidal'}\"" in str(refused.value)
+    # what the message says to give loads; the input embedding given another way (none: dropped) is taken as meant
+    model(translation_data, "transformer_gcdf", "--gcdf-lambda", "2.718281828", "--input-positions",
+          "sinusoidal").load_state_dict(weights, strict=True)
+    model(translation_data, "transformer_gcdf", "--gcdf-lambda", "2.718281828", "--input-positions",
+          "none").load_state_dict(weights, strict=True)
+
+
+def test_floater_step_size_is_the_step_the_solve_takes(translation_data):
+    """The solve takes delta / ceil(delta / step size) steps: step sizes of one step count are one model;
+    the default step size follows --floater-delta where that is given another value."""
+    dims = ModelDims(embed_dim=16, heads=4, encoder_layers=2, decoder_layers=2)
+
+    def saved(*argv):
+        return build_encoding("floater", encoding_options(*argv), dims).state_dict()[trained_with.KEY]
+
+    def check(weights, *argv):
+        build_encoding("floater", encoding_options(*argv), dims).check_trained_with(weights)
+
+    check(saved("--floater-step-size", "0.021"))  # 5 steps per position, as the default's 0.02
+    with pytest.raises(OptionValueError, match=r"^--floater-step-size 0.02 \(the default\): .* trained with "
+                                               r"--floater-step-size 0.05;"):
+        check(saved("--floater-step-size", "0.05"), "--floater-delta", "0.1")  # delta given, at its trained value
+    check(saved(), "--floater-delta", "0.2")  # another delta (an override for longer positions): the step follows
+    check(saved("--floater-method", "dopri5", "--floater-step-size", "0.05"), "--floater-method", "dopri5")  # (no step)
 
 
 @pytest.mark.parametrize("arch, task, size", [
@@ -146,6 +204,9 @@ def test_fairseq_train_restore_file_without_the_trained_option_is_refused(transl
     done = restore(translation_data, checkpoint, "--arch", "transformer_t5", "--t5-num-buckets", "16",
                    "--t5-max-distance", "64")
     assert done.returncode == 0, done.stderr[-3000:]
+    done = restore(translation_data, checkpoint, "--arch", "transformer_t5", "--t5-num-buckets", "16",
+                   "--allow-encoding-change")
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_a_stored_config_whose_default_changed_is_refused_and_overrides_load_it(translation_data, tiny_checkpoint,
@@ -171,4 +232,4 @@ def test_training_and_saving_keep_the_entry_through_fairseq(translation_data, ti
     checkpoint = tiny_checkpoint("transformer_t5", "--t5-max-distance", "64", "--t5-num-buckets", "16")
     saved = torch.load(checkpoint, map_location="cpu", weights_only=False)["model"][KEY]
     assert trained_with.read(saved) == {"encoding": "t5", "options": {
-        "scalar_bias_layers": "first", "t5_max_distance": 64, "t5_num_buckets": 16}}
+        "input_positions": "none", "scalar_bias_layers": "first", "t5_max_distance": 64, "t5_num_buckets": 16}}

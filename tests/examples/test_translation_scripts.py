@@ -73,6 +73,12 @@ def test_average_checkpoints_refuses_models_trained_with_other_encoding_options(
     averaging.main(["--inputs", str(a), str(a), "--output", str(tmp_path / "avg.pt")])
     model = torch.load(tmp_path / "avg.pt", weights_only=False)["model"]
     assert model["w"].tolist() == [2.0] and torch.equal(model["positional_encoding.trained_with"], entry(64))
+    # a run across the package's upgrade: its earlier checkpoints have no entry; the later one's is kept
+    older = save_checkpoint(tmp_path / "older.pt", {"w": torch.tensor([4.0])})
+    for inputs in ([older, a], [a, older]):
+        averaging.main(["--inputs", *map(str, inputs), "--output", str(tmp_path / "avg.pt")])
+        model = torch.load(tmp_path / "avg.pt", weights_only=False)["model"]
+        assert model["w"].tolist() == [3.0] and torch.equal(model["positional_encoding.trained_with"], entry(64))
 
 
 def test_average_checkpoints_averages_floats_and_keeps_the_newest_integers(averaging, tmp_path, capsys):

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ..base import ROLES, PositionalEncoding, register_encoding, stack_of
-from ..option_types import OptionValueError, float_in_range, int_in_range, one_of, option, positive_int
+from ..option_types import OptionValueError, float_in_range, given, int_in_range, one_of, option, positive_int
 from ..positions import AnyPositions, Positions, bounds, is_shared_range, tensor_of
 from . import solver
 from .dynamics import Dynamics
@@ -93,20 +93,19 @@ class Floater(PositionalEncoding):
     def __init__(self, args, dims):
         super().__init__(args, dims)
 
-        def floater(name, checker, default, defines=True, follows=()):
-            """FLOATER's option `name`; `defines`: whether it defines the tables (else training alone);
-            `follows`: see `defining_option`."""
-            if not defines:
-                return option(args, f"floater_{name}", checker, default)
-            return self.defining_option(args, f"floater_{name}", checker, default,
-                                        follows=[f"floater_{other}" for other in follows])
+        def floater(name, checker, default, defines=True):
+            """FLOATER's option `name`; `defines`: whether it defines the tables (else training alone)."""
+            read = self.defining_option if defines else option
+            return read(args, f"floater_{name}", checker, default)
 
         dim = dims.embed_dim
         self.delta = floater("delta", DELTA, 0.1)
         self.method = floater("method", one_of(*METHODS), "rk4")
-        self.step_size = floater("step_size", STEP_SIZE, self.delta / 5, defines=self.method in FIXED_GRID,
-                                 follows=["delta"])
+        self.step_size = floater("step_size", STEP_SIZE, self.delta / 5, defines=False)
         self.substeps = max(1, math.ceil(self.delta / self.step_size - 1e-9))
+        if self.method in FIXED_GRID:  # the step the solve takes (step sizes of equal substeps are one model)
+            self.keep_defining("floater_step_size", self.delta / self.substeps,
+                               given(args, "floater_step_size") is not None, follows=["floater_delta"])
         if self.substeps > MAX_STEPS_PER_POSITION:
             raise OptionValueError(f"--floater-step-size {self.step_size:g}: {self.substeps} solver steps per position "
                                    f"(--floater-delta {self.delta:g}); at most {MAX_STEPS_PER_POSITION} are allowed")
