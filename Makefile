@@ -18,6 +18,8 @@ venv: $(STAMP)
 # then fairseq-fixed's build needs (it imports torch, numpy and Cython while compiling),
 # then fairseq-fixed without its deps (its torchaudio requirement has no CPU build),
 # then fairseq's runtime needs and ours; this package last (it compiles FLOATER's solve loops against torch).
+# requests: fairseq fetches GPT-2's BPE files with it (RoBERTa's hub interface, bpe='gpt2' by default),
+# importing it even when they are cached; fairseq-fixed does not list it.
 # triton: the kernels of POSENC_TRITON_ATTENTION, tested on the CPU in Triton's interpreter (CUDA builds
 # of torch bring their own triton).
 $(STAMP): setup.py posenc_fairseq/csrc/floater_solve.cpp
@@ -27,7 +29,7 @@ $(STAMP): setup.py posenc_fairseq/csrc/floater_solve.cpp
 	$(PIP) install Cython "numpy<2.4"
 	$(PIP) install --no-build-isolation --no-deps fairseq-fixed==0.12.3.1
 	$(PIP) install hydra-core==1.3.2 omegaconf==2.3.0 regex tqdm bitarray scikit-learn packaging cffi
-	$(PIP) install torchdiffeq sacrebleu sentencepiece matplotlib tensorboardX pytest pytest-xdist ninja
+	$(PIP) install torchdiffeq sacrebleu sentencepiece matplotlib tensorboardX pytest pytest-xdist ninja requests
 	$(PIP) install triton==3.7.1
 	$(PIP) install --no-build-isolation --no-deps -e .
 	touch $(STAMP)
