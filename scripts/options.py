@@ -24,6 +24,9 @@ COMMON = [
     ("--input-positions none|sinusoidal|learned|stock", "the encoding's choice (below)",
      "absolute embedding added to the input tokens (fairseq's own modules); 'stock' keeps the base "
      "architecture's"),
+    ("--allow-encoding-change", "off",
+     "load weights (--restore-file, --finetune-from-model) trained with another encoding or other values of "
+     "its options than this model's defaults, as a deliberate change; without it such a load is refused"),
 ]
 
 

@@ -226,6 +226,30 @@ def test_options_lists_every_option_of_every_encoding_with_a_default(capsys):
     assert "--floater-method rk4|midpoint|euler|dopri5" in run([sys.executable, SCRIPTS / "options.py", "floater"])
 
 
+def test_options_lists_every_common_option_the_models_have(capsys):
+    """The options every architecture adds (models/common.py `add_position_args`), help hidden ones aside."""
+    import argparse
+
+    from posenc_fairseq.encodings import ENCODINGS
+    from posenc_fairseq.models.common import add_position_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_position_args(parser)
+    own = {flag for kind in ENCODINGS.values() for flag in _flags_of(kind.add_args)}
+    common = [action.option_strings[0] for action in parser._actions
+              if action.help != argparse.SUPPRESS and action.option_strings[0] not in own]
+    listed = options_output(capsys).split("\n\n")[0]
+    assert common and all(re.search(rf"^    {re.escape(flag)}\b", listed, flags=re.M) for flag in common), listed
+
+
+def _flags_of(add_args):
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_args(parser)
+    return [action.option_strings[0] for action in parser._actions]
+
+
 def test_importing_the_plugin_leaves_logging_alone():
     code = ("import logging; before = (logging.getLogger().level, len(logging.getLogger().handlers)); "
             "import posenc_fairseq, fairseq.models.transformer; "
