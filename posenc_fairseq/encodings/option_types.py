@@ -25,7 +25,7 @@ class OptionValueError(ValueError):
     """An option's value is outside its allowed range; the message names option, value and range."""
 
 
-def shown_number(value: float) -> str:
+def _number(value: float) -> str:
     if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
         return str(int(value))
     return f"{value:g}" if isinstance(value, float) else str(value)
@@ -49,18 +49,18 @@ class Checker:
         what = ("an even integer" if self.even else "an integer") if self.kind is int else "a finite number"
         low, high = self.low, self.high
         if low is not None and high is not None:
-            return f"{what} in {'(' if self.low_open else '['}{shown_number(low)}, {shown_number(high)}{')' if self.high_open else ']'}"
+            return f"{what} in {'(' if self.low_open else '['}{_number(low)}, {_number(high)}{')' if self.high_open else ']'}"
         if low is not None:
-            return f"{what} {'>' if self.low_open else '>='} {shown_number(low)}"
+            return f"{what} {'>' if self.low_open else '>='} {_number(low)}"
         if high is not None:
-            return f"{what} {'<' if self.high_open else '<='} {shown_number(high)}"
+            return f"{what} {'<' if self.high_open else '<='} {_number(high)}"
         return what
 
     def __repr__(self):
         return f"<option type: {self.describe()}>"
 
     def _fail(self, value):
-        shown = value if isinstance(value, str) else shown_number(value) if isinstance(value, (int, float)) else repr(value)
+        shown = value if isinstance(value, str) else _number(value) if isinstance(value, (int, float)) else repr(value)
         raise argparse.ArgumentTypeError(f"invalid value {shown!r}: expected {self.describe()}")
 
     def _parse(self, value):
@@ -155,7 +155,7 @@ def checked(dest: str, value, checker: Callable[[Any], Any]):
     except argparse.ArgumentTypeError as error:
         message = str(error)
         if message.startswith("invalid value "):  # "--shaw-k 0: expected ..." reads better here
-            shown = value if isinstance(value, str) else shown_number(value) if isinstance(value, (int, float)) else repr(value)
+            shown = value if isinstance(value, str) else _number(value) if isinstance(value, (int, float)) else repr(value)
             message = f"{shown}: " + message.split(": ", 1)[1]
             raise OptionValueError(f"{flag_name(dest)} {message}") from None
         raise OptionValueError(f"{flag_name(dest)}: {message}") from None
@@ -185,7 +185,7 @@ def option_pair(args, dest: str, checker: Callable[[Any], Any], default: Sequenc
         raise OptionValueError(f"{flag_name(dest)} {value!r}: expected two values")
     first, second = (checked(dest, item, checker) for item in value)
     if ordered and first > second:
-        raise OptionValueError(f"{flag_name(dest)} {shown_number(first)} {shown_number(second)}: "
+        raise OptionValueError(f"{flag_name(dest)} {_number(first)} {_number(second)}: "
                                "expected MIN <= MAX (the first value must not exceed the second)")
     return first, second
 
@@ -200,7 +200,7 @@ def ordered_pair(checker: Callable[[Any], Any], positive_max: bool = False):
             if first > second or (positive_max and second <= 0):
                 wanted = "MIN <= MAX and MAX > 0" if positive_max else "MIN <= MAX"
                 raise argparse.ArgumentError(
-                    self, f"invalid values {shown_number(first)} {shown_number(second)}: expected {wanted}")
+                    self, f"invalid values {_number(first)} {_number(second)}: expected {wanted}")
             setattr(namespace, self.dest, [first, second])
 
     return OrderedPair
