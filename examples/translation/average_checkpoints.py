@@ -89,7 +89,8 @@ def average(paths):
             if is_trained_with(key):  # what the weights were trained with: not averaged
                 if key in summed and not torch.equal(summed[key], value):
                     raise SystemExit(f"error: model entry {key} differs between {holder[key]} and {path}: their "
-                                     "encodings were built with other options, and their average is no model")
+                                     "encodings were built differently (another encoding or other options), and "
+                                     "their average is no model")
                 summed[key], holder[key] = value, path
             elif value.is_floating_point():
                 summed[key] = value.double() + summed[key] if key in summed else value.double()
@@ -97,7 +98,8 @@ def average(paths):
                 summed[key] = value  # the newest one's, once the loop ends
     averaged = collections.OrderedDict()
     for key, value in summed.items():
-        averaged[key] = (value / len(paths)).float() if value.dtype == torch.float64 else value
+        averaged[key] = (value / len(paths)).float() if value.is_floating_point() and not is_trained_with(key) \
+            else value
     state["model"] = averaged
     return state
 

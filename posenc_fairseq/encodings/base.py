@@ -80,9 +80,11 @@ class PositionalEncoding(nn.Module):
         # attention layers the stack runs in that pass
         self.contexts: Dict[str, PassContext] = {}
         self.cache = EncodingCache()
+        # a model's absolute input embedding, which its weights were trained with: `set_position_defaults`
+        # records in input_positions_default the choice it made where none was given
         choice = given(args, "input_positions")
-        if choice is not None:  # (a model's: its absolute input embedding, which the weights were trained with)
-            self.keep_defining("input_positions", choice, given(args, "input_positions_default") != choice)
+        if choice is not None:
+            self.record_option("input_positions", choice, was_given=given(args, "input_positions_default") != choice)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser):
@@ -95,13 +97,13 @@ class PositionalEncoding(nn.Module):
         (given with another value than the weights were trained with, it counts as given too). May be
         called before `__init__` (a plain dict)."""
         value = read(args, dest, checker, default)
-        self.keep_defining(dest, value, given(args, dest) is not None, follows)
+        self.record_option(dest, value, given(args, dest) is not None, follows)
         return value
 
-    def keep_defining(self, dest: str, value, chosen: bool, follows=()) -> None:
+    def record_option(self, dest: str, value, was_given: bool, follows=()) -> None:
         """Keep `value` of option `dest` (the value computed with, where it is not the one read) in the
-        entry, with whether the config gave it (`chosen`)."""
-        self.defining_options[dest] = trained_with.DefiningOption(value, chosen, tuple(follows))
+        entry, with whether the config gave it."""
+        self.defining_options[dest] = trained_with.DefiningOption(value, was_given, tuple(follows))
 
     @property
     def defining_options(self) -> Dict[str, "trained_with.DefiningOption"]:
@@ -113,7 +115,8 @@ class PositionalEncoding(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        # (checked by the model's load_state_dict, which alone knows whether the load is strict)
+        # (checked by the model's load_state_dict, before any weight is copied: torch passes strict=True
+        # here whatever the load was given, and only the model knows its config)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         if prefix + trained_with.KEY in unexpected_keys:  # (not a parameter)

@@ -12,12 +12,15 @@ weights as they are with --allow-encoding-change (a deliberate change, e.g. from
 weights to every block). Options of training alone (FLOATER's recompute interval, initialisations,
 dropout) are not kept. Checkpoints without the entry (stock fairseq's, older ones) load as before.
 
-The entry is a float tensor of the UTF-8 bytes of a JSON object: fairseq's checkpoint averaging and
-EMA treat every state-dict entry as a floating tensor (EMA multiplies each by its decay); equal entries
-average to themselves, to within rounding, and are read back rounded.
+The entry is a float tensor of the UTF-8 bytes of a JSON object and of its digest: fairseq's EMA
+multiplies every state-dict entry by its decay in place (an integer tensor would fail), and checkpoint
+averaging adds them up. Equal entries average to themselves (EMA's to within rounding: read back
+rounded); the average of two different ones fails its digest, where its bytes alone might read as a
+third entry (the options 500 and 700 averaged to 600).
 """
+import hashlib
 import json
-from typing import Dict, NamedTuple, Tuple
+from typing import Dict, List, NamedTuple, Tuple
 
 import torch
 from torch import Tensor
@@ -26,6 +29,7 @@ from .option_types import OptionValueError, flag_name
 
 #: the state-dict key of the entry, under the encoding's prefix
 KEY = "trained_with"
+DIGEST_BYTES = 8
 
 
 class DefiningOption(NamedTuple):
@@ -38,19 +42,27 @@ class DefiningOption(NamedTuple):
 def entry(name: str, options: Dict[str, DefiningOption]) -> Tensor:
     """The state-dict entry of encoding `name` built with `options`."""
     text = json.dumps({"encoding": name, "options": {dest: option.value for dest, option in options.items()}},
-                      sort_keys=True)
-    return torch.tensor(list(text.encode()), dtype=torch.float32)
+                      sort_keys=True).encode()
+    return torch.tensor(list(text + _digest(text)), dtype=torch.float32)
+
+
+def _digest(text: bytes) -> bytes:
+    return hashlib.sha256(text).digest()[:DIGEST_BYTES]
 
 
 def read(saved) -> dict:
     """{"encoding": name, "options": {dest: value}} from a saved entry; OptionValueError where it is
-    not one (checkpoints of differently built models averaged, say)."""
+    not one (the average of checkpoints of differently built models, say)."""
     try:
         codes = torch.as_tensor(saved).detach().double()
         rounded = codes.round()  # (EMA's x * d + x * (1 - d) is x to within rounding)
         if codes.dim() != 1 or not bool(((rounded >= 0) & (rounded <= 255) & ((codes - rounded).abs() < 0.01)).all()):
             raise ValueError("not byte values")
-        trained = json.loads(bytes(rounded.to(torch.uint8).tolist()).decode())
+        data = bytes(rounded.to(torch.uint8).tolist())
+        text, digest = data[:-DIGEST_BYTES], data[-DIGEST_BYTES:]
+        if _digest(text) != digest:
+            raise ValueError("its digest differs")
+        trained = json.loads(text.decode())
         if not isinstance(trained.get("encoding"), str) or not isinstance(trained.get("options"), dict):
             raise ValueError("not an encoding and its options")
     except (ValueError, TypeError, AttributeError, RuntimeError) as error:
@@ -86,32 +98,41 @@ def check(saved, name: str, options: Dict[str, DefiningOption]) -> None:
     """Refuse (OptionValueError, one line) the saved entry of weights trained with another encoding
     than `name`, or with other values of options that `options` hold by default (all of them named)."""
     trained = read(saved)
-    way_out = "or --allow-encoding-change to load the weights as they are"
     if trained["encoding"] != name:
         raise OptionValueError(
             f"the checkpoint's weights were trained with the {trained['encoding']} encoding, not {name}: give the "
             f"checkpoint's --arch (an architecture of the {trained['encoding']} encoding, or --positional-encoding "
-            f"{trained['encoding']}), {way_out}")
-    earlier = trained["options"]
-    differing = []
-    for dest, value in sorted(earlier.items()):
+            f"{trained['encoding']}), {WAY_OUT}")
+    found = differing(trained["options"], options)
+    if found:
+        raise OptionValueError(refusal(found))
+
+
+WAY_OUT = "or --allow-encoding-change to load the weights as they are"
+
+
+def differing(trained: dict, options: Dict[str, DefiningOption]) -> List[Tuple[str, object, object]]:
+    """(dest, our value, the trained value) of each option `trained` ({dest: value}) has another value of
+    than `options` hold by default: not given, and not following an option given another value."""
+    found = []
+    for dest, theirs in sorted(trained.items()):
         ours = options.get(dest)
-        if ours is None or _same(ours.value, value):
+        if ours is None or ours.given or _same(ours.value, theirs):
             continue
-        followed_changed = any(other in options and other in earlier and not _same(options[other].value, earlier[other])
-                               for other in ours.follows)
-        if not (ours.given or followed_changed):
-            differing.append((dest, ours.value, value))
-    if not differing:
-        return
-    it = "it" if len(differing) == 1 else "them"
-    ours_shown = ", ".join(shown(dest, value) for dest, value, _ in differing)
-    theirs_shown = " ".join(shown(dest, value) for dest, _, value in differing)
-    # (a flag, or an option unset by default, cannot be given as absent)
-    change = "" if all(isinstance(value, bool) or value is None for _, value, _ in differing) else \
-        f", another value to change {it}"
-    overrides = ", ".join(f"'{dest}': {value!r}" for dest, _, value in differing)
-    raise OptionValueError(
-        f"{ours_shown} ({'the default' if it == 'it' else 'the defaults'}): the checkpoint's weights were trained "
-        f"with {theirs_shown}; give {theirs_shown} to keep {it}{change}, {way_out} (when loading a stored "
-        f"checkpoint: --model-overrides \"{{{overrides}}}\")")
+        if not any(other in options and other in trained and not _same(options[other].value, trained[other])
+                   for other in ours.follows):
+            found.append((dest, ours.value, theirs))
+    return found
+
+
+def refusal(found: List[Tuple[str, object, object]]) -> str:
+    """The one line that names the `differing` options and the ways out."""
+    it = "it" if len(found) == 1 else "them"
+    ours_shown = ", ".join(shown(dest, ours) for dest, ours, _ in found)
+    theirs_shown = " ".join(shown(dest, theirs) for dest, _, theirs in found)
+    # (a flag cannot be given as absent)
+    change = "" if all(isinstance(ours, bool) for _, ours, _ in found) else f", another value to change {it}"
+    overrides = ", ".join(f"'{dest}': {theirs!r}" for dest, _, theirs in found)
+    return (f"{ours_shown} ({'the default' if it == 'it' else 'the defaults'}): the checkpoint's weights were "
+            f"trained with {theirs_shown}; give {theirs_shown} to keep {it}{change}, {WAY_OUT} (when loading a "
+            f"stored checkpoint: --model-overrides \"{{{overrides}}}\")")

@@ -40,7 +40,8 @@ def add_position_args(parser: argparse.ArgumentParser):
     parser.add_argument("--allow-encoding-change", action="store_true", default=None,
                         help="load weights (--restore-file, --finetune-from-model) trained with another encoding or "
                              "other values of its options than this model's defaults, as a deliberate change; "
-                             "without it such a load is refused (encodings/trained_with.py)")
+                             "without it such a load is refused (encodings/trained_with.py). For this run's loads "
+                             "only: not saved with the model")
     for name in sorted(ENCODINGS):
         ENCODINGS[name].add_args(parser)
 
@@ -363,6 +364,7 @@ def _attach_encoding(model, args, encoder_stack, decoder_stack):
         encoding = PerStackEncoding(encoder_part, decoder_part)
     model.positional_encoding = encoding
     model.stock_input_kept = keeps_stock_input(args)
+    take_allow_encoding_change(model, args)
     encoder_stack.bind_encoding(encoder_part)
     encoder_stack.held.encoding = encoding  # begin() reaches every part
     if decoder_stack is not None:
@@ -432,6 +434,14 @@ LEARNED_TABLE = "embed_positions.weight"
 STOCK_INPUT_KEPT = "positional_encoding.input_positions_stock"
 
 
+def take_allow_encoding_change(model, args) -> None:
+    """--allow-encoding-change, for the loads of this run (the model's `load_state_dict`): taken out of
+    `args`, the config fairseq saves with the model, so that later loads of its checkpoints check."""
+    model.allow_encoding_change = bool(getattr(args, "allow_encoding_change", None))
+    if getattr(args, "allow_encoding_change", None) is not None:
+        args.allow_encoding_change = None
+
+
 def keeps_stock_input(args) -> bool:
     """Whether a model built from `args` keeps the base architecture's input embedding where its
     encoding would not (a converted checkpoint's relative encodings): its state dict says so."""
@@ -476,7 +486,7 @@ def check_learned_input_tables(model_keys, state_dict, cfg) -> None:
         f"--input-positions")
 
 
-def check_trained_with(model, state_dict) -> None:
+def check_encoding_entries(model, state_dict) -> None:
     """Refuse weights whose encoding entry (encodings/trained_with.py) says they were trained with
     another encoding, or with another value of an option the model's encoding has by default: every
     encoding module of `model` (a `PerStackEncoding`'s two parts) checks its own."""
@@ -490,7 +500,7 @@ class EncodingStateMixin:
     """Model mixin for state dicts: per-layer encoding parameters follow their layer under LayerDrop
     pruning; learned input tables that the model and checkpoint disagree on are refused, and so are
     weights that keep the stock input embedding for a model that dropped it by default, and weights
-    trained with another encoding or option value than the model's default (`check_trained_with`,
+    trained with another encoding or option value than the model's default (`check_encoding_entries`,
     unless --allow-encoding-change)."""
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
@@ -499,8 +509,8 @@ class EncodingStateMixin:
         if strict:
             check_stock_input_kept(state_dict, cfg)
             check_learned_input_tables(self.state_dict().keys(), state_dict, cfg)
-            if not getattr(cfg, "allow_encoding_change", None):
-                check_trained_with(self, state_dict)
+            if not getattr(self, "allow_encoding_change", False):
+                check_encoding_entries(self, state_dict)
         state_dict = {key: value for key, value in state_dict.items() if key != STOCK_INPUT_KEPT}
         return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 

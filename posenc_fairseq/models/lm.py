@@ -21,7 +21,7 @@ from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerL
 from ..attention import bound_attentions
 from ..encodings import ModelDims, build_encoding
 from .common import (EncodingStateMixin, PositionalTransformerDecoder, add_position_args, keeps_stock_input,
-                     own_random_stream, register_architectures)
+                     own_random_stream, register_architectures, take_allow_encoding_change)
 
 
 def transformer_lm_architecture(args):
@@ -82,6 +82,7 @@ def _attach_decoder_encoding(model, args, decoder):
     encoding = build_encoding(args.positional_encoding, args, dims)
     model.positional_encoding = encoding
     model.stock_input_kept = keeps_stock_input(args)
+    take_allow_encoding_change(model, args)
     decoder.bind_encoding(encoding)
     if hasattr(encoding, "bind_model"):  # (an encoding that keeps state of the attention layers)
         encoding.bind_model(model, bound_attentions(model))

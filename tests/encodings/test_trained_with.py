@@ -40,9 +40,18 @@ def outputs(network, task, seed=0):
 
 def test_every_encoding_saves_its_name_and_the_options_that_define_it():
     dims = ModelDims(embed_dim=16, heads=4, encoder_layers=2, decoder_layers=2)
+    scalar_bias, at5 = {"scalar_bias_layers"}, {"at5_activation", "at5_length_scale", "at5_mlp_widths"}
+    kept = {"sinusoidal": set(), "learned": set(), "nope": set(), "alibi": set(), "xl": set(),
+            "rotary": {"rotary_base"}, "gcdf": {"gcdf_lambda"}, "shaw": {"shaw_k"}, "lfhc": {"lfhc_k", "lfhc_rounding"},
+            "t5": scalar_bias | {"t5_max_distance", "t5_num_buckets"}, "t5_nob": scalar_bias | {"t5_max_distance"},
+            "at5": scalar_bias | at5, "at5_nob": scalar_bias | at5 | {"at5_nob_input"},
+            "floater": {f"floater_{name}" for name in ("autonomous", "decay", "delta", "first_block_only", "hidden",
+                                                       "max_speed", "method", "step_size", "stop_position")}}
+    assert kept.keys() == ENCODINGS.keys()
     for name in ENCODINGS:
         saved = build_encoding(name, encoding_options(), dims).state_dict()[trained_with.KEY]
         assert trained_with.read(saved)["encoding"] == name
+        assert trained_with.read(saved)["options"].keys() == kept[name], name
     t5 = build_encoding("t5", encoding_options("--t5-max-distance", "64", "--t5-num-buckets", "16"), dims)
     assert trained_with.read(t5.state_dict()[trained_with.KEY])["options"] == {
         "scalar_bias_layers": "first", "t5_max_distance": 64, "t5_num_buckets": 16}
@@ -110,9 +119,14 @@ def test_allow_encoding_change_loads_the_weights_as_they_are(translation_data):
     with pytest.raises(OptionValueError, match=r"^no --floater-first-block-only, no --floater-stop-position \(the "
                                                r"defaults\): .* trained with --floater-first-block-only "
                                                r"--floater-stop-position 20; give --floater-first-block-only "
-                                               r"--floater-stop-position 20 to keep them, or --allow-encoding-change"):
+                                               r"--floater-stop-position 20 to keep them, another value to change "
+                                               r"them, or --allow-encoding-change"):
         load_with_config(translation_data, first_block, "transformer_floater")
     load_with_config(translation_data, first_block, "transformer_floater", "--allow-encoding-change")
+    # for that run's loads only: the config fairseq saves with the model does not keep it
+    allowing, _, args = build_model(translation_data, "transformer_floater",
+                                    [*TINY_TRANSFORMER, "--allow-encoding-change"])
+    assert allowing.allow_encoding_change and args.allow_encoding_change is None
     alibi = model(translation_data, "transformer_alibi").state_dict()
     load_with_config(translation_data, alibi, "transformer_rotary", "--allow-encoding-change")
 
@@ -169,10 +183,13 @@ def test_roberta_and_the_language_model_check_it_too(masked_lm_data, arch, task,
 def test_per_stack_parts_each_check_their_own(translation_data):
     """Encoder and decoder of different sizes have an encoding part each (`PerStackEncoding`)."""
     sizes = ["--decoder-embed-dim", "16", "--decoder-ffn-embed-dim", "32"]
-    weights = model(translation_data, "transformer_gcdf", *sizes, "--gcdf-lambda", "2").state_dict()
+    weights = model(translation_data, "transformer_gcdf", *sizes).state_dict()
     assert {f"positional_encoding.{part}.{trained_with.KEY}" for part in ("encoder", "decoder")} <= weights.keys()
-    with pytest.raises(OptionValueError, match=r"^--gcdf-lambda 4 \(the default\)"):
-        model(translation_data, "transformer_gcdf", *sizes).load_state_dict(weights, strict=True)
+    other = model(translation_data, "transformer_gcdf", *sizes, "--gcdf-lambda", "2").state_dict()
+    for part in ("encoder", "decoder"):  # the other part's entry as trained with lambda 2
+        key = f"positional_encoding.{part}.{trained_with.KEY}"
+        with pytest.raises(OptionValueError, match=r"^--gcdf-lambda 4 \(the default\)"):
+            model(translation_data, "transformer_gcdf", *sizes).load_state_dict({**weights, key: other[key]})
 
 
 def test_averaged_entries_read_back_and_mixed_ones_are_refused(translation_data):
@@ -184,6 +201,16 @@ def test_averaged_entries_read_back_and_mixed_ones_are_refused(translation_data)
     assert trained_with.read(first * 0.999 + first * (1 - 0.999)) == trained_with.read(first)  # (fairseq's EMA step)
     with pytest.raises(OptionValueError, match="entry is unreadable .* averaged"):
         trained_with.read((first + second) / 2)
+    # where every byte's average is a whole number ('5' and '7' average to '6'), the text reads as a third
+    # entry; its digest does not match it
+    base500, base700 = (model(translation_data, "transformer_rotary", "--rotary-base", base).state_dict()[KEY]
+                        for base in ("500", "700"))
+    text = ((base500 + base700) / 2)[:-trained_with.DIGEST_BYTES]
+    assert b'"rotary_base": 600.0' in bytes(text.to(torch.uint8).tolist())
+    with pytest.raises(OptionValueError, match=r"entry is unreadable \(its digest differs\)"):
+        trained_with.read(torch.cat([text, base500[-trained_with.DIGEST_BYTES:]]))
+    with pytest.raises(OptionValueError, match=r"entry is unreadable"):
+        trained_with.read((base500 + base700) / 2)
 
 
 def restore(data, checkpoint, *options):

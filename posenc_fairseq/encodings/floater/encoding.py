@@ -104,7 +104,7 @@ class Floater(PositionalEncoding):
         self.step_size = floater("step_size", STEP_SIZE, self.delta / 5, defines=False)
         self.substeps = max(1, math.ceil(self.delta / self.step_size - 1e-9))
         if self.method in FIXED_GRID:  # the step the solve takes (step sizes of equal substeps are one model)
-            self.keep_defining("floater_step_size", self.delta / self.substeps,
+            self.record_option("floater_step_size", self.delta / self.substeps,
                                given(args, "floater_step_size") is not None, follows=["floater_delta"])
         if self.substeps > MAX_STEPS_PER_POSITION:
             raise OptionValueError(f"--floater-step-size {self.step_size:g}: {self.substeps} solver steps per position "
