@@ -15,8 +15,7 @@ fairseq: encodings are plain torch and testable in milliseconds.
 """
 import argparse
 import difflib
-import functools
-from typing import Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -299,14 +298,10 @@ def build_encoding(name: str, args, dims: ModelDims) -> PositionalEncoding:
 
 
 def encoding_option_names() -> FrozenSet[str]:
-    """The dests of every registered encoding's options."""
-    return _option_names(tuple(ENCODINGS.values()))
-
-
-@functools.lru_cache(maxsize=None)
-def _option_names(kinds: Tuple[type, ...]) -> FrozenSet[str]:
+    """The dests of every registered encoding's options (read from their `add_args`: about a
+    millisecond, once per model built)."""
     parser = argparse.ArgumentParser(add_help=False)
-    for kind in kinds:
+    for kind in ENCODINGS.values():
         kind.add_args(parser)
     return frozenset(action.dest for action in parser._actions)
 
