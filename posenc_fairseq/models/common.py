@@ -430,6 +430,9 @@ def prune_encoding_state_dict(state_dict, model_cfg, prefix="positional_encoding
 
 
 LEARNED_TABLE = "embed_positions.weight"
+#: the option that sizes each stack's learned input table (its rows: that many positions + padding_idx + 1)
+TABLE_SIZE_OPTION = {"encoder.sentence_encoder.": "max_positions", "encoder.": "max_source_positions",
+                     "decoder.": "max_target_positions"}
 #: the state-dict key that says the weights were trained or converted with the stock input embedding
 STOCK_INPUT_KEPT = "positional_encoding.input_positions_stock"
 
@@ -463,27 +466,49 @@ def check_stock_input_kept(state_dict, cfg) -> None:
             f"or --input-positions {cfg.input_positions} to drop it")
 
 
-def check_learned_input_tables(model_keys, state_dict, cfg) -> None:
+def check_learned_input_tables(model_state, state_dict, cfg) -> None:
     """Refuse, in one line naming the option, a checkpoint whose learned input position tables
-    (fairseq's `STACK.embed_positions.weight`) are not where the model has them: a model built with
-    another --input-positions than the checkpoint's (a converted checkpoint fine-tuned with
-    --restore-file under the encoding's default, say), which fairseq's strict load reports only as
-    an unexpected or missing key. (A sinusoidal embedding keeps nothing in a checkpoint, so
-    sinusoidal and none are not told apart here, as in stock fairseq.)"""
-    ours = {key for key in model_keys if key.endswith(LEARNED_TABLE)}
+    (fairseq's `STACK.embed_positions.weight`) are not where the model has them, or not of its size:
+    a model built with another --input-positions than the checkpoint's (a converted checkpoint
+    fine-tuned with --restore-file under the encoding's default, say), or with other maximum
+    positions (fine-tuning on longer inputs), which fairseq's strict load reports only as an
+    unexpected or missing key or torch's size mismatch. (A sinusoidal embedding keeps nothing in a
+    checkpoint, so sinusoidal and none are not told apart here, as in stock fairseq.)"""
+    ours = {key for key in model_state if key.endswith(LEARNED_TABLE)}
     theirs = {key for key in state_dict if key.endswith(LEARNED_TABLE)}
-    if ours == theirs:
-        return
     choice = getattr(cfg, "input_positions", None)
     if theirs - ours:
         raise OptionValueError(
             f"--input-positions {choice}: the checkpoint has a learned input position table "
             f"({sorted(theirs - ours)[0]}) that this model has no place for; build the model with the "
             f"checkpoint's --input-positions (stock for a converted checkpoint, docs/conversion.md)")
-    raise OptionValueError(
-        f"--input-positions {choice}: the model has a learned input position table "
-        f"({sorted(ours - theirs)[0]}) that the checkpoint lacks; build the model with the checkpoint's "
-        f"--input-positions")
+    if ours - theirs:
+        raise OptionValueError(
+            f"--input-positions {choice}: the model has a learned input position table "
+            f"({sorted(ours - theirs)[0]}) that the checkpoint lacks; build the model with the checkpoint's "
+            f"--input-positions")
+    for key in sorted(ours):
+        extra_rows = state_dict[key].size(0) - model_state[key].size(0)
+        if extra_rows != 0:
+            raise learned_table_size_error(key, extra_rows, cfg)
+
+
+def learned_table_size_error(key: str, extra_rows: int, cfg) -> OptionValueError:
+    """The refusal of a checkpoint's learned table `key` that has `extra_rows` more rows (positions)
+    than the model's: names the option that sizes it, with the value that would load it."""
+    dest = TABLE_SIZE_OPTION.get(key[:-len(LEARNED_TABLE)])
+    built = getattr(cfg, dest, None) if dest is not None else None
+    if not isinstance(built, int):
+        return OptionValueError(
+            f"the checkpoint's learned input position table ({key}) has {extra_rows:+d} positions against the "
+            f"model's; a learned table has a fixed size: build the model with the checkpoint's maximum positions")
+    option = "--" + dest.replace("_", "-")
+    default = " (by default --tokens-per-sample)" if dest == "max_target_positions" and \
+        hasattr(cfg, "tokens_per_sample") and not hasattr(cfg, "max_source_positions") else ""
+    return OptionValueError(
+        f"{option} {built}{default}: the checkpoint's learned input position table ({key}) holds "
+        f"{built + extra_rows} positions, this model's {built}; a learned table has a fixed size: give "
+        f"{option} {built + extra_rows}, for inputs of at most {built + extra_rows} tokens")
 
 
 def check_encoding_entries(model, state_dict) -> None:
@@ -508,7 +533,7 @@ class EncodingStateMixin:
         state_dict = prune_encoding_state_dict(state_dict, cfg)
         if strict:
             check_stock_input_kept(state_dict, cfg)
-            check_learned_input_tables(self.state_dict().keys(), state_dict, cfg)
+            check_learned_input_tables(self.state_dict(), state_dict, cfg)
             if not getattr(self, "allow_encoding_change", False):
                 check_encoding_entries(self, state_dict)
         state_dict = {key: value for key, value in state_dict.items() if key != STOCK_INPUT_KEPT}

@@ -1,6 +1,7 @@
 """With no encoding term, our models ARE fairseq's: same initialisation (the attention class is
 swapped after fairseq builds it), same outputs, same beam search (which exercises fairseq's
 beamable cross-attention and cache reordering inside our attention)."""
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -126,6 +127,44 @@ def test_overriding_fairseqs_input_flags_of_a_checkpoint_is_refused_or_applied(t
             checkpoint_utils.load_model_ensemble([str(path)], arg_overrides={"input_positions": "learned"})
     (again,), _ = checkpoint_utils.load_model_ensemble([str(path)])  # the stored flags are its own: no conflict
     assert again.encoder.embed_positions.__class__ is model.encoder.embed_positions.__class__
+
+
+LEARNED_TABLE_SIZES = {  # arch, task, build options, the override, the table it resizes, its option's words
+    "source": ("transformer_learned", "translation", [*TINY_TRANSFORMER, "--max-source-positions", "40"],
+               {"max_source_positions": 64}, "encoder.embed_positions.weight", "--max-source-positions 64: "),
+    "target": ("transformer_learned", "translation", TINY_TRANSFORMER, {"max_target_positions": 2048},
+               "decoder.embed_positions.weight", "--max-target-positions 2048: "),
+    "roberta": ("roberta_learned", "masked_lm", [*TINY_ROBERTA, "--max-positions", "40"], {"max_positions": 20},
+                "encoder.sentence_encoder.embed_positions.weight", "--max-positions 20: "),
+    "lm": ("transformer_lm_learned", "language_modeling", ["--decoder-layers", "1", "--decoder-embed-dim", "16",
+                                                           "--tokens-per-sample", "40"],
+           {"max_target_positions": 64}, "decoder.embed_positions.weight",
+           "--max-target-positions 64 (by default --tokens-per-sample): "),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LEARNED_TABLE_SIZES))
+def test_a_learned_table_of_another_size_is_refused_naming_the_option(translation_data, masked_lm_data, tmp_path,
+                                                                       case):
+    """Loading a learned input table into a model of other maximum positions (fine-tuning on longer
+    inputs) ended in torch's size mismatch; now one line names the option and the value that loads it."""
+    from posenc_fairseq.encodings.option_types import OptionValueError
+
+    arch, task, options, override, key, option = LEARNED_TABLE_SIZES[case]
+    data = translation_data if task == "translation" else masked_lm_data
+    torch.manual_seed(0)
+    model, _, args = build_model(data, arch, options, task=task)
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(model, args, path)
+    (dest, asked), = override.items()
+    stored = getattr(args, dest)
+    with pytest.raises(OptionValueError, match="^" + re.escape(
+            f"{option}the checkpoint's learned input position table ({key}) holds {stored} positions, this "
+            f"model's {asked}; a learned table has a fixed size: give {option.split(' ')[0]} {stored}, for inputs "
+            f"of at most {stored} tokens") + "$"):
+        checkpoint_utils.load_model_ensemble([str(path)], arg_overrides=override)
+    (again,), _ = checkpoint_utils.load_model_ensemble([str(path)], arg_overrides={dest: stored})
+    assert torch.equal(again.state_dict()[key], model.state_dict()[key])
 
 
 def test_quant_noise_touches_the_weights_stock_touches(translation_data):

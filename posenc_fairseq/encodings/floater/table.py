@@ -57,8 +57,10 @@ def overflow_error(first: int, peak: float, limit: BiasLimit, rows: int, earlier
     return ValueError(
         f"FLOATER position biases overflow at position {first} (|b(t) - b(0)| = {peak:.3g}, more than the "
         f"{limit.largest:.3g} a {limit.dtype} model's attention takes) {where}for an input of {rows} positions: the "
-        "learned dynamics grow without bound beyond the lengths seen in training. Train on longer inputs, use a "
-        "smaller --floater-delta, or shorten the input (docs/floater.md)")
+        "learned dynamics grow without bound beyond the lengths seen in training. Train on longer inputs or with a "
+        "smaller --floater-delta; load a trained model with its flow stopped where its training inputs ended "
+        f"(--model-overrides \"{{'floater_stop_position': N}}\", N below {first}); or shorten the input "
+        "(docs/floater.md)")
 
 
 def overflow_on_device(values: Tensor, limit: BiasLimit) -> Tensor:

@@ -179,8 +179,18 @@ def test_biases_float32_holds_whose_products_overflow_fail_too(translation_data)
         fine, _ = model(*random_batch(task.source_dictionary, batch=1, src_len=first, tgt_len=8))
         assert torch.isfinite(fine).all()
         message = f"overflow at position {first} .*more than the {limit:.3g} a torch.float32 model's attention takes"
-        with pytest.raises(ValueError, match=message.replace("+", r"\+")):
+        with pytest.raises(ValueError, match=message.replace("+", r"\+")) as refusal:
             model(*random_batch(task.source_dictionary, batch=1, src_len=first + 1, tgt_len=8))
+    # the way out the message gives for a trained model: its flow stopped before that position
+    hint = f"--model-overrides \"{{'floater_stop_position': N}}\", N below {first}"
+    assert hint in str(refusal.value)
+    stopped, _, _ = floater_model(translation_data, ["--max-source-positions", "2048",
+                                                     "--floater-stop-position", str(first - 1)])
+    stopped.load_state_dict(model.state_dict())
+    stopped.eval()
+    with torch.no_grad():
+        assert torch.isfinite(stopped(*random_batch(task.source_dictionary, batch=1, src_len=first + 1,
+                                                    tgt_len=8))[0]).all()
 
 
 @pytest.mark.parametrize("recompute_every", [1, 3])
