@@ -82,7 +82,8 @@ def set_position_defaults(args, encoding: str, stacks=("encoder", "decoder")):
         args.no_token_positional_embeddings = True
     elif choice in ("sinusoidal", "learned"):
         args.no_token_positional_embeddings = False
-        args.encoder_learned_pos = args.decoder_learned_pos = choice == "learned"
+        for stack in stacks:  # (a model without a stack has none of its flags, as stock's)
+            setattr(args, f"{stack}_learned_pos", choice == "learned")
 
 
 def _flags_of(choice: str) -> Optional[str]:

@@ -1,7 +1,7 @@
 """`posenc_roberta`: fairseq's RobertaModel with PositionalAttention.
 
-Registers, for every encoding NAME, `roberta_NAME` and `roberta_NAME_base` (BERT-base size) and
-`roberta_NAME_large`.
+Registers, for every encoding NAME, `roberta_NAME` and `roberta_NAME_base` (BERT-base size),
+`roberta_NAME_large` and `roberta_NAME_prenorm` (fairseq's RoBERTa sizes but XLM-R's `xlm`).
 """
 from fairseq.models import register_model
 from fairseq.models.roberta import RobertaEncoder, RobertaModel
@@ -13,6 +13,7 @@ from .common import (EncodingStateMixin, PositionalTransformerEncoder, add_posit
 
 SIZES = {
     "": stock.base_architecture,
+    "_prenorm": stock.roberta_prenorm_architecture,
     "_base": stock.roberta_base_architecture,
     "_large": stock.roberta_large_architecture,
 }

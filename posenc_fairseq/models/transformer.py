@@ -1,7 +1,7 @@
 """`posenc_transformer`: fairseq's encoder-decoder TransformerModel with PositionalAttention.
 
 Registers, for every encoding NAME, the architectures `transformer_NAME` (base size) and
-`transformer_NAME_iwslt_de_en`, `_wmt_en_de`, `_vaswani_wmt_en_de_big` (fairseq's sizes).
+`transformer_NAME_SIZE` for each of fairseq's sizes (the keys of SIZES).
 """
 from fairseq.models import register_model
 from fairseq.models.transformer import TransformerModel
@@ -12,9 +12,13 @@ from .common import (EncodingStateMixin, PositionalTransformerDecoder, Positiona
 
 SIZES = {
     "": stock.base_architecture,
+    "_tiny": stock.tiny_architecture,
     "_iwslt_de_en": stock.transformer_iwslt_de_en,
     "_wmt_en_de": stock.transformer_wmt_en_de,
     "_vaswani_wmt_en_de_big": stock.transformer_vaswani_wmt_en_de_big,
+    "_vaswani_wmt_en_fr_big": stock.transformer_vaswani_wmt_en_fr_big,
+    "_wmt_en_de_big": stock.transformer_wmt_en_de_big,
+    "_wmt_en_de_big_t2t": stock.transformer_wmt_en_de_big_t2t,
 }
 
 

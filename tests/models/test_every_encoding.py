@@ -1,7 +1,9 @@
 """Model-level behaviour, parametrised over every encoding the plugin registers: an encoding
 added later is covered here without new test code."""
 
+import argparse
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -17,12 +19,61 @@ from util import (QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, HostRea
 EVERY_ENCODING = sorted(ENCODINGS)
 
 
-@pytest.mark.parametrize("encoding", EVERY_ENCODING)
-def test_every_size_variant_is_registered(encoding):
-    for suffix in ("", "_iwslt_de_en", "_wmt_en_de", "_vaswani_wmt_en_de_big"):
-        assert ARCH_MODEL_REGISTRY[f"transformer_{encoding}{suffix}"].__name__ == "PositionalTransformerModel"
-    for suffix in ("", "_base", "_large"):
-        assert ARCH_MODEL_REGISTRY[f"roberta_{encoding}{suffix}"].__name__ == "PositionalRobertaModel"
+FAMILIES = {"transformer": "PositionalTransformerModel", "transformer_lm": "PositionalLanguageModel",
+            "roberta": "PositionalRobertaModel"}
+NOT_OFFERED = {"xlm"}  # XLM-R's RoBERTa architecture: its name has no `roberta` to follow
+
+
+def stock_sizes(family):
+    """The size suffixes of fairseq's own architectures of `family`'s model (from its registry)."""
+    return sorted(arch[len(family):] for arch, model in ARCH_MODEL_REGISTRY.items()
+                  if model is ARCH_MODEL_REGISTRY[family] and arch not in NOT_OFFERED)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_stock_size_is_registered_for_every_encoding(family):
+    sizes = stock_sizes(family)
+    assert "" in sizes and len(sizes) >= 3
+    for encoding in EVERY_ENCODING:
+        for suffix in sizes:
+            assert ARCH_MODEL_REGISTRY[f"{family}_{encoding}{suffix}"].__name__ == FAMILIES[family], (encoding, suffix)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_size_sets_the_options_stock_sets(family):
+    """`{family}_floater{size}`'s architecture (FLOATER keeps the size's own input embedding, learned
+    or sinusoidal), and that of the baseline named for that embedding, set what fairseq's
+    `{family}{size}` sets, but this package's own options."""
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+
+    from posenc_fairseq.models.common import add_position_args
+
+    probe = argparse.ArgumentParser()
+    add_position_args(probe)
+    ours_only = {action.dest for action in probe._actions}
+
+    def architecture_sets(arch):
+        args = argparse.Namespace()
+        ARCH_CONFIG_REGISTRY[arch](args)
+        # then, as fairseq's config does for a model with a dataclass, its defaults for what is unset
+        # (stock `transformer_lm` is that dataclass's no-op architecture; ours fill in the same)
+        dataclass = getattr(ARCH_MODEL_REGISTRY[family], "__dataclass", None)
+        for field in dataclasses.fields(dataclass) if dataclass is not None else ():
+            if not hasattr(args, field.name) and field.default is not dataclasses.MISSING and \
+                    not str(field.default).startswith("${"):
+                setattr(args, field.name, field.default)
+        return {key: value for key, value in vars(args).items() if key not in ours_only}
+
+    for suffix in stock_sizes(family):
+        stock = architecture_sets(f"{family}{suffix}")
+        # also the baseline named for the size's own input embedding (its flags written explicitly)
+        named = "learned" if stock.get("encoder_learned_pos") or stock.get("decoder_learned_pos") else "sinusoidal"
+        for encoding in ("floater", named):
+            ours = architecture_sets(f"{family}_{encoding}{suffix}")
+            differing = {key for key in ours.keys() | stock.keys()
+                         if ours.get(key, "absent") != stock.get(key, "absent")}
+            assert not differing, (encoding, suffix, {key: (ours.get(key, "absent"), stock.get(key, "absent"))
+                                                      for key in differing})
 
 
 def decoder_logits_full_and_stepwise(model, src, src_lengths, prev):

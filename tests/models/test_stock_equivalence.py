@@ -49,11 +49,13 @@ def test_transformer_sinusoidal_is_the_stock_transformer(translation_data):
             assert abs(float(a["score"]) - float(b["score"])) <= 1e-5
 
 
-def test_roberta_learned_is_stock_roberta(masked_lm_data):
+@pytest.mark.parametrize("size", ["_base", "_prenorm"])
+def test_roberta_learned_is_stock_roberta(masked_lm_data, size):
     torch.manual_seed(0)
-    stock, task, _ = build_model(masked_lm_data, "roberta_base", TINY_ROBERTA, task="masked_lm")
+    stock, task, _ = build_model(masked_lm_data, f"roberta{size}", TINY_ROBERTA, task="masked_lm")
     torch.manual_seed(0)
-    ours, _, _ = build_model(masked_lm_data, "roberta_learned_base", TINY_ROBERTA, task="masked_lm")
+    ours, _, _ = build_model(masked_lm_data, f"roberta_learned{size}", TINY_ROBERTA, task="masked_lm")
+    assert ours.state_dict().keys() - stock.state_dict().keys() <= {"positional_encoding.trained_with"}
     assert all(torch.equal(ours.state_dict()[k], v) for k, v in stock.state_dict().items())
     stock.eval(), ours.eval()
     tokens = torch.randint(task.source_dictionary.nspecial, len(task.source_dictionary), (3, 11))
