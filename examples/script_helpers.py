@@ -93,3 +93,15 @@ def increasing_counts(minimum: int, what: str):
 
     parse.__name__ = what
     return parse
+
+
+def results_by_name(paths, prefix: str, load, fail) -> dict:
+    """Each result file's `load(path, fail)` under its name: the file's stem without `prefix`
+    (bleu_xl.json -> xl). Two files of one name are refused (`fail`, e.g. argparse's error)."""
+    results = {}
+    for path in paths:
+        name = path.stem[len(prefix):] if path.stem.startswith(prefix) else path.stem
+        if name in results:
+            fail(f"two results named {name} ({path} and an earlier file)")
+        results[name] = load(path, fail)
+    return results

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from script_helpers import write_text_atomic  # noqa: E402
+from script_helpers import results_by_name, write_text_atomic  # noqa: E402
 
 MISSING = "–"
 
@@ -46,12 +46,7 @@ def main(argv=None):
     p.add_argument("results", nargs="+", type=Path, help="bleu_ENCODING.json files")
     p.add_argument("--out", type=Path, required=True, help="output prefix (.md and .png are added)")
     args = p.parse_args(argv)
-    rows = {}
-    for path in args.results:
-        name = path.stem[len("bleu_"):] if path.stem.startswith("bleu_") else path.stem
-        if name in rows:
-            p.error(f"two results named {name} ({path} and an earlier file)")
-        rows[name] = load_result(path, p.error)
+    rows = results_by_name(args.results, "bleu_", load_result, p.error)
     bins = bin_columns(rows)
     lines = ["| encoding | " + " | ".join(f"BLEU {b}" for b in bins) + " | all |",
              "|---" * (len(bins) + 2) + "|"]

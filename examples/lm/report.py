@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from script_helpers import write_text_atomic  # noqa: E402
+from script_helpers import results_by_name, write_text_atomic  # noqa: E402
 
 MISSING = "–"
 
@@ -43,12 +43,7 @@ def main(argv=None):
     p.add_argument("results", nargs="+", type=Path, help="ppl_ENCODING.json files written by evaluate.py --json")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    rows = {}
-    for path in args.results:
-        name = path.stem[len("ppl_"):] if path.stem.startswith("ppl_") else path.stem
-        if name in rows:
-            p.error(f"two results named {name} ({path} and an earlier file)")
-        rows[name] = load_result(path, p.error)
+    rows = results_by_name(args.results, "ppl_", load_result, p.error)
     # every memory of any file, as numbers where they are (so 640 comes after 150), each once
     memories = sorted({m for result in rows.values() for m in result["ppl"]},
                       key=lambda m: (0, int(m), m) if m.isdigit() else (1, 0, m))
