@@ -102,6 +102,10 @@ def test_report_matches_columns_by_bin_name(tmp_path, capsys):
     assert rows["b"]["BLEU [100,inf)"] == "21.00 (n=5)" and rows["b"]["BLEU [120,inf)"] == "–"
     assert (tmp_path / "s2l.png").stat().st_size > 0
     assert "no file" in refused(capsys, report.main, tmp_path / "bleu_c.json", "--out", tmp_path / "x")
+    (tmp_path / "other").mkdir()  # one name twice (two runs' folders): refused, not one row overwriting the other
+    (tmp_path / "other" / "bleu_a.json").write_text((tmp_path / "bleu_a.json").read_text())
+    assert "two results named a" in refused(capsys, report.main, tmp_path / "bleu_a.json",
+                                            tmp_path / "other" / "bleu_a.json", "--out", tmp_path / "x")
     for seed in ("seed1", "seed2"):  # a dotted prefix keeps its last part (with_suffix dropped it: one file for both)
         report.main([str(tmp_path / "bleu_a.json"), "--out", str(tmp_path / f"s2l.{seed}")])
         assert (tmp_path / f"s2l.{seed}.md").exists() and (tmp_path / f"s2l.{seed}.png").exists()
