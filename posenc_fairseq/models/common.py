@@ -501,8 +501,9 @@ def learned_table_size_error(key: str, extra_rows: int, cfg) -> OptionValueError
     built = getattr(cfg, dest, None) if dest is not None else None
     if not isinstance(built, int):
         return OptionValueError(
-            f"the checkpoint's learned input position table ({key}) has {extra_rows:+d} positions against the "
-            f"model's; a learned table has a fixed size: build the model with the checkpoint's maximum positions")
+            f"the checkpoint's learned input position table ({key}) holds {abs(extra_rows)} "
+            f"{'more' if extra_rows > 0 else 'fewer'} positions than the model's; a learned table has a fixed size: "
+            f"build the model with the checkpoint's maximum positions")
     option = "--" + dest.replace("_", "-")
     default = " (by default --tokens-per-sample)" if dest == "max_target_positions" and \
         hasattr(cfg, "tokens_per_sample") and not hasattr(cfg, "max_source_positions") else ""
