@@ -357,10 +357,8 @@ def _size_suffix(kind: str, arch: str) -> str:
     from .models import lm, roberta, transformer
 
     sizes = {"transformer": transformer.SIZES, "roberta": roberta.SIZES, "transformer_lm": lm.SIZES}[kind]
-    for suffix in sorted(sizes, key=len, reverse=True):
-        if suffix and arch == kind + suffix:
-            return suffix
-    return ""
+    suffix = arch[len(kind):] if arch.startswith(kind) else ""
+    return suffix if suffix in sizes else ""
 
 
 def converted_arch(kind: str, arch: str, encoding: str) -> str:
