@@ -98,6 +98,13 @@ class PositionalLanguageModel(EncodingStateMixin, TransformerLanguageModel):
 
     @classmethod
     def build_model(cls, args, task):
+        if getattr(args, "max_target_positions", None) is None:
+            # stock's config takes it from the task (`${task.tokens_per_sample}`); fairseq-hydra-train
+            # gives this model no task options, where stock's build falls back to 1024
+            task_options = getattr(task, "cfg", None) or getattr(task, "args", None)
+            tokens_per_sample = getattr(task_options, "tokens_per_sample", None)
+            if tokens_per_sample is not None:
+                args.max_target_positions = tokens_per_sample
         # fairseq's own build (embeddings, adaptive input, ...) with our decoder class in place of
         # TransformerDecoder: the same modules, parameters and random initialisation as stock
         with mock.patch.object(stock, "TransformerDecoder", PositionalTransformerDecoder):

@@ -394,6 +394,36 @@ def test_hub_sample_and_score_agree(stock_lm, masked_lm_data, tmp_path, encoding
     assert (scored["positional_scores"] - generated["positional_scores"][:n]).abs().max() <= 1e-4
 
 
+HYDRA_LM = """
+common: {{user_dir: {user_dir}, cpu: true, seed: 1}}
+task: {{_name: language_modeling, data: {data}, tokens_per_sample: 24}}
+criterion: {{_name: cross_entropy}}
+dataset: {{max_tokens: 500, num_workers: 0, disable_validation: true}}
+optimization: {{lr: [0.001], max_update: 1}}
+optimizer: {{_name: adam}}
+lr_scheduler: {{_name: fixed}}
+checkpoint: {{no_epoch_checkpoints: true}}
+model: {{_name: {arch}, decoder_layers: 1, decoder_embed_dim: 16, decoder_ffn_embed_dim: 32,
+        decoder_attention_heads: 2, decoder_learned_pos: true}}
+"""
+
+
+def test_hydra_train_takes_the_maximum_positions_from_the_task_as_stock(masked_lm_data, tmp_path):
+    """fairseq-hydra-train gives this (argparse) model no task options: its maximum positions fell back
+    to 1024 where stock's config reads --tokens-per-sample, so a learned table had 1026 rows instead of
+    26 (and a hydra-made model was another model than fairseq-train's). Stock transformer_lm under
+    hydra is the reference."""
+    saved = {}
+    for arch in ("transformer_lm", "transformer_lm_learned"):
+        (tmp_path / f"{arch}.yaml").write_text(HYDRA_LM.format(user_dir=USER_DIR, data=masked_lm_data, arch=arch))
+        run([str(REPO / ".venv/bin/fairseq-hydra-train"), "--config-dir", tmp_path, "--config-name", arch,
+             f"checkpoint.save_dir={tmp_path / arch}", f"hydra.run.dir={tmp_path / arch / 'hydra'}"])
+        saved[arch] = torch.load(tmp_path / arch / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    for state in saved.values():
+        assert state["model"]["decoder.embed_positions.weight"].shape == (24 + 2, 16)
+    assert saved["transformer_lm_learned"]["cfg"]["model"]["max_target_positions"] == 24  # (what later loads build)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("encoding", DDP_ENCODINGS)
 def test_lm_trains_in_two_gloo_processes(masked_lm_data, tmp_path, encoding):
