@@ -101,7 +101,9 @@ class PositionalLanguageModel(EncodingStateMixin, TransformerLanguageModel):
         if getattr(args, "max_target_positions", None) is None:
             # stock's config takes it from the task (`${task.tokens_per_sample}`); fairseq-hydra-train
             # gives this model no task options, where stock's build falls back to 1024
-            task_options = getattr(task, "cfg", None) or getattr(task, "args", None)
+            task_options = getattr(task, "cfg", None)
+            if task_options is None:  # (fairseq's legacy tasks keep their options as `args`)
+                task_options = getattr(task, "args", None)
             tokens_per_sample = getattr(task_options, "tokens_per_sample", None)
             if tokens_per_sample is not None:
                 args.max_target_positions = tokens_per_sample
