@@ -357,7 +357,8 @@ def _size_suffix(kind: str, arch: str) -> str:
     from .models import lm, roberta, transformer
 
     sizes = {"transformer": transformer.SIZES, "roberta": roberta.SIZES, "transformer_lm": lm.SIZES}[kind]
-    suffix = arch[len(kind):] if arch.startswith(kind) else ""
+    # a stock size whose name lacks the family's prefix (RoBERTa's `xlm`) is registered as `_xlm`
+    suffix = arch[len(kind):] if arch.startswith(kind) else f"_{arch}"
     return suffix if suffix in sizes else ""
 
 

@@ -114,14 +114,14 @@ def convert_in_process(src, dst, kind, encoding):
 @pytest.mark.parametrize("kind", ["transformer", "transformer_lm", "roberta"])
 def test_a_converted_checkpoint_keeps_its_sizes_name(kind):
     """Each of fairseq's architectures of the kind (its registry) converts to the same size of ours,
-    e.g. transformer_wmt_en_de_big -> transformer_t5_wmt_en_de_big; XLM-R's `xlm`, which has no
-    counterpart, to the base name (the dimensions are kept from the source's config either way)."""
+    e.g. transformer_wmt_en_de_big -> transformer_t5_wmt_en_de_big; RoBERTa's `xlm`, whose name lacks
+    the prefix, to roberta_t5_xlm (the dimensions are kept from the source's config either way)."""
     from fairseq.models import ARCH_MODEL_REGISTRY
 
     stock = [arch for arch, model in ARCH_MODEL_REGISTRY.items() if model is ARCH_MODEL_REGISTRY[kind]]
     assert len(stock) >= 3
     for arch in stock:
-        expected = f"{kind}_t5" + ("" if arch == "xlm" else arch[len(kind):])
+        expected = f"{kind}_t5" + ("_xlm" if arch == "xlm" else arch[len(kind):])
         assert convert.converted_arch(kind, arch, "t5") == expected
         assert expected in ARCH_MODEL_REGISTRY
 

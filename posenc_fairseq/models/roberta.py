@@ -1,7 +1,8 @@
 """`posenc_roberta`: fairseq's RobertaModel with PositionalAttention.
 
 Registers, for every encoding NAME, `roberta_NAME` and `roberta_NAME_base` (BERT-base size),
-`roberta_NAME_large` and `roberta_NAME_prenorm` (fairseq's RoBERTa sizes but XLM-R's `xlm`).
+`roberta_NAME_large`, `roberta_NAME_prenorm` and `roberta_NAME_xlm` (fairseq's RoBERTa sizes; its
+`xlm`, whose name lacks the `roberta` prefix, becomes the suffix `_xlm`).
 """
 from fairseq.models import register_model
 from fairseq.models.roberta import RobertaEncoder, RobertaModel
@@ -16,6 +17,7 @@ SIZES = {
     "_prenorm": stock.roberta_prenorm_architecture,
     "_base": stock.roberta_base_architecture,
     "_large": stock.roberta_large_architecture,
+    "_xlm": stock.xlm_architecture,
 }
 
 

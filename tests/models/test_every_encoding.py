@@ -21,21 +21,21 @@ EVERY_ENCODING = sorted(ENCODINGS)
 
 FAMILIES = {"transformer": "PositionalTransformerModel", "transformer_lm": "PositionalLanguageModel",
             "roberta": "PositionalRobertaModel"}
-NOT_OFFERED = {"xlm"}  # XLM-R's RoBERTa architecture: its name has no `roberta` to follow
 
 
 def stock_sizes(family):
-    """The size suffixes of fairseq's own architectures of `family`'s model (from its registry)."""
-    return sorted(arch[len(family):] for arch, model in ARCH_MODEL_REGISTRY.items()
-                  if model is ARCH_MODEL_REGISTRY[family] and arch not in NOT_OFFERED)
+    """{fairseq's architecture of `family`'s model (its registry): our size suffix}, e.g.
+    transformer_wmt_en_de -> _wmt_en_de; a name without the family's prefix (RoBERTa's `xlm`) -> _xlm."""
+    return {arch: arch[len(family):] if arch.startswith(family) else f"_{arch}"
+            for arch, model in ARCH_MODEL_REGISTRY.items() if model is ARCH_MODEL_REGISTRY[family]}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_stock_size_is_registered_for_every_encoding(family):
     sizes = stock_sizes(family)
-    assert "" in sizes and len(sizes) >= 3
+    assert "" in sizes.values() and len(sizes) >= 3
     for encoding in EVERY_ENCODING:
-        for suffix in sizes:
+        for suffix in sizes.values():
             assert ARCH_MODEL_REGISTRY[f"{family}_{encoding}{suffix}"].__name__ == FAMILIES[family], (encoding, suffix)
 
 
@@ -64,8 +64,8 @@ def test_every_size_sets_the_options_stock_sets(family):
                 setattr(args, field.name, field.default)
         return {key: value for key, value in vars(args).items() if key not in ours_only}
 
-    for suffix in stock_sizes(family):
-        stock = architecture_sets(f"{family}{suffix}")
+    for stock_arch, suffix in stock_sizes(family).items():
+        stock = architecture_sets(stock_arch)
         # also the baseline named for the size's own input embedding (its flags written explicitly)
         named = "learned" if stock.get("encoder_learned_pos") or stock.get("decoder_learned_pos") else "sinusoidal"
         for encoding in ("floater", named):
