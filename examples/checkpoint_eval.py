@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples"))
-from script_helpers import at_least  # noqa: E402
+from script_helpers import at_least, check_checkpoint, refuse  # noqa: E402
 
 
 def load_checkpoint(checkpoint, data_bin, cpu, user_dir=None):
@@ -31,8 +31,7 @@ def load_checkpoint(checkpoint, data_bin, cpu, user_dir=None):
         import posenc_fairseq  # noqa: F401  (its models, and fairseq's checkpoint contents allow-listed)
     else:  # (another copy of posenc_fairseq, say: imported instead of this tree's)
         utils.import_user_module(argparse.Namespace(user_dir=str(user_dir)))
-    if not Path(checkpoint).is_file():
-        raise SystemExit(f"error: no checkpoint file {checkpoint}")
+    check_checkpoint(checkpoint, refuse)
     models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([str(checkpoint)],
                                                                       arg_overrides={"data": str(data_bin)})
     model = models[0].eval()

@@ -1,6 +1,7 @@
 """Helpers the example scripts share: option types that refuse out-of-range numbers at parse time,
-reading text files line by line as fairseq does, parallel files checked to match line for line, and
-writing a file whole or not at all."""
+reading text files line by line as fairseq does, parallel files checked to match line for line,
+inputs and outputs checked before the work (a checkpoint is one, an output never replaces an input),
+and writing a file whole or not at all."""
 import argparse
 import os
 import sys
@@ -72,6 +73,55 @@ def write_text_atomic(path: Path, text: str, encoding="utf-8"):
         raise
 
 
+def refuse(message: str):
+    """A `fail` for the checks below where no parser is at hand: the message as one error line."""
+    raise SystemExit(f"error: {message}")
+
+
+def check_checkpoint(path: Path, fail):
+    """`fail(message)` (e.g. parser.error) unless `path` is a file in torch.save's format, as fairseq's
+    checkpoints are: before any work, and with a message rather than torch.load's own error."""
+    from posenc_fairseq.compat.checkpoint_loading import written_by_torch_save
+
+    if not Path(path).is_file():
+        fail(f"no checkpoint file {path}")
+    try:
+        readable = written_by_torch_save(path)
+    except OSError as error:
+        fail(f"cannot read {path}: {error.strerror or error}")
+    if not readable:
+        fail(f"{path} is not a fairseq checkpoint (not a file written by torch.save)")
+
+
+def check_output(path: Path, inputs, fail) -> Path:
+    """`path`, where a script will write a result, checked before the work that makes it (`fail(message)`,
+    e.g. parser.error): not a folder, not one of `inputs` (files read, or folders whose existing files
+    are read; links resolved), since an output must never replace what the run reads, and in a folder
+    that exists or can be made. Returns it as a Path."""
+    path = Path(path)
+    if path.is_dir():
+        fail(f"{path} is a folder: give a file name to write")
+    target = path.resolve()
+    for source in map(Path, inputs):
+        source = source.resolve()
+        if target == source or (source.is_dir() and target.exists() and target.is_relative_to(source)):
+            fail(f"{path} would replace an input ({source}): give another path to write")
+    existing = next(folder for folder in target.parents if folder.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        fail(f"cannot write {path}: {existing} is not a folder this user may write in")
+    return path
+
+
+def write_output(path: Path, text: str):
+    """`text` written whole to `path` (write_text_atomic), its folder made first; an OSError (disk
+    full, read-only folder) ends the script with one line instead of a traceback."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, text)
+    except OSError as error:
+        raise SystemExit(f"error: cannot write {path}: {error.strerror or error}") from None
+
+
 def fairseq_command(name: str) -> str:
     """fairseq's command `name` (fairseq-generate, ...) beside this Python where it is (a venv's
     python run without the venv on PATH), else from PATH."""
@@ -101,7 +151,8 @@ def results_by_name(paths, prefix: str, load, fail) -> dict:
     results = {}
     for path in paths:
         name = path.stem[len(prefix):] if path.stem.startswith(prefix) else path.stem
+        result = load(path, fail)  # (a missing file is named as such, not as a second result)
         if name in results:
             fail(f"two results named {name} ({path} and an earlier file)")
-        results[name] = load(path, fail)
+        results[name] = result
     return results

@@ -473,6 +473,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not args.checkpoint.is_file():
         parser.error(f"no checkpoint file {args.checkpoint}")
+    from posenc_fairseq.compat.checkpoint_loading import written_by_torch_save
+
+    if not written_by_torch_save(args.checkpoint):
+        parser.error(f"{args.checkpoint} is not a fairseq checkpoint (not a file written by torch.save)")
     if args.length < 2:
         parser.error("--length must be at least 2")
     if args.max_distance is not None and args.max_distance < 1:

@@ -22,12 +22,14 @@ sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE.parent))
 import posenc_fairseq  # noqa: E402,F401
 from checkpoint_eval import load_checkpoint  # noqa: E402
+from script_helpers import check_output, write_output  # noqa: E402
 
 # prediction and metrics of examples/glue/evaluate.py (same file name as this one: load it by path)
 _spec = importlib.util.spec_from_file_location("glue_evaluate", HERE.parent / "glue" / "evaluate.py")
 glue_evaluate = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(glue_evaluate)
 predict, scores, print_scored = glue_evaluate.predict, glue_evaluate.scores, glue_evaluate.print_scored
+classification_head = glue_evaluate.classification_head
 
 TASKS = ["IMDB", "SST-2", "SNLI", "QNLI", "QQP", "MNLI"]
 DEFAULT_SUBSETS = {"IMDB": ["valid"], "SNLI": ["test"], "MNLI": ["valid", "valid1"]}
@@ -52,9 +54,13 @@ def main(argv=None):
     p.add_argument("--skip-too-long", action="store_true", help=glue_evaluate.SKIP_HELP)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    if not Path(args.data_bin).is_dir():
+        p.error(f"no folder {args.data_bin}")
+    if args.json:
+        check_output(args.json, [args.data_bin, args.checkpoint], p.error)
     cpu = args.cpu or not torch.cuda.is_available()
     model, cfg, task = load_checkpoint(args.checkpoint, args.data_bin, cpu)
-    head = getattr(cfg.criterion, "classification_head_name", None) or "sentence_classification_head"
+    head = classification_head(model, cfg, args.checkpoint)
     label_dictionary = task.label_dictionary
 
     def label_string(index):
@@ -77,9 +83,8 @@ def main(argv=None):
     metric = metric_name(args.task, subsets)
     print(f"{args.task} {metric} = {value:.2f}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"task": args.task, "metric": metric, "value": value, "parts": parts,
-                                          "as_in_table": metric == METRIC.get(args.task, "acc")}, indent=1))
+        write_output(args.json, json.dumps({"task": args.task, "metric": metric, "value": value, "parts": parts,
+                                            "as_in_table": metric == METRIC.get(args.task, "acc")}, indent=1))
     return 0
 
 

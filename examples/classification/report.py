@@ -6,7 +6,11 @@ paper, the paper's mean±std over 10 runs beside ours.
 """
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from script_helpers import check_output, write_output  # noqa: E402
 
 TASKS = ["IMDB", "SST-2", "SNLI", "QNLI", "QQP", "MNLI"]
 # Qu et al. 2021, table 1 (acc; QQP avg(acc/f1); MNLI avg(m/mm))
@@ -19,6 +23,16 @@ PAPER = {
 }
 
 
+def read_result(path: Path, fail):
+    """(the value to two decimals, its metric, whether it is the table's) of one evaluate.py --json file
+    (evaluate.py says where it scored another metric or subset); fail(message) if it is not one."""
+    try:
+        result = json.loads(path.read_text())
+        return f"{float(result['value']):.2f}", result.get("metric"), bool(result.get("as_in_table", True))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        fail(f"{path} is not a result of evaluate.py --json ({type(error).__name__}: {error})")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("work_dir", type=Path)
@@ -26,15 +40,20 @@ def main(argv=None):
     p.add_argument("--encodings", nargs="+", metavar="NAME",
                    help="the encodings (WORK_DIR/<encoding>) of this table; default: every folder with a result")
     args = p.parse_args(argv)
+    if not args.work_dir.is_dir():
+        p.error(f"no folder {args.work_dir}")
+    files = [path for path in sorted(args.work_dir.glob("*/*.json"))
+             if path.stem in TASKS and (args.encodings is None or path.parent.name in args.encodings)]
+    check_output(args.out, files, p.error)
+    missing = sorted(set(args.encodings or ()) - {path.parent.name for path in files})
+    if missing:
+        p.error(f"no results of {', '.join(missing)} in {args.work_dir} (<encoding>/<TASK>.json)")
+    if not files:
+        p.error(f"no results in {args.work_dir} (<encoding>/<TASK>.json, TASK one of {' '.join(TASKS)})")
     results = {}
-    for path in sorted(args.work_dir.glob("*/*.json")):
-        if path.stem in TASKS and (args.encodings is None or path.parent.name in args.encodings):
-            result = json.loads(path.read_text())
-            if not isinstance(result, dict) or "value" not in result:
-                p.error(f"{path}: not a result of evaluate.py --json")
-            value = f"{result['value']:.2f}"  # (evaluate.py says where it scored another metric or subset)
-            results.setdefault(path.parent.name, {})[path.stem] = (
-                value if result.get("as_in_table", True) else f"{value} ({result['metric']})")
+    for path in files:
+        value, metric, as_in_table = read_result(path, p.error)
+        results.setdefault(path.parent.name, {})[path.stem] = value if as_in_table else f"{value} ({metric})"
     tasks = [t for t in TASKS if any(t in r for r in results.values())]
     header = ["encoding"] + [f"{t} paper | {t} ours" for t in tasks]
     lines = ["| " + " | ".join(header) + " |", "|---" * (1 + 2 * len(tasks)) + "|"]
@@ -45,8 +64,7 @@ def main(argv=None):
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(table + "\n")
+    write_output(args.out, table + "\n")
     return 0
 
 

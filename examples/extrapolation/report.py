@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from script_helpers import results_by_name, write_text_atomic  # noqa: E402
+from script_helpers import check_output, results_by_name, write_output  # noqa: E402
 
 MISSING = "–"
 
@@ -46,6 +46,9 @@ def main(argv=None):
     p.add_argument("results", nargs="+", type=Path, help="bleu_ENCODING.json files")
     p.add_argument("--out", type=Path, required=True, help="output prefix (.md and .png are added)")
     args = p.parse_args(argv)
+    # the prefix as given: with_suffix would replace a dotted part (s2l.seed1 -> s2l.md)
+    markdown, picture = (check_output(args.out.parent / f"{args.out.name}{suffix}", args.results, p.error)
+                         for suffix in (".md", ".png"))
     rows = results_by_name(args.results, "bleu_", load_result, p.error)
     bins = bin_columns(rows)
     lines = ["| encoding | " + " | ".join(f"BLEU {b}" for b in bins) + " | all |",
@@ -55,10 +58,7 @@ def main(argv=None):
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {overall:.2f} |")
     table = "\n".join(lines)
     print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    # the prefix as given: with_suffix would replace a dotted part (s2l.seed1 -> s2l.md)
-    markdown, picture = (args.out.parent / f"{args.out.name}{suffix}" for suffix in (".md", ".png"))
-    write_text_atomic(markdown, table + "\n")
+    write_output(markdown, table + "\n")
 
     import matplotlib
     matplotlib.use("Agg")

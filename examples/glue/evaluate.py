@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import posenc_fairseq  # noqa: E402,F401
 from checkpoint_eval import batches, load_checkpoint  # noqa: E402
+from script_helpers import check_output, write_output  # noqa: E402
 
 METRICS = {"CoLA": ["mcc"], "MRPC": ["f1", "acc"], "QQP": ["f1", "acc"], "STS-B": ["pearson", "spearman"]}
 SKIP_HELP = "score only the examples that fit the model's max positions (default: refuse if any is longer)"
@@ -43,6 +44,17 @@ def predict(model, task, subset, head, regression, cpu, batch_size, skip_too_lon
                 predictions += logits.argmax(dim=-1).cpu().tolist()
                 targets += sample["target"].view(-1).cpu().tolist()
     return predictions, targets, examples
+
+
+def classification_head(model, cfg, checkpoint) -> str:
+    """The name of the head the checkpoint's criterion trained, refused in one line where the model has
+    none (a checkpoint of another task: translation, a language model, RoBERTa before fine-tuning)."""
+    head = getattr(cfg.criterion, "classification_head_name", None) or "sentence_classification_head"
+    if head not in getattr(model, "classification_heads", {}):
+        raise SystemExit(f"error: {checkpoint} has no classification head {head!r} (a {type(model).__name__} "
+                         f"of task {getattr(cfg.task, '_name', '?')}): give a checkpoint fine-tuned with "
+                         f"sentence_prediction")
+    return head
 
 
 def print_scored(task_name, subset, targets, examples):
@@ -73,11 +85,15 @@ def main(argv=None):
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--skip-too-long", action="store_true", help=SKIP_HELP)
-    p.add_argument("--json")
+    p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    if not Path(args.data_bin).is_dir():
+        p.error(f"no folder {args.data_bin}")
+    if args.json:
+        check_output(args.json, [args.data_bin, args.checkpoint], p.error)
     cpu = args.cpu or not torch.cuda.is_available()
     model, cfg, task = load_checkpoint(args.checkpoint, args.data_bin, cpu)
-    head = getattr(cfg.criterion, "classification_head_name", None) or "sentence_classification_head"
+    head = classification_head(model, cfg, args.checkpoint)
     regression = bool(getattr(cfg.task, "regression_target", False))
     subsets = {"MNLI": [("valid", "dev_matched"), ("valid1", "dev_mismatched")]}.get(args.task, [("valid", "dev")])
     label_dictionary = getattr(task, "label_dictionary", None)
@@ -95,7 +111,7 @@ def main(argv=None):
         for metric in METRICS.get(args.task, ["acc"]):
             print(f"{args.task} {name} {metric} = {results[name][metric]:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        write_output(args.json, json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

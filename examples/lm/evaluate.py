@@ -22,7 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples"))
-from script_helpers import at_least, fairseq_command, write_text_atomic  # noqa: E402
+from script_helpers import at_least, check_checkpoint, check_output, fairseq_command, write_output  # noqa: E402
 
 
 def eval_lm(data_bin, checkpoint, memory, block, subset, batch_size, cpu, extra):
@@ -55,6 +55,11 @@ def main(argv=None):
     p.add_argument("--json", type=Path, help="write {'ppl': {M: value}, 'best': value} here")
     args, extra = p.parse_known_args(argv)
     extra = [x for x in extra if x != "--"]
+    if not Path(args.data_bin).is_dir():
+        p.error(f"no folder {args.data_bin}")
+    check_checkpoint(args.checkpoint, p.error)
+    if args.json:
+        check_output(args.json, [args.data_bin, args.checkpoint], p.error)
     results = {}
     for memory in args.memory:
         results[memory] = eval_lm(args.data_bin, args.checkpoint, memory, args.block, args.subset,
@@ -63,9 +68,8 @@ def main(argv=None):
     best = min(results.values())
     print(f"ppl best = {best:.2f}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(args.json, json.dumps({"ppl": {str(m): v for m, v in results.items()}, "best": best,
-                                                 "block": args.block, "subset": args.subset}, indent=1))
+        write_output(args.json, json.dumps({"ppl": {str(m): v for m, v in results.items()}, "best": best,
+                                            "block": args.block, "subset": args.subset}, indent=1))
     return 0
 
 

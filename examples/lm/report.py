@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from script_helpers import results_by_name, write_text_atomic  # noqa: E402
+from script_helpers import check_output, results_by_name, write_output  # noqa: E402
 
 MISSING = "–"
 
@@ -43,6 +43,7 @@ def main(argv=None):
     p.add_argument("results", nargs="+", type=Path, help="ppl_ENCODING.json files written by evaluate.py --json")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
+    check_output(args.out, args.results, p.error)
     rows = results_by_name(args.results, "ppl_", load_result, p.error)
     # every memory of any file, as numbers where they are (so 640 comes after 150), each once
     memories = sorted({m for result in rows.values() for m in result["ppl"]},
@@ -58,8 +59,7 @@ def main(argv=None):
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(args.out, table + "\n")
+    write_output(args.out, table + "\n")
     return 0
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from checkpoint_eval import count_correct, load_checkpoint  # noqa: E402
-from script_helpers import at_least, write_text_atomic  # noqa: E402
+from script_helpers import at_least, check_output, write_output  # noqa: E402
 
 NAMES = {"test": "middle", "test1": "high", "valid": "dev"}
 
@@ -32,6 +32,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not args.data_bin.is_dir():
         p.error(f"no folder {args.data_bin}")
+    if args.json:
+        check_output(args.json, [args.data_bin, args.checkpoint], p.error)
     import torch
 
     cpu = args.cpu or not torch.cuda.is_available()
@@ -49,7 +51,7 @@ def main(argv=None):
                       "questions": all_questions}
     print(f"RACE all accuracy = {100 * all_correct / all_questions:.2f} ({all_correct} of {all_questions} right)")
     if args.json:
-        write_text_atomic(args.json, json.dumps(results, indent=1))
+        write_output(args.json, json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

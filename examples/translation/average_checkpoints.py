@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import posenc_fairseq  # noqa: E402,F401  (allow-lists fairseq's checkpoint contents)
 from fairseq import checkpoint_utils  # noqa: E402
 from posenc_fairseq.encodings import trained_with  # noqa: E402
-from script_helpers import at_least  # noqa: E402
+from script_helpers import at_least, check_checkpoint, check_output  # noqa: E402
 
 
 def last_checkpoints(directory, n, by_update):
@@ -119,20 +119,24 @@ def main(argv=None):
         paths = last_checkpoints(args.inputs[0], count, by_update=args.num_update_checkpoints is not None)
     else:
         paths = args.inputs
-        for path in paths:
-            if not os.path.isfile(path):
-                p.error(f"no checkpoint file {path}")
+    for path in paths:
+        check_checkpoint(path, p.error)
+    check_output(args.output, paths, p.error)
     state = average(paths)
-    # saved beside the output first: an output that is one of the inputs is replaced whole or not at all
-    handle = tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(args.output)),
-                                         prefix=f".{os.path.basename(args.output)}.", suffix=".tmp", delete=False)
+    # saved beside the output first: the output is its old self or the whole average, never half written
     try:
-        with handle:
-            torch.save(state, handle)
-        os.replace(handle.name, args.output)
-    except BaseException:
-        os.unlink(handle.name)
-        raise
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        handle = tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(args.output)),
+                                             prefix=f".{os.path.basename(args.output)}.", suffix=".tmp", delete=False)
+        try:
+            with handle:
+                torch.save(state, handle)
+            os.replace(handle.name, args.output)
+        except BaseException:
+            os.unlink(handle.name)
+            raise
+    except OSError as error:
+        raise SystemExit(f"error: cannot write {args.output}: {error.strerror or error}") from None
     print(f"averaged {len(paths)} checkpoints: {', '.join(os.path.basename(p) for p in paths)} -> {args.output}")
 
 

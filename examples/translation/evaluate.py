@@ -22,7 +22,8 @@ import sacrebleu
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples"))
-from script_helpers import fairseq_command, increasing_counts  # noqa: E402
+from script_helpers import (check_checkpoint, check_output, fairseq_command, increasing_counts,  # noqa: E402
+                            write_output)
 
 #: --bins B0,B1,...: the lower edges of the source-length bins, checked before fairseq-generate runs
 lower_edges = increasing_counts(0, "lengths")
@@ -69,14 +70,22 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--bins", type=lower_edges, default=[], metavar="B0,B1,...",
                    help="comma-separated lower edges of source-length bins (increasing, >= 0)")
-    p.add_argument("--json", help="write the scores here")
-    p.add_argument("--save-output", help="write fairseq-generate's output here")
+    p.add_argument("--json", type=Path, help="write the scores here")
+    p.add_argument("--save-output", type=Path, help="write fairseq-generate's output here")
     args, extra = p.parse_known_args(argv)
+    if not Path(args.data_bin).is_dir():
+        p.error(f"no folder {args.data_bin}")
+    check_checkpoint(args.checkpoint, p.error)
+    outputs = [path for path in (args.json, args.save_output) if path is not None]
+    for path in outputs:
+        check_output(path, [args.data_bin, args.checkpoint], p.error)
+    if len(outputs) == 2 and outputs[0].resolve() == outputs[1].resolve():
+        p.error(f"--json and --save-output are both {args.json}")
 
     stdout, stderr = generate(args.data_bin, args.checkpoint, args.subset, args.beam, args.lenpen,
                               args.batch_size, extra)
     if args.save_output:
-        Path(args.save_output).write_text(stdout)
+        write_output(args.save_output, stdout)
     srcs, hyps, refs = parse(stdout)
     fairseq_line = next((l for l in (stdout + stderr).splitlines() if "Generate" in l and "BLEU" in l), "")
     if fairseq_line:
@@ -93,7 +102,7 @@ def main(argv=None):
             result["bins"].append({"bin": name, "low": lo, "high": hi, "sentences": len(keep), "bleu": score})
             print(f"BLEU{name} = {score:.2f} (n={len(keep)})")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_output(args.json, json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -67,6 +67,16 @@ def refuses_fairseq_config() -> bool:
     return False
 
 
+def written_by_torch_save(path) -> bool:
+    """Whether the file at `path` begins as torch.save's files do: a zip archive ("PK"), or a pickle
+    (protocol 2 or later, 0x80) in the legacy format of old released checkpoints. Tells a text file
+    given as a checkpoint from one before torch.load answers it with an unrelated error (KeyError: 105
+    for a file starting with 'i')."""
+    with open(path, "rb") as handle:
+        magic = handle.read(2)
+    return magic == b"PK" or magic.startswith(b"\x80")
+
+
 def apply():
     if not refuses_fairseq_config():
         return None

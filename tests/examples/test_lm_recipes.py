@@ -117,4 +117,4 @@ def test_classification_results_on_other_subsets_say_so(tmp_path):
     (tmp_path / "t5" / "QQP.json").write_text("[]")
     done = subprocess.run([PY, str(EXAMPLES / "classification" / "report.py"), str(tmp_path), "--out", str(tmp_path / "t.md")],
                           capture_output=True, text=True)
-    assert done.returncode == 2 and "QQP.json: not a result of evaluate.py --json" in done.stderr
+    assert done.returncode == 2 and "QQP.json is not a result of evaluate.py --json" in done.stderr

@@ -3,6 +3,7 @@ and report.py on result files with different memories."""
 import json
 
 import pytest
+import torch
 
 from util import REPO, load_script
 
@@ -59,6 +60,8 @@ def test_evaluate_runs_the_fairseq_eval_lm_beside_its_python(monkeypatch, tmp_pa
         raise SystemExit(0)
 
     monkeypatch.setattr(evaluate.subprocess, "run", recorded)
+    (tmp_path / "data").mkdir()
+    torch.save({}, tmp_path / "checkpoint.pt")
     with pytest.raises(SystemExit):
-        evaluate.main(["DATA", "CHECKPOINT", "--memory", "4", "--block", "4"])
+        evaluate.main([str(tmp_path / "data"), str(tmp_path / "checkpoint.pt"), "--memory", "4", "--block", "4"])
     assert ran[0][0] == str(Path(sys.executable).parent / "fairseq-eval-lm")
