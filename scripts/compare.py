@@ -92,6 +92,14 @@ def parse_args(argv):
     DEMO.refuse_unusable_device(parser, args)
     if not args.data.is_dir():
         parser.error(f"no data folder {args.data}")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} is a file: give a folder")
+    import posenc_fairseq  # noqa: F401  (registers this package's architectures beside fairseq's)
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    unknown = [arch for arch in args.arch if arch not in ARCH_MODEL_REGISTRY]
+    if unknown:  # before the first architecture trains, not after it
+        parser.error(f"unknown architecture {', '.join(unknown)} (neither fairseq's nor posenc_fairseq's)")
     for option in ("--save-dir", "--arch", "--user-dir", "--cpu"):
         if given(option, args.train_options):
             parser.error(f"{option} is set by compare.py (use --out / --arch / --device)")
@@ -295,7 +303,10 @@ OUTPUTS = ("results.md", "results.csv", "compare.png")
 
 def main(argv=None):
     args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SystemExit(f"error: cannot make --out {args.out}: {error.strerror or error}") from None
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                PYTHONWARNINGS=os.environ.get("PYTHONWARNINGS", "ignore"))
     device = ["--cpu"] if args.device == "cpu" else []

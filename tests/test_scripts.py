@@ -290,6 +290,22 @@ def test_compare_refuses_a_training_length_fairseq_reads_as_no_limit(compare, tr
                         *ends, "--max-update", "3"])
 
 
+def test_compare_refuses_an_unknown_architecture_or_a_file_as_out_before_training(compare, translation_data,
+                                                                                   tmp_path, capsys):
+    """Before, a misspelt second architecture was found after the first one had trained, and --out
+    naming a file ended in a traceback."""
+    ends = ["--", "--max-update", "3"]
+    with pytest.raises(SystemExit):
+        compare.parse_args([str(translation_data), "--arch", "transformer_alibi", "transformer_t55",
+                            "--out", str(tmp_path), *ends])
+    assert "unknown architecture transformer_t55" in capsys.readouterr().err
+    (tmp_path / "results").write_text("")
+    with pytest.raises(SystemExit):
+        compare.parse_args([str(translation_data), "--arch", "transformer_alibi", "--out", str(tmp_path / "results"),
+                            *ends])
+    assert "is a file: give a folder" in capsys.readouterr().err
+
+
 def test_demo_refuses_half_precision_on_cpu_and_cuda_without_a_gpu():
     import torch
 

@@ -16,7 +16,8 @@ optimizer was given), the norm of the update the optimizer made, and the paramet
 
 and once per epoch the validation accuracy and, per head, the bias e_h(d) over the distances
 d = -3..3 of the first layer's table (its spread over d = 0..3 on each side is what Process-50
-needs: neighbours against the rest). Output: OUT/ARCH_seedN.jsonl (one line per record) and a
+needs: neighbours against the rest). Output: OUT/ARCH_seedN.jsonl (one line per record; named
+ARCH_seedN.jsonl.partial while the run lasts, so a stopped run's trace is not taken for a whole one) and a
 summary of the first and last epochs' mean gradient and update sizes per group. It takes
 sweep.py's options of one run (its axes, one value each, sizes, epochs, threads) and trains on the CPU.
 """
@@ -122,7 +123,9 @@ def trace(args) -> list:
     torch.set_num_threads(args.threads)
     trainer, epoch_itr = build(args, data)
     model, records = trainer.model, []
-    with open(args.out / f"{sweep.work_folder(args.arch, args.seed)}.jsonl", "w") as out:
+    path = args.out / f"{sweep.work_folder(args.arch, args.seed)}.jsonl"
+    partial = path.with_name(path.name + ".partial")  # the trace so far: a stopped run's is never taken as whole
+    with open(partial, "w") as out:
         def keep(record):
             records.append(record)
             out.write(json.dumps(record) + "\n")
@@ -147,6 +150,7 @@ def trace(args) -> list:
             print(f"{args.arch} seed {args.seed} epoch {epoch_itr.epoch}: valid {valid['valid']:.3f}", file=sys.stderr,
                   flush=True)
             epoch_itr = trainer.get_train_iterator(epoch_itr.next_epoch_idx, load_dataset=False)
+    os.replace(partial, path)
     return records
 
 

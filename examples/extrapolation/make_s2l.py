@@ -12,12 +12,11 @@ every pair of RAW_DIR/test.SRC/TGT if present, e.g. held-out short pairs for an 
 The two sides of each split must have the same number of lines; OUT_DIR must not be RAW_DIR.
 """
 import argparse
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from script_helpers import at_least, read_parallel, write_text_atomic  # noqa: E402
+from script_helpers import at_least, check_output, read_parallel, write_output  # noqa: E402
 
 SPLITS = ("train", "valid", "test")
 
@@ -31,8 +30,8 @@ def read(raw, split, src, tgt, fail):
 
 
 def write(out, split, pairs, src, tgt):
-    write_text_atomic(out / f"{split}.{src}", "".join(s + "\n" for s, _ in pairs))
-    write_text_atomic(out / f"{split}.{tgt}", "".join(t + "\n" for _, t in pairs))
+    write_output(out / f"{split}.{src}", "".join(s + "\n" for s, _ in pairs))
+    write_output(out / f"{split}.{tgt}", "".join(t + "\n" for _, t in pairs))
 
 
 def main(argv=None):
@@ -51,17 +50,14 @@ def main(argv=None):
     outputs = [args.out_dir / path.name for path in inputs]  # the same names, in OUT_DIR
     if args.out_dir.resolve() == args.raw_dir.resolve():
         p.error(f"OUT_DIR {args.out_dir} is RAW_DIR: the split would overwrite its own input")
-    for output in outputs:  # e.g. a link to an input
-        for source in inputs:
-            if output.exists() and source.exists() and os.path.samefile(output, source):
-                p.error(f"{output} is the input {source}: writing it would overwrite the input")
+    for output in outputs:  # e.g. a link to an input; or OUT_DIR a file
+        check_output(output, inputs, p.error)
     if not (args.raw_dir / f"train.{args.src}").exists():
         p.error(f"no file {args.raw_dir / f'train.{args.src}'}")
     short = lambda pair: len(pair[0].split()) < args.threshold  # noqa: E731
     train, valid, test = (read(args.raw_dir, split, args.src, args.tgt, p.error) for split in SPLITS)
     splits = {"train": [x for x in train if short(x)], "valid": [x for x in valid if short(x)],
               "test": [x for x in train + valid if not short(x)] + test}
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, pairs in splits.items():
         write(args.out_dir, name, pairs, args.src, args.tgt)
     print(" ".join(f"{name}={len(pairs)}" for name, pairs in splits.items()),

@@ -65,8 +65,10 @@ def test_make_s2l_never_writes_over_its_input(make_s2l, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     os.symlink(raw / "train.de", out / "train.de")  # an output that is an input by another name
-    assert "would overwrite the input" in refused(capsys, make_s2l.main, raw, out)
+    assert "would replace an input" in refused(capsys, make_s2l.main, raw, out)
     assert {path.name: path.read_bytes() for path in raw.iterdir()} == before
+    (tmp_path / "file").write_text("")  # OUT_DIR a file: one line (before, FileExistsError's traceback)
+    assert "is not a folder this user may write in" in refused(capsys, make_s2l.main, raw, tmp_path / "file")
 
 
 def test_make_s2l_names_a_missing_input_and_refuses_a_zero_threshold(make_s2l, tmp_path, capsys):

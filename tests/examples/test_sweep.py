@@ -152,6 +152,7 @@ def test_the_traced_run_is_the_sweeps_run(tmp_path):
     out = run([sys.executable, REPO / "examples" / "claims" / "at5_dynamics.py", "--out", tmp_path / "trace",
                "--arch", entry, "--seed", "2", "--every", "1", *settings], env={"PATH": str(BIN)})
     trace = tmp_path / "trace" / f"{sweep_module.work_folder(entry, 2)}.jsonl"
+    assert not trace.with_name(trace.name + ".partial").exists()  # (the trace while the run lasts)
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     traced = [r["valid_loss"] for r in records if "valid_loss" in r and r["epoch"] > 0]
     assert len(logged) == len(traced) == 2
