@@ -37,6 +37,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "examples"))
+from script_helpers import check_checkpoint, check_output  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -471,12 +473,7 @@ def main(argv=None):
                         help="FLOATER: draw a dashed line at position L (e.g. the longest training input)")
     parser.add_argument("--dpi", type=int, default=100)
     args = parser.parse_args(argv)
-    if not args.checkpoint.is_file():
-        parser.error(f"no checkpoint file {args.checkpoint}")
-    from posenc_fairseq.compat.checkpoint_loading import written_by_torch_save
-
-    if not written_by_torch_save(args.checkpoint):
-        parser.error(f"{args.checkpoint} is not a fairseq checkpoint (not a file written by torch.save)")
+    check_checkpoint(args.checkpoint, parser.error)
     if args.length < 2:
         parser.error("--length must be at least 2")
     if args.max_distance is not None and args.max_distance < 1:
@@ -485,6 +482,7 @@ def main(argv=None):
         parser.error(f"--dpi {args.dpi}: must be at least 1")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     out = args.out or args.checkpoint.parent / "positions"
+    check_output(out / MANIFEST, [args.checkpoint], parser.error)  # (out a file, or not writable: one line)
     name, written = plot_checkpoint(args.checkpoint, out, args.data, args.length, args.max_distance,
                                     args.layers, args.dpi, args.mark_length)
     if not written:

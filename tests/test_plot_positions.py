@@ -234,6 +234,10 @@ def test_a_layer_the_model_lacks_or_a_file_that_is_no_checkpoint_ends_in_one_lin
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == code and message in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]
         assert "Traceback" not in done.stderr and not out.exists()
+    (tmp_path / "taken").write_text("")  # --out a file (before: FileExistsError's traceback)
+    done = subprocess.run([sys.executable, str(SCRIPT), str(checkpoint), "--out", str(tmp_path / "taken")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "is not a folder this user may write in" in done.stderr, done.stderr[-2000:]
 
 
 def test_a_second_checkpoint_into_the_same_folder_leaves_none_of_the_firsts_files(tiny_checkpoint, tmp_path):
