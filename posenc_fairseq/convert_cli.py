@@ -306,3 +306,17 @@ def main(kind: str, argv=None):
     if copied:
         print(f"copied dict.txt to {copied}")
     return 0
+
+
+#: the scripts that run `main`, each passing its kind of checkpoint
+SCRIPTS = tuple(f"scripts/convert_{kind}_checkpoint.py" for kind in ("transformer", "roberta", "transformer_lm"))
+
+
+if __name__ == "__main__":
+    # `python -m posenc_fairseq.convert_cli` cannot tell which kind of checkpoint to convert (the conversion
+    # differs per kind): point to the scripts rather than silently doing nothing
+    pointer = f"run {', '.join(SCRIPTS[:-1])} or {SCRIPTS[-1]} (SRC DST [options]; --help for each)"
+    if sys.argv[1:] in (["-h"], ["--help"]):
+        print(f"python -m posenc_fairseq.convert_cli converts nothing itself: {pointer}")
+        sys.exit(0)
+    fail(f"python -m posenc_fairseq.convert_cli needs the kind of checkpoint: {pointer}")

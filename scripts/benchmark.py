@@ -22,7 +22,8 @@ its growth exponent log(t2048/t128)/log(16) next to the reference's.
 Timings on a shared machine vary from call to call, so every architecture is measured `--repeats`
 times, the architectures alternating (round robin), each in a process with `--threads` torch
 threads; the table gives the median ratio to the reference measured in the same round, and the
-range of the ratios over the rounds.
+range of the ratios over the rounds. A measurement that fails (its error printed) leaves its cells
+out (`-`); the others still run and are printed, and the exit status is then 1.
 Usage: benchmark.py [--archs transformer_sinusoidal transformer_t5 ...] [--length 1024] [--repeats 5]
        benchmark.py --growth [--archs ...] [--repeats 3]
 """
@@ -38,6 +39,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+from script_helpers import at_least  # noqa: E402
 
 
 def measure(arch, args):
@@ -275,54 +278,61 @@ def heap_peak_bytes(step):
     return Sample.peak - before
 
 
-def positive_count(text: str) -> int:
-    """A count of at least 1 (a median of no timing does not exist)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
+def unknown_archs(names) -> list:
+    """The names among `names` that fairseq does not know as architectures, this package's included."""
+    import posenc_fairseq  # noqa: F401  (registers the transformer_* architectures)
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    return [name for name in dict.fromkeys(names) if name not in ARCH_MODEL_REGISTRY]
+
+
+def exit_if_failed(failed: list):
+    """After the table: measurements that failed (each one's error printed above) make the exit status 1."""
+    if failed:
+        raise SystemExit(f"error: {len(failed)} measurement(s) failed ({', '.join(dict.fromkeys(failed))}); "
+                         "their errors are printed above")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # every size and count has a lower bound, checked here: a bad one would otherwise fail in (or, as a
+    # negative --length, past) every measuring process; counts of timings are >= 1 (no median of none)
     parser.add_argument("--archs", nargs="+", default=[
         "transformer_sinusoidal", "transformer_alibi", "transformer_rotary", "transformer_t5", "transformer_t5_nob",
         "transformer_at5", "transformer_at5_nob", "transformer_shaw", "transformer_lfhc", "transformer_xl", "transformer_gcdf",
         "transformer_floater"])
-    parser.add_argument("--length", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=1000)
-    parser.add_argument("--steps", type=positive_count, default=8,
+    parser.add_argument("--length", type=at_least(1), default=256)
+    parser.add_argument("--batch", type=at_least(1), default=4)
+    parser.add_argument("--dim", type=at_least(1), default=256)
+    parser.add_argument("--heads", type=at_least(1), default=4)
+    parser.add_argument("--layers", type=at_least(1), default=2)
+    # (token ids are drawn from 4, past the dictionary's special symbols, to --vocab)
+    parser.add_argument("--vocab", type=at_least(5), default=1000)
+    parser.add_argument("--steps", type=at_least(1), default=8,
                         help="timed training steps (solo for tokens/s and memory, then alternating with the "
                              "reference: median per update; 3 gave round-to-round ranges of +-0.02-0.05)")
-    parser.add_argument("--warmup", type=int, default=3,
+    parser.add_argument("--warmup", type=at_least(0), default=3,
                         help="untimed training steps first: the allocator and caches settle, and with "
                              "--floater-recompute-every K > 1 the window's solve (1 step in K) is among them")
-    parser.add_argument("--gen-length", type=int, default=64)
-    parser.add_argument("--gen-repeats", type=positive_count, default=5,
+    parser.add_argument("--gen-length", type=at_least(1), default=64)
+    parser.add_argument("--gen-repeats", type=at_least(1), default=5,
                         help="timed decodes per measurement (greedy and beam, alternating with the reference "
                              "in the same process), after one untimed: median")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of each measuring process")
-    parser.add_argument("--copies", type=positive_count, default=2,
+    parser.add_argument("--threads", type=at_least(1), default=2, help="torch threads of each measuring process")
+    parser.add_argument("--copies", type=at_least(1), default=2,
                         help="copies of each model built in each measuring process, interleaved with the "
                              "reference's (timings: geometric mean over the copies)")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds over all architectures (median reported)")
+    parser.add_argument("--repeats", type=at_least(1), default=3, help="rounds over all architectures (median reported)")
     parser.add_argument("--reference", default="transformer_sinusoidal")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                         help="further model options for every arch, e.g. --extra --floater-recompute-every 400")
-    parser.add_argument("--beam", type=int, default=5,
+    parser.add_argument("--beam", type=at_least(0), default=5,
                         help="beam size of the fairseq SequenceGenerator column (beam5 tok/s); 0 leaves it out")
     parser.add_argument("--growth", action="store_true",
                         help="instead of the table: training time per step at n = 128 and 2048 (batch 1, "
                              "--growth-lengths) and its growth exponent log(t2048/t128)/log(16) per arch")
-    parser.add_argument("--growth-lengths", type=int, nargs=2, default=[128, 2048], metavar=("SHORT", "LONG"),
+    parser.add_argument("--growth-lengths", type=at_least(1), nargs=2, default=[128, 2048], metavar=("SHORT", "LONG"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--train-only", action="store_true", help=argparse.SUPPRESS)
@@ -331,11 +341,17 @@ def main():
     if args.one:
         print(json.dumps(measure(args.one, args)))
         return
+    if args.growth_lengths[0] >= args.growth_lengths[1]:  # (the exponent divides by log(LONG / SHORT))
+        parser.error(f"--growth-lengths {' '.join(map(str, args.growth_lengths))}: expected SHORT < LONG")
+    # before any measuring: an unknown name would fail in every one of its processes
+    unknown = unknown_archs([args.reference, *args.archs])
+    if unknown:
+        parser.error(f"unknown architecture(s): {', '.join(unknown)} (not fairseq's, nor this package's)")
     if args.growth:
         growth(args)
         return
     archs = list(dict.fromkeys([args.reference, *args.archs]))
-    rounds = []
+    rounds, failed = [], []
     for round_index in range(args.repeats):  # round robin: a slow period of the machine hits every arch alike
         measured = {}
         order = ["--reference-first"] if round_index % 2 else []  # which model the process builds first
@@ -345,6 +361,7 @@ def main():
                                   env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
             if done.returncode != 0:
                 print(f"{arch}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
+                failed.append(arch)
                 continue
             measured[arch] = json.loads(done.stdout.strip().splitlines()[-1])
         if args.reference in measured:
@@ -372,6 +389,7 @@ def main():
                 continue
             line += f" {statistics.median(values):12.1f} {statistics.median(ratios):6.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]"
         print(line)
+    exit_if_failed(failed)
 
 
 def growth(args):
@@ -393,6 +411,7 @@ def growth(args):
     differences = {arch: [] for arch in archs}
     times = {(arch, n): [] for arch in archs for n in (short, long)}
     scale = math.log(long / short)
+    failed = []
     for _ in range(args.repeats):
         for arch in archs:
             measured = {}
@@ -402,6 +421,7 @@ def growth(args):
                                       env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
                 if done.returncode != 0:
                     print(f"{arch} (n = {n}): failed\n{done.stderr[-2000:]}", file=sys.stderr)
+                    failed.append(arch)
                     break
                 measured[n] = json.loads(done.stdout.strip().splitlines()[-1])
                 times[(arch, n)].append(measured[n]["train_seconds_per_step"])
@@ -425,6 +445,7 @@ def growth(args):
         print(f"{arch:40s} {statistics.median(times[(arch, short)]):14.3f} {statistics.median(times[(arch, long)]):15.3f} "
               f"{statistics.median(values):6.2f} [{values[0]:.2f}-{values[-1]:.2f}]{'':>5s} "
               f"{statistics.median(spread):+6.2f} [{spread[0]:+.2f}-{spread[-1]:+.2f}]")
+    exit_if_failed(failed)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,64 @@ def test_growth_prints_an_exponent_per_arch():
 def test_bad_counts_are_refused_in_one_line(option, value):
     done = subprocess.run([sys.executable, REPO / "scripts" / "benchmark.py", option, value],
                           capture_output=True, text=True)
-    assert done.returncode == 2 and f"{option}: expected a whole number >= 1" in done.stderr
+    expected = "must be at least 1" if value.lstrip("-").isdigit() else "invalid int value"
+    assert done.returncode == 2 and f"argument {option}: {expected}" in done.stderr
+
+
+@pytest.mark.parametrize("argv,bound", [
+    (["--length", "-8"], 1), (["--length", "0"], 1), (["--batch", "0"], 1), (["--dim", "0"], 1), (["--heads", "0"], 1),
+    (["--layers", "0"], 1), (["--vocab", "4"], 5), (["--warmup", "-1"], 0), (["--gen-length", "0"], 1),
+    (["--threads", "0"], 1), (["--repeats", "0"], 1), (["--beam", "-1"], 0), (["--growth-lengths", "0", "8"], 1)])
+def test_sizes_below_their_bound_are_refused_in_one_line(argv, bound):
+    """Before, --length -8 printed a measuring process's traceback and a row of dashes, and exited 0."""
+    # (a tiny run otherwise, the bad option last: where it were accepted, the test would end soon)
+    done = subprocess.run([sys.executable, REPO / "scripts" / "benchmark.py", *TINY, "--archs", "transformer_sinusoidal",
+                           "--length", "12", "--batch", "1", "--gen-length", "4", "--beam", "0", *argv],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1].endswith(f"argument {argv[0]}: must be at least {bound}, got {argv[1]}")
+    assert done.stdout == "" and "Traceback" not in done.stderr
+
+
+def test_unknown_architectures_are_refused_before_measuring(monkeypatch, capsys):
+    """Before, an architecture fairseq does not know got a row of dashes and exit status 0."""
+    benchmark = load_benchmark()
+    commands = []
+    monkeypatch.setattr(benchmark.subprocess, "run", recording_run(commands, {}))
+    for growth in ([], ["--growth"]):
+        monkeypatch.setattr(sys, "argv", ["benchmark.py", *growth, "--archs", "transformer_t55", "transformer_xl",
+                                          "--reference", "transformer_sinusodal"])
+        with pytest.raises(SystemExit) as exit_info:
+            benchmark.main()
+        assert exit_info.value.code == 2 and commands == []  # no measuring process started
+        err = capsys.readouterr().err
+        assert err.splitlines()[-1] == ("benchmark.py: error: unknown architecture(s): transformer_sinusodal, "
+                                        "transformer_t55 (not fairseq's, nor this package's)")
+
+
+@pytest.mark.parametrize("growth", [False, True])
+def test_a_failed_measurement_prints_the_rest_and_exits_non_zero(monkeypatch, capsys, growth):
+    """Before, a measuring process that failed left its row as dashes and the script exited 0."""
+    benchmark = load_benchmark()
+    result = {"train_tokens_per_s": 1.0, "generate_tokens_per_s": 1.0, "heap_peak_mb": 1.0,
+              "train_seconds_per_step": 1.0, "reference_train_seconds_per_step": 1.0}
+
+    def run(command, **kwargs):
+        if command[command.index("--one") + 1] == "transformer_xl":
+            return types.SimpleNamespace(returncode=1, stdout="", stderr="Traceback ...\nRuntimeError: broken\n")
+        return types.SimpleNamespace(returncode=0, stdout=json.dumps(result), stderr="")
+
+    monkeypatch.setattr(benchmark.subprocess, "run", run)
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", *(["--growth"] if growth else []), "--archs", "transformer_alibi",
+                                      "transformer_xl", "--repeats", "2", "--beam", "0"])
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main()
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == "error: 2 measurement(s) failed (transformer_xl); their errors are printed above"
+    assert "RuntimeError: broken" in err
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("transformer_")}
+    assert sorted(rows) == ["transformer_alibi", "transformer_sinusoidal", "transformer_xl"]
+    assert set(rows["transformer_xl"]) == {"-"} and "-" not in rows["transformer_alibi"]
 
 
 def test_alternating_medians_alternates_which_run_goes_first(monkeypatch):

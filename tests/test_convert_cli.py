@@ -318,6 +318,20 @@ def test_scripts_refuse_and_succeed(work):
     assert convert.model_namespace(torch.load(work / "new" / "model.pt", map_location="cpu")).t5_num_buckets == 64
 
 
+@pytest.mark.parametrize("arguments", [["src/transformer.pt", "new/model.pt"], []])
+def test_running_the_module_names_the_scripts(work, arguments):
+    """Before, `python -m posenc_fairseq.convert_cli SRC DST` (it has no kind) printed nothing and exited 0."""
+    before = snapshot(work)
+    done = subprocess.run([sys.executable, "-m", "posenc_fairseq.convert_cli", *arguments], capture_output=True,
+                          text=True, timeout=300, cwd=work, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert_refused(done.returncode, done.stderr, "needs the kind of checkpoint")
+    assert all(f"scripts/convert_{kind}_checkpoint.py" in done.stderr for kind in ("transformer", "roberta", "transformer_lm"))
+    assert done.stdout == "" and snapshot(work) == before
+    done = subprocess.run([sys.executable, "-m", "posenc_fairseq.convert_cli", "--help"], capture_output=True,
+                          text=True, timeout=300, cwd=work, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert done.returncode == 0 and "scripts/convert_roberta_checkpoint.py" in done.stdout, done.stderr
+
+
 # --- the pure function on what fairseq's own loader returns ------------------------------------------
 @pytest.mark.parametrize("kind", ["transformer", "roberta"])
 def test_converts_fairseqs_loaded_checkpoint_and_leaves_it_untouched(kind, tmp_path):

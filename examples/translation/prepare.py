@@ -6,13 +6,17 @@ line; get_wmt14_en_de.sh / get_iwslt14_de_en.sh write that layout). Lines end at
 fairseq-preprocess reads them (a U+2028 or form feed inside a sentence stays in it), and the two
 sides of each split must have as many lines (checked before anything is written). A DEST that holds
 an earlier preparation (spm.model, spm/ or bin/) is refused: writing over it would leave a
-sentencepiece model and text that the binarised data do not match. Writes:
+sentencepiece model and text that the binarised data do not match. A preparation that fails or is
+interrupted (Ctrl-C, SIGTERM) removes what it wrote; one killed outright (SIGKILL) cannot, and lacks
+the stamp a finished one ends with, so the refusal then says that DEST may be incomplete. Writes:
   DEST/spm.model, DEST/spm.vocab      joint sentencepiece model (trained on train.SRC + train.TGT)
   DEST/spm/{split}.{lang}             encoded text
   DEST/bin/                           fairseq-preprocess output (--joined-dictionary)
+  DEST/prepare.done                   written last: the preparation finished (with its options)
 """
 import argparse
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from script_helpers import at_least, check_parallel, fairseq_command, read_lines  # noqa: E402
 
 
+#: written last into DEST: its presence tells a finished preparation from one killed midway
+STAMP = "prepare.done"
 #: what a preparation writes into DEST
-OUTPUTS = ("spm.model", "spm.vocab", "spm", "bin")
+OUTPUTS = ("spm.model", "spm.vocab", "spm", "bin", STAMP)
+
+
+def terminated(signum, frame):
+    """SIGTERM (kill, a job scheduler's stop) ends the run as Ctrl-C does: what it wrote is removed."""
+    raise KeyboardInterrupt
 
 
 def main(argv=None):
@@ -51,7 +62,9 @@ def main(argv=None):
 
     earlier = [name for name in OUTPUTS if (args.dest / name).exists()]
     if earlier:
-        p.error(f"{args.dest} holds an earlier preparation ({', '.join(earlier)}): remove it or choose another DEST")
+        unfinished = "" if (args.dest / STAMP).exists() else f" that may be incomplete (no {STAMP}, which is written last)"
+        p.error(f"{args.dest} holds an earlier preparation ({', '.join(earlier)}){unfinished}: remove it or choose "
+                "another DEST")
     created_dest = not args.dest.exists()
     args.dest.mkdir(parents=True, exist_ok=True)
     try:
@@ -99,8 +112,10 @@ def prepare(args, splits):
         if split in splits:
             command += [flag, str(encoded / split)]
     subprocess.run(command, check=True)
+    (args.dest / STAMP).write_text("".join(f"{key} {value}\n" for key, value in vars(args).items()), encoding="utf-8")
     print(f"binarised data in {args.dest / 'bin'}; sentencepiece model {prefix}.model")
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, terminated)  # (here, not in main: the tests call main in their own process)
     main()

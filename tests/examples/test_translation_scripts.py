@@ -1,9 +1,12 @@
 """examples/translation/'s scripts on hand-made inputs, without training: average_checkpoints.py (its
 options, models that cannot be averaged, what it keeps of the newest checkpoint), prepare.py (parallel
 files line for line) and evaluate.py's reading of fairseq-generate's output (--nbest)."""
+import os
 import random
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -148,7 +151,50 @@ def test_prepare_splits_lines_at_line_ends_only(tmp_path):
     done = subprocess.run([sys.executable, prepare, raw, tmp_path / "out", "--vocab-size", "50", "--workers", "1",
                            "--src", "en", "--tgt", "de"], capture_output=True, text=True)
     assert done.returncode == 2 and "holds an earlier preparation" in done.stderr
+    assert "may be incomplete" not in done.stderr and (tmp_path / "out" / "prepare.done").is_file()
     assert {path: path.read_bytes() for path in (tmp_path / "out").rglob("*") if path.is_file()} == before
+
+
+def test_prepare_stopped_by_sigterm_leaves_nothing_behind(tmp_path):
+    """Before, SIGTERM (kill, a job scheduler) to the process group once sentencepiece had written its
+    model left spm.model, spm/ and part of bin/, which the rerun refused as 'an earlier preparation'."""
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(500)]
+    source = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 20))) for _ in range(3000)]
+    write_pair(tmp_path / "raw", "train", source, [line.upper() for line in source])
+    dest = tmp_path / "out"
+    # a process of its own: one the tests' fork server ran would not be in the process group signalled
+    env = {name: value for name, value in os.environ.items() if name != "POSENC_TEST_FORK_SERVER"}
+    process = subprocess.Popen([sys.executable, TRANSLATION / "prepare.py", tmp_path / "raw", dest, "--vocab-size", "100",
+                                "--workers", "1"], start_new_session=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=dict(env, OMP_NUM_THREADS="1"))
+    try:
+        # once sentencepiece is trained: the text is encoded, then fairseq-preprocess starts (seconds
+        # of imports before it can finish)
+        while not (dest / "spm.model").exists() and process.poll() is None:
+            time.sleep(0.02)
+        time.sleep(0.3)
+        os.killpg(process.pid, signal.SIGTERM)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 1, (out, err)
+    assert err.strip().splitlines()[-1] == f"interrupted; nothing kept in {dest}", err[-2000:]
+    assert not dest.exists()
+
+
+def test_prepare_names_a_killed_preparation_as_possibly_incomplete(tmp_path, capsys):
+    """A preparation killed outright (SIGKILL) cannot clean up; it lacks the stamp written last."""
+    prepare = load_script(TRANSLATION / "prepare.py")
+    write_pair(tmp_path / "raw", "train", ["a b", "c d"], ["A B", "C D"])
+    dest = tmp_path / "out"
+    (dest / "bin").mkdir(parents=True)  # what a SIGKILL during fairseq-preprocess leaves
+    (dest / "spm.model").write_text("model")
+    (dest / "bin" / "dict.en.txt").write_text("partial")
+    err = usage_error(capsys, prepare.main, tmp_path / "raw", dest, "--src", "en", "--tgt", "de")
+    assert f"{dest} holds an earlier preparation (spm.model, bin) that may be incomplete (no prepare.done" in err
+    assert sorted(path.name for path in dest.rglob("*")) == ["bin", "dict.en.txt", "spm.model"]
 
 
 @pytest.mark.parametrize("existing_dest", [False, True])
