@@ -54,6 +54,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not args.raw_dir.is_dir():
         p.error(f"no folder {args.raw_dir}")
+    unknown = sorted(set(args.splits.split(",")) - {"train", "valid", "test"})
+    if unknown:  # (fairseq-preprocess takes these three; another name would be dropped without a word)
+        p.error(f"--splits {args.splits}: unknown split {', '.join(unknown)} (train, valid, test)")
     splits = [s for s in args.splits.split(",") if (args.raw_dir / f"{s}.{args.src}").exists()
               or (args.raw_dir / f"{s}.{args.tgt}").exists()]
     # every split checked before anything is written (train too: sentencepiece is trained on it)

@@ -230,6 +230,13 @@ def test_prepare_refuses_zero_workers(tmp_path, capsys):
     assert "argument --workers: must be at least 1, got 0" in err
 
 
+def test_prepare_refuses_a_split_it_would_drop(tmp_path, capsys):
+    """Before, --splits train,vaild prepared train alone without a word."""
+    prepare = load_script(TRANSLATION / "prepare.py")
+    err = usage_error(capsys, prepare.main, tmp_path, tmp_path / "out", "--splits", "train,vaild")
+    assert "unknown split vaild (train, valid, test)" in err and not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------- evaluate.py
 def test_evaluate_scores_the_best_of_nbest_hypotheses():
     """fairseq-generate --nbest 2 prints each sentence's hypotheses best first (fairseq_cli/generate.py)."""
