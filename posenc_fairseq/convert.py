@@ -410,6 +410,13 @@ def _model_options(state: dict, kind: str, encoding: str, overrides: Optional[di
         raise ConversionError(f"unknown encoding options: {', '.join(unknown)}")
     if overrides.get("positional_encoding", encoding) != encoding:
         raise ConversionError("give the encoding once (--encoding), not also as positional_encoding")
+    from .encodings import options_of_other_encodings
+
+    foreign = options_of_other_encodings(encoding, overrides)
+    if foreign:
+        option, owners = next(iter(foreign.items()))
+        raise ConversionError(f"{option} is an option of {'/'.join(owners)}, not of {encoding} (--encoding), "
+                              "which would not read it")
     return {**defaults, "positional_encoding": encoding, "input_positions": "stock", **overrides}
 
 

@@ -327,6 +327,28 @@ def test_bad_combination_ends_fairseq_train_with_one_line(translation_data, tmp_
     assert not (tmp_path / "save").exists() or not any((tmp_path / "save").iterdir())
 
 
+# --- an option of another encoding: fairseq accepts it (every model has every encoding's options) --------
+def test_an_option_of_another_encoding_is_named_when_the_model_is_built(translation_data, caplog):
+    """Before, `--arch transformer_t5 --floater-method rk4` trained without a word, the option without effect.
+    A warning, not a refusal: checkpoints trained so must still load."""
+    from util import TINY_TRANSFORMER, build_model
+
+    def warnings_of(arch, *options):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="posenc_fairseq"):
+            build_model(translation_data, arch, [*TINY_TRANSFORMER, *options])
+        return [record.getMessage() for record in caplog.records if record.name.startswith("posenc_fairseq")]
+
+    assert warnings_of("transformer_t5", "--floater-method", "rk4", "--shaw-k", "4") == [
+        "--floater-method is an option of floater; this model's encoding, t5, does not read it: it has no effect",
+        "--shaw-k is an option of shaw; this model's encoding, t5, does not read it: it has no effect"]
+    assert warnings_of("transformer_lfhc", "--shaw-values", "off") == [
+        "--shaw-values is an option of shaw; this model's encoding, lfhc, does not read it: it has no effect"]
+    assert warnings_of("transformer_floater", "--floater-method", "rk4") == []
+    assert warnings_of("transformer_at5_nob", "--scalar-bias-layers", "all", "--at5-dropout", "0.1") == []
+    assert warnings_of("transformer_t5") == []
+
+
 # --- a misspelt option in a config: --model-overrides, hub keywords, arg_overrides set any name ---------
 def test_a_misspelt_option_in_a_config_is_refused_naming_the_option():
     args = encoding_options(floater_stop_positon=64)

@@ -144,6 +144,11 @@ REFUSALS = [
      None, "unknown options: --t5-bukets"),
     ("fixed-by-design encoding", "transformer", ["src/transformer.pt", "new/model.pt", "--encoding", "alibi"],
      None, "fixed by design"),
+    ("another encoding's option", "transformer", ["src/transformer.pt", "new/model.pt", "--encoding", "t5",
+                                                  "--floater-method", "rk4"],
+     None, "--floater-method is an option of floater, not of t5 (--encoding), which would not read it"),
+    ("lfhc given shaw's k", "roberta", ["src/roberta.base/model.pt", "new/model.pt", "--encoding", "lfhc",
+                                        "--shaw-k", "8"], None, "--shaw-k is an option of shaw, not of lfhc"),
 ]
 
 

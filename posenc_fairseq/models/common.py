@@ -4,6 +4,7 @@ import argparse
 import contextlib
 import copy
 import hashlib
+import logging
 import re
 from typing import Optional
 
@@ -16,7 +17,7 @@ from fairseq.modules import LearnedPositionalEmbedding
 
 from ..attention import bound_attentions, use_positional_attention
 from ..layer_checkpoint import checkpoint_layer
-from ..encodings import ENCODINGS, ModelDims, build_encoding
+from ..encodings import ENCODINGS, ModelDims, build_encoding, options_of_other_encodings
 from ..encodings import trained_with
 from ..encodings.base import PositionalEncoding, hook_use, overrides
 from ..encodings.option_types import OptionValueError
@@ -345,7 +346,18 @@ def attach_encoding(model, args, encoder_stack, decoder_stack=None):
         return _attach_encoding(model, args, encoder_stack, decoder_stack)
 
 
+def warn_of_other_encodings_options(args):
+    """A logged warning for each option of another encoding that `args` sets (--floater-method on a t5
+    model): fairseq accepts it, since every model has every encoding's options, but it changes nothing.
+    A warning, not a refusal: checkpoints trained with such options before must still load."""
+    for option, owners in options_of_other_encodings(args.positional_encoding, args).items():
+        logging.getLogger(__name__).warning(
+            f"{option} is an option of {'/'.join(owners)}; this model's encoding, {args.positional_encoding}, "
+            "does not read it: it has no effect")
+
+
 def _attach_encoding(model, args, encoder_stack, decoder_stack):
+    warn_of_other_encodings_options(args)
     encoder_layers = args.encoder_layers
     decoder_layers = args.decoder_layers if decoder_stack is not None else 0
     same_size = decoder_stack is None or (args.decoder_embed_dim == args.encoder_embed_dim
