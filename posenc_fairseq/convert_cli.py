@@ -73,10 +73,11 @@ def load_checkpoint(path: str):
 
     import posenc_fairseq  # noqa: F401  (allow-lists fairseq's config types for torch.load)
 
+    from posenc_fairseq.compat.checkpoint_loading import written_by_torch_save
+
     with os_errors("read", path):
-        with open(path, "rb") as handle:
-            magic = handle.read(2)
-    if magic != b"PK" and not magic.startswith(b"\x80"):  # torch.save: zip archive or legacy pickle
+        readable = written_by_torch_save(path)
+    if not readable:
         raise ValueError(f"{path} is not a fairseq checkpoint (not a file written by torch.save)")
     try:
         return torch.load(path, map_location="cpu")
