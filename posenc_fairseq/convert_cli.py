@@ -71,8 +71,7 @@ def new_file_mode() -> int:
 def load_checkpoint(path: str):
     import torch
 
-    import posenc_fairseq  # noqa: F401  (allow-lists fairseq's config types for torch.load)
-
+    # (importing the package allow-lists fairseq's config types for torch.load)
     from posenc_fairseq.compat.checkpoint_loading import written_by_torch_save
 
     with os_errors("read", path):
