@@ -71,6 +71,9 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+from script_helpers import at_least  # noqa: E402
+
 DEFAULT_OUT = REPO / "docs" / "data" / "gpu_benchmark.json"
 REFERENCE = "transformer"
 SINUSOIDAL = "transformer_sinusoidal"
@@ -135,7 +138,7 @@ def parse_args(argv=None):
                         help="architectures (default: every registered encoding's transformer_<name>); stock "
                              f"`{REFERENCE}` is always measured, first, as the reference; {FLOATER} is measured "
                              "once per --floater-recompute value")
-    parser.add_argument("--floater-recompute", type=benchmark.positive_count, nargs="+", default=[10, 1], metavar="K",
+    parser.add_argument("--floater-recompute", type=at_least(1), nargs="+", default=[10, 1], metavar="K",
                         help=f"{FLOATER}'s --floater-recompute-every values, one model each")
     parser.add_argument("--floater-graphs", action="store_true",
                         help=f"{FLOATER} also with its solve in CUDA graphs on the GPU ({GRAPHS}=1, "
@@ -148,20 +151,20 @@ def parse_args(argv=None):
     parser.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16"), default=["bf16", "fp16"])
     parser.add_argument("--sizes", nargs="+", type=batch_by_length, default=[(16, 512), (2, 4096)],
                         metavar="BATCHxLENGTH", help="batch and length (source and target) of each cell")
-    parser.add_argument("--layers", type=benchmark.positive_count, default=6, help="encoder and decoder layers, each")
-    parser.add_argument("--dim", type=benchmark.positive_count, default=512, help="model width (FFN: 4x)")
-    parser.add_argument("--heads", type=benchmark.positive_count, default=8)
-    parser.add_argument("--vocab", type=benchmark.positive_count, default=8000,
+    parser.add_argument("--layers", type=at_least(1), default=6, help="encoder and decoder layers, each")
+    parser.add_argument("--dim", type=at_least(1), default=512, help="model width (FFN: 4x)")
+    parser.add_argument("--heads", type=at_least(1), default=8)
+    parser.add_argument("--vocab", type=at_least(1), default=8000,
                         help="dictionary size (an IWSLT-sized joined BPE vocabulary)")
-    parser.add_argument("--warmup", type=benchmark.positive_count, default=2, help="untimed training steps first")
-    parser.add_argument("--steps", type=benchmark.positive_count, default=3,
+    parser.add_argument("--warmup", type=at_least(1), default=2, help="untimed training steps first")
+    parser.add_argument("--steps", type=at_least(1), default=3,
                         help="timed training steps at least (FLOATER with --floater-recompute-every K > 1: a multiple of K)")
     parser.add_argument("--min-seconds", type=seconds_or_zero, default=1.0,
                         help="timed steps are added until they take this long (by the warm-up's step time): a "
                              "few short steps time the GPU's clocks ramping up more than the model")
-    parser.add_argument("--beam", type=benchmark.positive_count, default=5)
-    parser.add_argument("--gen-length", type=benchmark.positive_count, default=64, help="target tokens decoded")
-    parser.add_argument("--gen-repeats", type=benchmark.positive_count, default=2,
+    parser.add_argument("--beam", type=at_least(1), default=5)
+    parser.add_argument("--gen-length", type=at_least(1), default=64, help="target tokens decoded")
+    parser.add_argument("--gen-repeats", type=at_least(1), default=2,
                         help="timed decodes after one untimed (median)")
     parser.add_argument("--gen-max-length", type=int, default=1024,
                         help="no generation (null) for sources longer than this")
