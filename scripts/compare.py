@@ -25,6 +25,7 @@ the toy data `make demo` prepares in work/demo/data/.
 import argparse
 import csv
 import importlib.util
+import io
 import os
 import re
 import shlex
@@ -37,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 USER_DIR = REPO / "posenc_fairseq"
 sys.path.insert(0, str(REPO / "examples"))
-from script_helpers import increasing_counts  # noqa: E402
+from script_helpers import increasing_counts, write_output  # noqa: E402
 
 #: --length-bins B1,B2,...: the upper edges of the source-length bins in words
 length_bins = increasing_counts(1, "word counts")
@@ -340,14 +341,15 @@ def main(argv=None):
     table = markdown_table(results)
     if interrupted is not None:
         table += f"\nInterrupted while running {interrupted}: it and the architectures after it are not in this table.\n"
-    (args.out / "results.md").write_text(table)
-    with open(args.out / "results.csv", "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["arch", "params", "train_seconds", "valid_loss", "metric", "value", "bins"])
-        for r in results:
-            writer.writerow([r["arch"], r.get("params"), r.get("train_seconds"), r.get("valid_loss"), r.get("metric"),
-                             r.get("value", r.get("error")),
-                             ";".join(f"{label}:{score}:{count}" for label, score, count in r.get("bins", []))])
+    write_output(args.out / "results.md", table)
+    rows = io.StringIO(newline="")
+    writer = csv.writer(rows)
+    writer.writerow(["arch", "params", "train_seconds", "valid_loss", "metric", "value", "bins"])
+    for r in results:
+        writer.writerow([r["arch"], r.get("params"), r.get("train_seconds"), r.get("valid_loss"), r.get("metric"),
+                         r.get("value", r.get("error")),
+                         ";".join(f"{label}:{score}:{count}" for label, score, count in r.get("bins", []))])
+    write_output(args.out / "results.csv", rows.getvalue())
     plot(results, args.out / "compare.png")
     print()
     print(table, end="")
