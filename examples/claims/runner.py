@@ -139,6 +139,10 @@ def generate_and_run(args, options: list, write_split) -> list:
     """Write the raw splits with `write_split(folder, split, count, rng)` (one generator seeded with
     --data-seed), binarise them, and run every entry with every seed (`run_all`)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
+    earlier = [name for name in ("bin", "results.jsonl", "results.md") if (args.out / name).exists()]
+    if earlier:  # its data would be drawn anew but not binarised, and its results mixed with these
+        raise SystemExit(f"error: {args.out} holds an earlier run ({', '.join(earlier)}): give another --out or "
+                         "remove it")
     raw = args.out / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.data_seed)

@@ -222,6 +222,17 @@ def test_the_claims_refuse_fewer_than_one_job_before_writing_anything(tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
+def test_the_claims_refuse_an_out_folder_of_an_earlier_run(tmp_path):
+    """Before, a second run into the same --out drew new data into raw/, then fairseq-preprocess ended in a
+    traceback on the earlier bin/ (whose data stayed), or its results were appended to the earlier ones."""
+    runner = load_script(CLAIMS / "runner.py")
+    (tmp_path / "bin").mkdir()
+    args = argparse.Namespace(out=tmp_path, threads=1)
+    with pytest.raises(SystemExit, match=r"holds an earlier run \(bin\): give another --out or remove it"):
+        runner.generate_and_run(args, [], lambda *arguments: pytest.fail("data drawn"))
+    assert not (tmp_path / "raw").exists()
+
+
 def test_runner_keeps_the_counts_of_right_answers(tmp_path, monkeypatch):
     """A run's accuracies are its counts of right answers (checkpoint_eval.py's, here canned), not the
     accuracies fairseq logs rounded to 0.1%; the validation curve stays as logged (the reach column)."""
