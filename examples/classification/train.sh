@@ -20,6 +20,8 @@ TASK=${1:?usage: train.sh TASK DATA_BIN SAVE_DIR [options]}
 DATA_BIN=${2:?usage}
 SAVE_DIR=${3:?usage}
 shift 3
+source "$HERE/../recipe_checks.sh"
+need_folder "$DATA_BIN" DATA_BIN
 
 # table 4:      classes  warm-up  updates  eval interval
 case "$TASK" in
@@ -69,6 +71,7 @@ if [[ -n "${CPU:-}" ]]; then
 else
   DEVICE=(--fp16 --fp16-init-scale 4 --threshold-loss-scale 1 --fp16-scale-window 128)
 fi
+say_if_resuming "$SAVE_DIR"
 mkdir -p "$SAVE_DIR"
 set -x
 "$FAIRSEQ_TRAIN" "$DATA_BIN" --user-dir "$USER_DIR" \

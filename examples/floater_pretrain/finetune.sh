@@ -16,8 +16,11 @@ fi
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 BENCH=${1:?usage: finetune.sh glue|race ...}
 shift
-FREEZE=()
-[[ "${FREEZE_DYNAMICS:-1}" == 1 ]] && FREEZE=(--floater-freeze-dynamics)
+case "${FREEZE_DYNAMICS:-1}" in
+  1) FREEZE=(--floater-freeze-dynamics) ;;
+  0) FREEZE=() ;;
+  *) echo "FREEZE_DYNAMICS=${FREEZE_DYNAMICS}: give 1 (frozen) or 0 (trained along)" >&2; exit 2 ;;
+esac
 case "$BENCH" in
   glue) TASK=${1:?TASK}; DATA=${2:?DATA_BIN}; CKPT=${3:?CHECKPOINT}; SAVE=${4:?SAVE_DIR}; shift 4
         exec "$HERE/../glue/finetune.sh" "$TASK" "$DATA" "$CKPT" "$SAVE" "${FREEZE[@]}" ${ENCODING_ARGS:-} "$@" ;;

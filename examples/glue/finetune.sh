@@ -17,6 +17,9 @@ DATA_BIN=${2:?usage}
 ROBERTA=${3:?usage}
 SAVE_DIR=${4:?usage}
 shift 4
+source "$HERE/../recipe_checks.sh"
+need_folder "$DATA_BIN" DATA_BIN
+need_checkpoint "$ROBERTA" ROBERTA_CHECKPOINT
 
 #               classes  lr     batch  updates  warm-up
 case "$TASK" in

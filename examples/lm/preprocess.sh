@@ -7,6 +7,8 @@ set -euo pipefail
 RAW=${1:?usage: preprocess.sh RAW_DIR OUT_BIN}
 OUT=${2:?usage: preprocess.sh RAW_DIR OUT_BIN}
 WORKERS=${WORKERS:-20}
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/../recipe_checks.sh"
+need_folder "$RAW" RAW_DIR
 fairseq-preprocess --only-source \
     --trainpref "$RAW/wiki.train.tokens" --validpref "$RAW/wiki.valid.tokens" --testpref "$RAW/wiki.test.tokens" \
     --destdir "$OUT" --workers "$WORKERS"

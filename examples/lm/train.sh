@@ -16,13 +16,16 @@
 #   no fp16)  USER_DIR (default: this repository's posenc_fairseq).
 # transformer_lm_<encoding> is fairseq's `transformer_lm` (post-norm, as Transformer-XL); input and
 # output dims are set to EMBED_DIM (fairseq's config would leave them at 512 and add projections).
-# Head dimension 410/10 = 41 is odd: rotary needs an even one (use e.g. EMBED_DIM=400 for it).
+# Head dimension 410/10 = 41 is odd: rotary leaves the last dimension of each head unrotated
+# (EMBED_DIM=400 rotates them all).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 DATA_BIN=${1:?usage: train.sh DATA_BIN SAVE_DIR [fairseq-train options]}
 SAVE_DIR=${2:?usage: train.sh DATA_BIN SAVE_DIR [fairseq-train options]}
 shift 2
+source "$HERE/../recipe_checks.sh"
+need_folder "$DATA_BIN" DATA_BIN
 FAIRSEQ_TRAIN=${FAIRSEQ_TRAIN:-fairseq-train}
 USER_DIR=${USER_DIR:-$REPO/posenc_fairseq}
 ARCH=${ARCH:-transformer_lm_gcdf}
@@ -65,6 +68,7 @@ if [[ -n "${CPU:-}" ]]; then
 else
   OPTS+=(--fp16)
 fi
+say_if_resuming "$SAVE_DIR"
 mkdir -p "$SAVE_DIR"
 set -x
 "$FAIRSEQ_TRAIN" "$DATA_BIN" "${OPTS[@]}" \

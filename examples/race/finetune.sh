@@ -15,6 +15,9 @@ DATA_BIN=${1:?usage: finetune.sh DATA_BIN ROBERTA_CHECKPOINT SAVE_DIR [options]}
 ROBERTA=${2:?usage}
 SAVE_DIR=${3:?usage}
 shift 3
+source "$HERE/../recipe_checks.sh"
+need_folder "$DATA_BIN" DATA_BIN
+need_checkpoint "$ROBERTA" ROBERTA_CHECKPOINT
 ARCH=${ARCH:-roberta_floater_large}
 MAX_EPOCH=${MAX_EPOCH:-5}
 LR=${LR:-1e-05}

@@ -17,6 +17,9 @@
 #   and the FLOATER training (e.g. "--floater-method rk4"; fairseq-train builds the model from its own
 #   options, --restore-file only loads weights); FLOATER_ARGS: other fairseq-train options for the
 #   FLOATER step only.
+# A rerun into the same WORK_DIR resumes the stock step from WORK_DIR/stock (fairseq-train's own resume;
+# remove that folder to train it anew) and redoes the conversion, the FLOATER step (WORK_DIR/floater is
+# emptied first: its epoch checkpoints from an earlier run would otherwise be averaged) and the scoring.
 set -euo pipefail
 if [[ -n "${CONVERT_ARGS:-}" ]]; then
   echo "CONVERT_ARGS is now ENCODING_ARGS: the encoding options, given to the conversion and to training" >&2; exit 2
@@ -27,6 +30,9 @@ PYTHON=${PYTHON:-python}
 DATA_BIN=${1:?usage: floater_warmstart.sh DATA_BIN WORK_DIR [fairseq-train options]}
 WORK=${2:?usage: floater_warmstart.sh DATA_BIN WORK_DIR [fairseq-train options]}
 shift 2
+source "$HERE/../recipe_checks.sh"
+need_folder "$DATA_BIN" DATA_BIN
+[[ -n "${SKIP_STOCK:-}" ]] && need_checkpoint "${STOCK_CHECKPOINT:-}" "STOCK_CHECKPOINT, with SKIP_STOCK"
 STOCK_ARCH=${STOCK_ARCH:-transformer}
 FLOATER_ARCH=${ARCH:-transformer_floater}
 ENCODING=${ENCODING:-floater}
@@ -48,7 +54,8 @@ STOCK_CHECKPOINT=${STOCK_CHECKPOINT:-$WORK/stock/checkpoint_best.pt}
 "$PYTHON" "$REPO/scripts/convert_transformer_checkpoint.py" "$STOCK_CHECKPOINT" "$WORK/floater_init.pt" --force \
     --encoding "$ENCODING" ${ENCODING_ARGS:-}
 
-# 4.-5. retrain with half the peak learning rate, keeping every epoch checkpoint
+# 4.-5. retrain with half the peak learning rate, keeping every epoch checkpoint (from nothing earlier)
+rm -rf "$WORK/floater"
 HALF_LR=$("$PYTHON" -c "print(float('$LR') / 2)")
 ARCH=$FLOATER_ARCH LR=$HALF_LR MAX_EPOCH=$RETRAIN_EPOCHS RESTORE="$WORK/floater_init.pt" \
     "$HERE/train.sh" "$DATA_BIN" "$WORK/floater" ${ENCODING_ARGS:-} ${FLOATER_ARGS:-} "$@"

@@ -19,6 +19,9 @@ REPO="$(cd "$HERE/../.." && pwd)"
 DATA_BIN=${1:?usage: train.sh DATA_BIN SAVE_DIR [fairseq-train options]}
 SAVE_DIR=${2:?usage: train.sh DATA_BIN SAVE_DIR [fairseq-train options]}
 shift 2
+source "$HERE/../recipe_checks.sh"
+need_folder "$DATA_BIN" DATA_BIN
+[[ -n "${RESTORE:-}" ]] && need_checkpoint "$RESTORE" RESTORE
 FAIRSEQ_TRAIN=${FAIRSEQ_TRAIN:-fairseq-train}
 USER_DIR=${USER_DIR:-$REPO/posenc_fairseq}
 ARCH=${ARCH:-transformer_floater}
@@ -42,6 +45,7 @@ OPTS=(--user-dir "$USER_DIR")
 [[ -n "${RESTORE:-}" ]] && OPTS+=(--restore-file "$RESTORE" --reset-optimizer --reset-lr-scheduler
                                    --reset-dataloader --reset-meters)
 [[ -n "${CPU:-}" ]] && OPTS+=(--cpu)
+[[ -z "${RESTORE:-}" ]] && say_if_resuming "$SAVE_DIR"
 mkdir -p "$SAVE_DIR"
 set -x
 "$FAIRSEQ_TRAIN" "$DATA_BIN" "${OPTS[@]}" \
