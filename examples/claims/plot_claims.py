@@ -120,6 +120,11 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, default=HERE.parents[1] / "docs" / "img")
     parser.add_argument("--doc", type=Path, help="also write the tables into this markdown file's markers")
     args = parser.parse_args(argv)
+    needed = [args.data / name for name in ("process50.jsonl", "negation_scope.jsonl", "short_to_long.json")]
+    missing = [str(path) for path in needed if not path.is_file()]
+    if missing:  # (before any figure is drawn: never half the set)
+        parser.error(f"no {', '.join(missing)}: --data holds runner.py's results.jsonl of process50.py and "
+                     "negation_scope.py under those names, and short_to_long.py's results")
     args.out.mkdir(parents=True, exist_ok=True)
 
     runs = load_runs(args.data / "process50.jsonl")

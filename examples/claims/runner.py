@@ -103,12 +103,21 @@ def train_and_test(entry: str, seed: int, data: Path, work: Path, options: list,
     # each validation's accuracy as fairseq-train logged it (0.1% steps): the reach column's epochs only
     curve = [float(x) / 100 for x in re.findall(r"\| valid \|.*?\| accuracy ([0-9.]+)", log.read_text())]
     result = {"entry": entry, "arch": arch, "seed": seed, "valid_curve": curve, "minutes": minutes,
-              "device": "cuda" if args.cuda else "cpu"}
+              "device": "cuda" if args.cuda else "cpu", "setup": setup(args)}
     for subset, found in counts.items():
         result[subset] = found[0] / found[1] if found else None
         if found:
             result[f"{subset}_correct"], result[f"{subset}_examples"] = found
     return result
+
+
+#: what a run's record keeps of the command line: its data and budget (a record read later, e.g. by
+#: plot_claims.py, says what it was run with)
+SETUP = ("train", "valid", "test", "length", "lag", "repeat", "data_seed", "epochs", "batch_size", "lr")
+
+
+def setup(args) -> dict:
+    return {name: getattr(args, name) for name in SETUP if hasattr(args, name)}
 
 
 def run_all(out: Path, data: Path, options: list, args, env) -> list:

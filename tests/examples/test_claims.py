@@ -254,6 +254,18 @@ def test_runner_keeps_the_counts_of_right_answers(tmp_path, monkeypatch):
     assert commands[1][commands[1].index("--subsets") + 1] == "valid,test" and "--cpu" in commands[1]
     assert result["test"] == 4217 / 5000 and (result["test_correct"], result["test_examples"]) == (4217, 5000)
     assert result["valid"] == 844 / 1000 and result["valid_curve"] == pytest.approx([0.844])  # as logged
+    assert result["setup"] == {"epochs": 1, "batch_size": 64, "lr": 1e-3}  # what the record was run with
+
+
+def test_plot_claims_needs_every_result_before_drawing_any(tmp_path, capsys):
+    """Before, a --data with the Process-50 results alone drew its figure, then ended in a traceback."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "process50.jsonl").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        load_script(CLAIMS / "plot_claims.py").main(["--data", str(data), "--out", str(tmp_path / "img")])
+    assert exit_info.value.code == 2 and "negation_scope.jsonl" in capsys.readouterr().err
+    assert not (tmp_path / "img").exists()
 
 
 @pytest.mark.slow
