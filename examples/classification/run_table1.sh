@@ -21,7 +21,7 @@ EVAL_CPU=()
 for ENCODING in $ENCODINGS; do
   for TASK in $TASKS; do
     # this recipe's own outputs: train.sh would resume an earlier run's checkpoint, report.py read its result
-    rm -f "$WORK/$ENCODING/$TASK"/checkpoint*.pt "$WORK/$ENCODING/$TASK.json"
+    rm -f "$WORK/$ENCODING/$TASK"/checkpoint*.pt "$WORK/$ENCODING/$TASK"/train.log "$WORK/$ENCODING/$TASK.json"
     ENCODING="$ENCODING" ARCH="roberta_$ENCODING" "$HERE/train.sh" "$TASK" "$DATA/$TASK-bin" "$WORK/$ENCODING/$TASK" "$@"
     # shellcheck disable=SC2086
     "$PYTHON" "$HERE/evaluate.py" "$TASK" "$DATA/$TASK-bin" "$WORK/$ENCODING/$TASK/checkpoint_best.pt" \

@@ -34,7 +34,7 @@ rm -rf "$WORK/data"  # this recipe's own output, remade from the split below
     --vocab-size "$VOCAB_SIZE" ${PREPARE_ARGS:-}
 RESULTS=()
 for ENCODING in $ENCODINGS; do
-  rm -f "$WORK/$ENCODING"/checkpoint*.pt  # train.sh would resume from an earlier run's
+  rm -f "$WORK/$ENCODING"/checkpoint*.pt "$WORK/$ENCODING"/train.log  # train.sh would resume from an earlier run's (and append to its log)
   ARCH="transformer_$ENCODING" "$TRANSLATION/train.sh" "$WORK/data/bin" "$WORK/$ENCODING" \
       --no-epoch-checkpoints "$@"
   "$PYTHON" "$TRANSLATION/evaluate.py" "$WORK/data/bin" "$WORK/$ENCODING/checkpoint_best.pt" \

@@ -21,7 +21,7 @@ EVAL_CPU=()
 mkdir -p "$WORK"
 RESULTS=()
 for ENCODING in $ENCODINGS; do
-  rm -f "$WORK/$ENCODING"/checkpoint*.pt "$WORK/ppl_$ENCODING.json"  # train.sh would resume an earlier run's
+  rm -f "$WORK/$ENCODING"/checkpoint*.pt "$WORK/$ENCODING"/train.log "$WORK/ppl_$ENCODING.json"  # train.sh would resume an earlier run's (and append to its log)
   ARCH="transformer_lm_$ENCODING" "$HERE/train.sh" "$DATA_BIN" "$WORK/$ENCODING" "$@"
   # shellcheck disable=SC2086
   "$PYTHON" "$HERE/evaluate.py" "$DATA_BIN" "$WORK/$ENCODING/checkpoint_best.pt" --memory $MEMORY \
