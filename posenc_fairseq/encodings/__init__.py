@@ -10,7 +10,6 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 
-
 def options_of(name: str) -> dict:
     """{dest: argparse default} of the options encoding `name` reads: those its add_args adds."""
     parser = argparse.ArgumentParser(add_help=False)
