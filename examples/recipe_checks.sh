@@ -1,6 +1,7 @@
-# What the recipes' shell scripts check before fairseq runs (sourced: `source "$HERE/../recipe_checks.sh"`):
-# a missing folder or checkpoint is one error line, not a traceback deep in fairseq (nor, for a checkpoint
-# to fine-tune, a silent training from scratch: fairseq-train only logs "No existing checkpoint found").
+# What the recipes' shell scripts check before fairseq runs, and how they run it (sourced:
+# `source "$HERE/../recipe_checks.sh"`). A missing folder or checkpoint is one error line, not a traceback
+# deep in fairseq (nor, for a checkpoint to fine-tune, a silent training from scratch: fairseq-train only
+# logs "No existing checkpoint found"). A recipe stopped by a signal stops its fairseq-train too.
 
 recipe_error() {
   echo "$(basename "$0"): error: $*" >&2
@@ -21,4 +22,28 @@ say_if_resuming() {  # SAVE_DIR
   if [[ -f "$1/checkpoint_last.pt" ]]; then
     echo "$(basename "$0"): $1 holds checkpoint_last.pt: fairseq-train resumes from it (remove $1 for a new run)" >&2
   fi
+}
+
+# COMMAND's output to the terminal and appended to LOG; a TERM, HUP or INT sent to the recipe is passed on to
+# COMMAND as TERM, and the recipe exits with COMMAND's status. A foreground `COMMAND | tee` would be left
+# running: bash runs a trap only after the foreground pipeline ends, and without a trap it exits at once.
+# (COMMAND runs in the background, where bash makes it ignore INT, so a Ctrl-C reaches it through the trap.)
+run_logged() {  # LOG COMMAND [ARGUMENTS...]
+  { set +x; } 2>/dev/null  # the caller's trace has shown this call, COMMAND in full
+  local log=$1 status=0
+  shift
+  exec 3> >(exec tee -a "$log")
+  local tee_pid=$!
+  "$@" >&3 2>&1 3>&- &
+  local command_pid=$!
+  trap "kill -TERM $command_pid 2>/dev/null" TERM HUP INT
+  wait "$command_pid" || status=$?
+  while kill -0 "$command_pid" 2>/dev/null; do  # the wait above was cut short by a trapped signal
+    status=0
+    wait "$command_pid" || status=$?
+  done
+  trap - TERM HUP INT
+  exec 3>&-
+  wait "$tee_pid" 2>/dev/null || true  # the log holds every line when the recipe ends
+  return "$status"
 }

@@ -74,7 +74,7 @@ fi
 say_if_resuming "$SAVE_DIR"
 mkdir -p "$SAVE_DIR"
 set -x
-"$FAIRSEQ_TRAIN" "$DATA_BIN" --user-dir "$USER_DIR" \
+run_logged "$SAVE_DIR/train.log" "$FAIRSEQ_TRAIN" "$DATA_BIN" --user-dir "$USER_DIR" \
     --task sentence_prediction --criterion sentence_prediction --num-classes "$NUM_CLASSES" \
     --init-token 0 --separator-token 2 --max-positions "$MAX_POSITIONS" --shorten-method truncate \
     --arch "$ARCH" --encoder-layers "$LAYERS" --encoder-embed-dim "$EMBED_DIM" \
@@ -88,4 +88,4 @@ set -x
     --keep-interval-updates 1 --no-epoch-checkpoints \
     --best-checkpoint-metric accuracy --maximize-best-checkpoint-metric \
     "${DEVICE[@]}" --save-dir "$SAVE_DIR" --seed "$SEED" --log-format simple --log-interval "$LOG_INTERVAL" \
-    "$@" 2>&1 | tee -a "$SAVE_DIR/train.log"
+    "$@"

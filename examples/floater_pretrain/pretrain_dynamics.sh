@@ -28,6 +28,9 @@ ROBERTA=${1:?usage: pretrain_dynamics.sh ROBERTA_MODEL_PT WIKITEXT_BIN WORK_DIR 
 DATA_BIN=${2:?usage}
 WORK=${3:?usage}
 shift 3
+source "$HERE/../recipe_checks.sh"
+need_checkpoint "$ROBERTA" ROBERTA_MODEL_PT
+need_folder "$DATA_BIN" WIKITEXT_BIN
 ARCH=${ARCH:-roberta_floater_large}
 LR=${LR:-1e-4}
 WARMUP_UPDATES=${WARMUP_UPDATES:-100}
@@ -40,13 +43,14 @@ UPDATE_FREQ=${UPDATE_FREQ:-16}
 SEED=${SEED:-1}
 FAIRSEQ_TRAIN=${FAIRSEQ_TRAIN:-fairseq-train}
 if [[ -n "${CPU:-}" ]]; then DEVICE=(--cpu); else DEVICE=(--fp16); fi
+say_if_resuming "$WORK/dynamics"
 mkdir -p "$WORK/dynamics"
 
 "$PYTHON" "$REPO/scripts/convert_roberta_checkpoint.py" "$ROBERTA" "$WORK/roberta_floater.pt" --force \
     --encoding floater ${ENCODING_ARGS:-}
 
 set -x
-"$FAIRSEQ_TRAIN" "$DATA_BIN" --user-dir "$REPO/posenc_fairseq" \
+run_logged "$WORK/dynamics/train.log" "$FAIRSEQ_TRAIN" "$DATA_BIN" --user-dir "$REPO/posenc_fairseq" \
     --restore-file "$WORK/roberta_floater.pt" --reset-optimizer --reset-dataloader --reset-meters \
     --reset-lr-scheduler --task masked_lm --criterion masked_lm --arch "$ARCH" \
     --floater-train-dynamics-only ${ENCODING_ARGS:-} \
@@ -57,4 +61,4 @@ set -x
     --batch-size "$BATCH_SIZE" --update-freq "$UPDATE_FREQ" \
     --max-epoch "$MAX_EPOCH" --max-update "$MAX_UPDATE" "${DEVICE[@]}" \
     --save-dir "$WORK/dynamics" --no-epoch-checkpoints --seed "$SEED" --log-format simple \
-    "$@" 2>&1 | tee -a "$WORK/dynamics/train.log"
+    "$@"

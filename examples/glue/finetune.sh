@@ -58,7 +58,7 @@ else
 fi
 mkdir -p "$SAVE_DIR"
 set -x
-"$FAIRSEQ_TRAIN" "$DATA_BIN" --user-dir "$USER_DIR" \
+run_logged "$SAVE_DIR/train.log" "$FAIRSEQ_TRAIN" "$DATA_BIN" --user-dir "$USER_DIR" \
     --restore-file "$ROBERTA" --reset-optimizer --reset-dataloader --reset-meters \
     --task sentence_prediction --criterion sentence_prediction --num-classes "$NUM_CLASSES" \
     --init-token 0 --separator-token 2 --max-positions "$MAX_POSITIONS" \
@@ -69,4 +69,4 @@ set -x
     --warmup-updates "$WARMUP_UPDATES" --max-update "$TOTAL_NUM_UPDATES" --max-epoch "$MAX_EPOCH" \
     --find-unused-parameters "${METRIC[@]}" "${DEVICE[@]}" \
     --save-dir "$SAVE_DIR" --no-epoch-checkpoints --seed "$SEED" --log-format simple \
-    "$@" 2>&1 | tee -a "$SAVE_DIR/train.log"
+    "$@"

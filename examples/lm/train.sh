@@ -71,7 +71,7 @@ fi
 say_if_resuming "$SAVE_DIR"
 mkdir -p "$SAVE_DIR"
 set -x
-"$FAIRSEQ_TRAIN" "$DATA_BIN" "${OPTS[@]}" \
+run_logged "$SAVE_DIR/train.log" "$FAIRSEQ_TRAIN" "$DATA_BIN" "${OPTS[@]}" \
     --task language_modeling --sample-break-mode none --tokens-per-sample "$TOKENS_PER_SAMPLE" \
     --max-target-positions "$MAX_POSITIONS" \
     --arch "$ARCH" --decoder-layers "$LAYERS" --decoder-embed-dim "$EMBED_DIM" \
@@ -84,4 +84,4 @@ set -x
     --validate-interval-updates "$VALIDATE_INTERVAL_UPDATES" --save-interval-updates "$VALIDATE_INTERVAL_UPDATES" \
     --keep-interval-updates 1 --no-epoch-checkpoints \
     --save-dir "$SAVE_DIR" --seed "$SEED" --log-format simple --log-interval "$LOG_INTERVAL" \
-    "$@" 2>&1 | tee -a "$SAVE_DIR/train.log"
+    "$@"

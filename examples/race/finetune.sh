@@ -37,7 +37,7 @@ else
 fi
 mkdir -p "$SAVE_DIR"
 set -x
-"$FAIRSEQ_TRAIN" "$DATA_BIN" --user-dir "$USER_DIR" --ddp-backend=legacy_ddp \
+run_logged "$SAVE_DIR/train.log" "$FAIRSEQ_TRAIN" "$DATA_BIN" --user-dir "$USER_DIR" --ddp-backend=legacy_ddp \
     --restore-file "$ROBERTA" --reset-optimizer --reset-dataloader --reset-meters \
     --best-checkpoint-metric accuracy --maximize-best-checkpoint-metric \
     --task sentence_ranking --num-classes "$NUM_CLASSES" --init-token 0 --separator-token 2 \
@@ -49,4 +49,4 @@ set -x
     --batch-size "$BATCH_SIZE" --required-batch-size-multiple 1 --update-freq "$UPDATE_FREQ" \
     --max-epoch "$MAX_EPOCH" --max-update "$MAX_UPDATE" \
     --save-dir "$SAVE_DIR" --no-epoch-checkpoints --seed "$SEED" --log-format simple \
-    "$@" 2>&1 | tee -a "$SAVE_DIR/train.log"
+    "$@"

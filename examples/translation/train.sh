@@ -48,7 +48,7 @@ OPTS=(--user-dir "$USER_DIR")
 [[ -z "${RESTORE:-}" ]] && say_if_resuming "$SAVE_DIR"
 mkdir -p "$SAVE_DIR"
 set -x
-"$FAIRSEQ_TRAIN" "$DATA_BIN" "${OPTS[@]}" \
+run_logged "$SAVE_DIR/train.log" "$FAIRSEQ_TRAIN" "$DATA_BIN" "${OPTS[@]}" \
     --arch "$ARCH" --share-all-embeddings \
     --optimizer adam --adam-betas '(0.9, 0.98)' --clip-norm "$CLIP_NORM" \
     --lr "$LR" --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP" --warmup-init-lr 1e-07 \
@@ -59,4 +59,4 @@ set -x
     --save-dir "$SAVE_DIR" --save-interval-updates "$SAVE_INTERVAL_UPDATES" \
     --keep-last-epochs "$KEEP_LAST_EPOCHS" --seed "$SEED" \
     --log-format simple --log-interval "$LOG_INTERVAL" \
-    "$@" 2>&1 | tee -a "$SAVE_DIR/train.log"
+    "$@"

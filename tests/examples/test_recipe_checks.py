@@ -2,9 +2,12 @@
 commands replaced by `true` where a script would reach them: no training here. Before, a missing data
 folder ended in a traceback deep in fairseq after SAVE_DIR was made, a missing checkpoint to fine-tune
 trained from scratch without a word (fairseq-train only logs "No existing checkpoint found"), and a
-rerun of floater_warmstart.sh averaged the earlier run's epoch checkpoints."""
+rerun of floater_warmstart.sh averaged the earlier run's epoch checkpoints, and a recipe stopped by a
+signal left its fairseq-train running."""
 import os
+import signal
 import subprocess
+import time
 
 import pytest
 
@@ -30,19 +33,20 @@ def refused(done, message):
     return done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("case", ["glue", "race", "translation RESTORE"])
+@pytest.mark.parametrize("case", ["glue", "race", "translation RESTORE", "floater_pretrain"])
 def test_a_missing_checkpoint_to_fine_tune_is_refused(case, made, tmp_path):
     data, _ = made
     missing, save = tmp_path / "nope.pt", tmp_path / "save"
     done = {"glue": lambda: script("glue/finetune.sh", "RTE", data, missing, save),
             "race": lambda: script("race/finetune.sh", data, missing, save),
+            "floater_pretrain": lambda: script("floater_pretrain/pretrain_dynamics.sh", missing, data, save),
             "translation RESTORE": lambda: script("translation/train.sh", data, save, RESTORE=str(missing))}[case]()
     assert refused(done, f"no checkpoint file {missing}"), done.stderr
     assert not save.exists()
 
 
 @pytest.mark.parametrize("case", ["translation", "lm", "classification", "glue", "race", "lm preprocess",
-                                  "floater_warmstart"])
+                                  "floater_warmstart", "floater_pretrain"])
 def test_a_missing_data_folder_is_refused_before_anything_is_made(case, made, tmp_path):
     _, checkpoint = made
     missing, save = tmp_path / "no-bin", tmp_path / "save"
@@ -51,7 +55,8 @@ def test_a_missing_data_folder_is_refused_before_anything_is_made(case, made, tm
                  "glue": ("glue/finetune.sh", "RTE", missing, checkpoint, save),
                  "race": ("race/finetune.sh", missing, checkpoint, save),
                  "lm preprocess": ("lm/preprocess.sh", missing, save),
-                 "floater_warmstart": ("translation/floater_warmstart.sh", missing, save)}[case]
+                 "floater_warmstart": ("translation/floater_warmstart.sh", missing, save),
+                 "floater_pretrain": ("floater_pretrain/pretrain_dynamics.sh", checkpoint, missing, save)}[case]
     done = script(*arguments)
     assert refused(done, f"no folder {missing}"), done.stderr
     assert not save.exists()
@@ -90,3 +95,66 @@ def test_freeze_dynamics_takes_one_or_zero(made, tmp_path):
     data, checkpoint = made
     done = script("floater_pretrain/finetune.sh", "race", data, checkpoint, tmp_path / "save", FREEZE_DYNAMICS="yes")
     assert refused(done, "FREEZE_DYNAMICS=yes: give 1 (frozen) or 0 (trained along)"), done.stderr
+
+
+#: each recipe that runs fairseq-train, with its arguments (data folder, checkpoint, save dir) and its log
+TRAINING = {
+    "translation": lambda data, checkpoint, save: (("translation/train.sh", data, save), save / "train.log"),
+    "lm": lambda data, checkpoint, save: (("lm/train.sh", data, save), save / "train.log"),
+    "classification": lambda data, checkpoint, save: (("classification/train.sh", "IMDB", data, save),
+                                                      save / "train.log"),
+    "glue": lambda data, checkpoint, save: (("glue/finetune.sh", "RTE", data, checkpoint, save), save / "train.log"),
+    "race": lambda data, checkpoint, save: (("race/finetune.sh", data, checkpoint, save), save / "train.log"),
+    "floater_pretrain": lambda data, checkpoint, save: (("floater_pretrain/pretrain_dynamics.sh", checkpoint, data,
+                                                         save), save / "dynamics" / "train.log"),
+}
+
+
+def fake_fairseq_train(tmp_path, body):
+    path = tmp_path / "fairseq-train"
+    path.write_text(f"#!/bin/bash\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.parametrize("recipe, stop", [(recipe, "TERM") for recipe in sorted(TRAINING)]
+                         + [("translation", "INT"), ("translation", "HUP")])  # one run_logged serves all
+def test_a_recipe_stopped_by_a_signal_stops_its_fairseq_train(recipe, stop, made, tmp_path):
+    """Before, fairseq-train ran on (it was `fairseq-train | tee`, which bash does not stop) after a `kill`
+    of the recipe, or a scheduler's TERM to it; Ctrl-C worked only because it reaches the whole group."""
+    data, checkpoint = made
+    arguments, _ = TRAINING[recipe](data, checkpoint, tmp_path / "save")
+    pid_file = tmp_path / "fairseq.pid"
+    train = fake_fairseq_train(tmp_path, f'echo $$ > "{pid_file}"; echo started; exec sleep 60')
+    recipe_process = subprocess.Popen(
+        [str(EXAMPLES / arguments[0]), *map(str, arguments[1:])], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "CPU": "1", "FAIRSEQ_TRAIN": train, "PYTHON": "true"}, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal, not ignored
+    try:
+        deadline = time.monotonic() + 30
+        while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        train_pid = int(pid_file.read_text())
+        recipe_process.send_signal(getattr(signal, f"SIG{stop}"))
+        output, _ = recipe_process.communicate(timeout=20)
+        assert recipe_process.returncode == 128 + signal.SIGTERM, output
+        assert not os.path.exists(f"/proc/{train_pid}"), "fairseq-train still runs"
+    finally:
+        try:  # the recipe's session: whatever is left of it, the old `sleep 60` included
+            os.killpg(recipe_process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        recipe_process.wait()
+
+
+@pytest.mark.parametrize("recipe", sorted(TRAINING))
+def test_a_recipe_ends_with_fairseq_trains_status_and_its_whole_log(recipe, made, tmp_path):
+    data, checkpoint = made
+    arguments, log = TRAINING[recipe](data, checkpoint, tmp_path / "save")
+    log.parent.mkdir(parents=True)
+    log.write_text("an earlier run\n")
+    train = fake_fairseq_train(tmp_path, 'for i in $(seq 3000); do echo "line $i"; done; echo oops >&2; exit 3')
+    done = script(*arguments, FAIRSEQ_TRAIN=train)
+    assert done.returncode == 3, done.stderr
+    assert log.read_text() == "an earlier run\n" + "".join(f"line {i}\n" for i in range(1, 3001)) + "oops\n"
+    assert "line 3000\noops\n" in done.stdout
