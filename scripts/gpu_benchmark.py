@@ -24,8 +24,11 @@ options, dtype, batch, length):
     kernels waits on the host (launches, Python);
   - reference: the same three figures of stock `transformer` in the same run, dtype, batch and length.
 A measurement that fails (out of memory, an error, the budget spent) gives nulls and an `error` string;
-the others go on. The file is written once, at the end, atomically; then the table is printed
-(`--table` prints it again from the file).
+the others go on. Every record carries its run's label (`run`, --run): --out keeps the records of earlier
+runs, each run's own compared within it, and the run's records are added to them as each model is done,
+atomically (a run killed midway leaves its finished models). Then the run's table is printed (`--table`
+prints every run's from the file). `--add FILE` adds a file of another run's records (a GPU machine's
+$OUT/gpu_benchmark.json) to --out.
 
 Time budget (about 8 minutes on one H100: --budget, default 420 s, for 16 models x 4 cells, plus
 imports, a CUDA probe and at most GRACE_S for the last model). Each model runs in a process of its own
@@ -173,7 +176,14 @@ def parse_args(argv=None):
     parser.add_argument("--start", choices=("auto", "fork", "spawn"), default="auto",
                         help="how each model's process starts (auto: fork where a forked process can use the "
                              "device, else spawn)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the JSON file written")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="the JSON file of records: this run's are added to those of earlier runs in it")
+    parser.add_argument("--run", metavar="LABEL",
+                        help="this run's label, in each of its records (default: the UTC time and the commit); "
+                             "one that --out already holds is refused")
+    parser.add_argument("--add", type=Path, metavar="JSON",
+                        help="measure nothing: add the records of another run's file to --out (labelled --run "
+                             "where given, else by their own labels)")
     parser.add_argument("--table", type=Path, nargs="?", const=DEFAULT_OUT, metavar="JSON",
                         help="only print the markdown table of a written file (default: --out's default)")
     return parser.parse_args(argv)
@@ -186,14 +196,18 @@ def models_to_measure(args):
     from posenc_fairseq.encodings import ENCODINGS
 
     archs = args.archs or [f"transformer_{name}" for name in sorted(ENCODINGS)]
+    if FLOATER in archs:  # FLOATER's goals are ratios to sinusoidal's step in the same run
+        archs = [*archs, SINUSOIDAL]
     archs = list(dict.fromkeys([REFERENCE, *sorted(archs, key=lambda arch: (arch != SINUSOIDAL, arch != FLOATER, arch))]))
     models = []
     for arch in archs:
         if arch == FLOATER:
-            # the value named even where it is FLOATER's default, so that each record says which it is
-            models += [(arch, f"--floater-recompute-every {k}") for k in args.floater_recompute]
-            if args.floater_graphs:  # (an environment setting in front: `measure_model` sets it in the model's process)
+            # the value named even where it is FLOATER's default, so that each record says which it is;
+            # the solve in graphs first (an environment setting in front: `measure_model` sets it in the
+            # model's process), issue 36's rows, before the default solve can spend the budget
+            if args.floater_graphs:
                 models += [(arch, f"{GRAPHS}=1 --floater-recompute-every {k}") for k in args.floater_recompute]
+            models += [(arch, f"--floater-recompute-every {k}") for k in args.floater_recompute]
         else:
             models.append((arch, ""))
             if args.triton and arch in TRITON_SERVES:  # the switch the other way from its default
@@ -250,7 +264,8 @@ def measure_model(arch, options, args, deadline, path):
     window = recompute_window(options)
     # every cell starts from the weights as built: a cell's training steps must not feed the next cell
     # (FLOATER's dynamics, trained a few steps at n = 512, can overflow at n = 4096)
-    initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    # (kept on the CPU: a copy on the device would count in every cell's peak and resting memory)
+    initial = {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()}
     for cell in cells(args):
         started = time.perf_counter()
         model.load_state_dict(initial)
@@ -401,8 +416,10 @@ def short(error):
 
 # --- the run ---------------------------------------------------------------------------------------
 
-def run_all(args):
-    """Each model in a process of its own within its share of the budget; returns every cell's record."""
+def run_all(args, run=None, device=None, save=None):
+    """Each model in a process of its own within its share of the budget; returns every cell's record,
+    each with `run` = `run` (its label) and, where its model did not measure it, `device` as its device_name;
+    `save(records so far)` after each model."""
     import torch
 
     from posenc_fairseq.provenance import source_commit
@@ -411,38 +428,48 @@ def run_all(args):
     end = time.time() + args.budget
     context = multiprocessing.get_context(start_method(args))
     run_commit, records = source_commit(), []
+
+    def finished():
+        for item in records:
+            item.setdefault("device_name", device)
+            item.setdefault("torch", torch.__version__)
+            item["commit"] = run_commit
+            item["model"] = {"layers": args.layers, "dim": args.dim, "heads": args.heads, "ffn": 4 * args.dim,
+                             "vocab": args.vocab}
+            item["run"] = run
+        add_references(records)
+        return [{key: item[key] for key in ORDER if key in item} | item for item in records]
+
     with tempfile.TemporaryDirectory(prefix="gpu_benchmark_") as folder:
         for index, (arch, options) in enumerate(models):
             left = end - time.time()
-            label = f"{arch} {options}".strip()
             if left <= 0:
                 records += [record(arch, options, cell, f"not measured: --budget {args.budget:g} s spent")
                             for cell in cells(args)]
-                continue
-            share = min(left, 2 * left / (len(models) - index))
-            print(f"gpu_benchmark: {label} ({share:.0f} s at most)", file=sys.stderr, flush=True)
-            path = Path(folder, f"{index}.jsonl")
-            path.touch()
-            child = context.Process(target=measure_model, args=(arch, options, args, time.time() + share, path))
-            child.start()
-            child.join(share + GRACE_S)
-            killed = child.is_alive()
-            if killed:
-                child.kill()
-                child.join()
-            done = {(r["dtype"], r["batch"], r["length"]): r for r in map(json.loads, path.read_text().splitlines())}
-            why = (f"not measured: {share:.0f} s, its share of --budget, spent" if killed
-                   else f"not measured: its process stopped (exit code {child.exitcode})")
-            records += [done.get(cell) or record(arch, options, cell, why) for cell in cells(args)]
-    for item in records:
-        item.setdefault("device_name", None)
-        item.setdefault("torch", torch.__version__)
-        item["commit"] = run_commit
-        item["model"] = {"layers": args.layers, "dim": args.dim, "heads": args.heads, "ffn": 4 * args.dim,
-                         "vocab": args.vocab}
-    add_references(records)
-    return [{key: item[key] for key in ORDER if key in item} | item for item in records]
+            else:
+                share = min(left, 2 * left / (len(models) - index))
+                records += measure_in_process(context, arch, options, args, share, Path(folder, f"{index}.jsonl"))
+            if save:
+                save(finished())
+    return finished()
 
+
+def measure_in_process(context, arch, options, args, share, path):
+    """One model's records, measured in a process of its own (its cells appended to the file `path`),
+    killed `share` + GRACE_S seconds from now: what it had not measured then is recorded as such."""
+    print(f"gpu_benchmark: {f'{arch} {options}'.strip()} ({share:.0f} s at most)", file=sys.stderr, flush=True)
+    path.touch()
+    child = context.Process(target=measure_model, args=(arch, options, args, time.time() + share, path))
+    child.start()
+    child.join(share + GRACE_S)
+    killed = child.is_alive()
+    if killed:
+        child.kill()
+        child.join()
+    done = {(r["dtype"], r["batch"], r["length"]): r for r in map(json.loads, path.read_text().splitlines())}
+    why = (f"not measured: {share:.0f} s, its share of --budget, spent" if killed
+           else f"not measured: its process stopped (exit code {child.exitcode})")
+    return [done.get(cell) or record(arch, options, cell, why) for cell in cells(args)]
 
 
 def start_method(args):
@@ -510,14 +537,20 @@ def write_atomically(path, records):
 # --- the table -------------------------------------------------------------------------------------
 
 def markdown_table(records):
-    """The records as a markdown table: each figure with its ratio to stock `transformer` (tokens/s:
+    """The records as markdown tables, one per run (`run_table`)."""
+    runs = dict.fromkeys(item.get("run") for item in records)
+    return "\n\n".join(run_table([item for item in records if item.get("run") == run]) for run in runs)
+
+
+def run_table(records):
+    """One run's records as a markdown table: each figure with its ratio to stock `transformer` (tokens/s:
     higher is better; memory: lower), and FLOATER's step time over transformer_sinusoidal's in the
     same dtype, batch and length (issue 36's goals: <= 1.5 with K = 1, <= 1.1 with K = 10), and how busy
     the step keeps the device (`op_ms_per_step` / `step_ms`)."""
     sinusoidal = {run_cell(item): item for item in records if item["arch"] == SINUSOIDAL and item["options"] == ""}
-    first = records[0] if records else {}
-    lines = [f"{first.get('device_name')}, torch {first.get('torch')}, commit {first.get('commit')}; "
-             "ratios to stock `transformer` in the same run, dtype, batch and length", "",
+    first = next((item for item in records if item.get("device_name")), records[0] if records else {})
+    lines = [f"Run {first.get('run')}: {first.get('device_name')}, torch {first.get('torch')}, commit "
+             f"{first.get('commit')}; ratios to stock `transformer` in the same run, dtype, batch and length", "",
              "| arch | options | dtype | batch x n | train tok/s | x stock | peak MB | x stock | beam gen tok/s "
              "| x stock | step / sinusoidal's | busy | attention kernels | error |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -547,30 +580,87 @@ def ratio(value, reference):
     return "—" if value is None or not reference else f"{value / reference:.2f}"
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.table is not None:
-        print(markdown_table(json.loads(args.table.read_text())))
-        return 0
-    if args.device == "cuda":  # asked in a process of its own: CUDA must not start before the fork
-        probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
-                               capture_output=True, text=True)
-        if probe.stdout.strip() != "True":
-            print("gpu_benchmark: --device cuda but torch sees no CUDA device (--device cpu measures on the CPU)",
-                  file=sys.stderr)
-            return 2
-    import posenc_fairseq  # noqa: F401 - registers the architectures
+class Refused(Exception):
+    """Nothing measured or written: the message says why."""
 
+
+def read_records(path):
+    """The records (a JSON list of objects) of the file `path`."""
+    try:
+        records = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise Refused(f"{path}: not a file of records ({short(error)})") from None
+    if not isinstance(records, list) or not all(isinstance(item, dict) for item in records):
+        raise Refused(f"{path}: not a file of records (a JSON list of objects)")
+    return records
+
+
+def runs_of(records):
+    return {item.get("run") for item in records}
+
+
+def add_run(args, earlier):
+    """--add: the records of another run's file added to --out's, labelled --run where given."""
+    if args.add.resolve() == args.out.resolve():
+        raise Refused(f"--add {args.add} is --out")
+    added = read_records(args.add)
+    for item in added:
+        item["run"] = args.run or item.get("run")
+    if None in runs_of(added):
+        raise Refused(f"{args.add} has records without a run label: give one with --run")
+    taken = sorted(runs_of(added) & runs_of(earlier))
+    if taken:
+        raise Refused(f"{args.out} already holds the run(s) {'; '.join(taken)}: give another --run")
+    write_atomically(args.out, earlier + added)
+    print(f"gpu_benchmark: {len(added)} records of {'; '.join(sorted(runs_of(added)))} added to {args.out}",
+          file=sys.stderr)
+
+
+def probe_device(args):
+    """The device's name, asked in a process of its own: CUDA must not start in this one before the fork."""
+    if args.device != "cuda":
+        import torch
+
+        return device_name(torch.device(args.device))
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available() "
+                                                  "and torch.cuda.get_device_name(0))"], capture_output=True, text=True)
+    name = probe.stdout.strip()
+    if probe.returncode != 0 or name in ("", "False"):
+        raise Refused("--device cuda but torch sees no CUDA device (--device cpu measures on the CPU)")
+    return name
+
+
+def measure(args, earlier):
+    """The run: its records added to --out's as each model is done."""
+    import posenc_fairseq  # noqa: F401 - registers the architectures
+    from posenc_fairseq.provenance import source_commit
+
+    label = args.run or f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {source_commit()}"
+    if label in runs_of(earlier):
+        raise Refused(f"{args.out} already holds the run {label}: give another --run")
     unknown = unknown_archs(args.archs or [])
     if unknown:
-        print(f"gpu_benchmark: unknown architecture(s) {', '.join(unknown)}; nothing measured, {args.out} not written",
-              file=sys.stderr)
-        return 2
-    records = run_all(args)
-    write_atomically(args.out, records)
+        raise Refused(f"unknown architecture(s) {', '.join(unknown)}; nothing measured, {args.out} not written")
+    device = probe_device(args)
+    records = run_all(args, label, device, save=lambda records: write_atomically(args.out, earlier + records))
+    write_atomically(args.out, earlier + records)
     print(markdown_table(records))
     failed = sum(item["error"] is not None for item in records)
-    print(f"\ngpu_benchmark: {len(records)} records in {args.out}, {failed} with an error", file=sys.stderr)
+    print(f"\ngpu_benchmark: {len(records)} records of the run {label} in {args.out}, {failed} with an error",
+          file=sys.stderr)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        if args.table is not None:
+            print(markdown_table(read_records(args.table)))
+            return 0
+        earlier = read_records(args.out) if args.out.exists() else []
+        (add_run if args.add is not None else measure)(args, earlier)
+    except Refused as reason:
+        print(f"gpu_benchmark: {reason}", file=sys.stderr)
+        return 2
     return 0
 
 

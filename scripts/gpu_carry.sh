@@ -5,6 +5,7 @@
 #   .gpu/site/  pure-Python copies of fairseq, fairseq_cli, hydra, omegaconf, antlr4 and their dist-info
 #               from .venv, without compiled files, fairseq's examples' test data and notebooks
 #   .gpu/whl/   bitarray's wheel for that machine's Python (fairseq imports it at start-up)
+#   .gpu/source_commit  this tree's commit (`-dirty` where it differs), which the copy's records name
 # About 16 MiB; /.gpu/ is added to .git/info/exclude, so it never travels unless carried.
 set -euo pipefail
 PYTHON_VERSION=${GPU_PYTHON_VERSION:-3.12}
@@ -24,6 +25,8 @@ bitarray=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version(
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version "$PYTHON_VERSION" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .gpu/whl "bitarray==$bitarray"
+.venv/bin/python -c 'from posenc_fairseq.provenance import source_commit; print(source_commit() or "")' \
+    >.gpu/source_commit
 mkdir -p .git/info
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
 du -sh .gpu

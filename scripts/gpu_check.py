@@ -38,7 +38,6 @@ import logging
 import math
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -773,6 +772,7 @@ def header(args):
     import fairseq
 
     from posenc_fairseq.encodings.floater import solver as floater_solver
+    from posenc_fairseq.provenance import source_commit
 
     lines = ["# gpu_check", "", "| | |", "|---|---|"]
 
@@ -792,7 +792,7 @@ def header(args):
     add("torch", torch.__version__)
     add("python", platform.python_version())
     add("fairseq", f"{fairseq.__version__} ({Path(fairseq.__file__).parent})")
-    add("posenc_fairseq", _commit())
+    add("posenc_fairseq", source_commit() or "(no git)")
     add("FLOATER compiled solve", "built" if floater_solver.floater_solve is not None else "not built (Python loops)")
     for path, check in ((FLEX, "b"), (TRITON, "t")):
         add(path.switch, f"'off' in every check but {check} (set by the checks)")
@@ -801,15 +801,6 @@ def header(args):
     add("checks", ", ".join(key for key in RUN_ORDER if key in args.only)
         + ("  (quick)" if args.quick else ""))
     return "\n".join(lines)
-
-
-def _commit():
-    try:
-        done = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h %s"], capture_output=True, text=True,
-                              timeout=10)
-        return done.stdout.strip()[:80] or "(no git)"
-    except (OSError, subprocess.SubprocessError):
-        return "(no git)"
 
 
 def main(argv=None):

@@ -98,13 +98,75 @@ def test_bad_arch_is_refused_and_nothing_written(tmp_path):
 
 
 def test_a_spent_budget_records_errors_not_figures():
+    """... and each model's records are saved as it is done (a run killed midway keeps them), labelled with
+    the run and named with the device that a record of a model that never ran cannot ask."""
     gpu_benchmark = load_script(SCRIPT)
-    records = gpu_benchmark.run_all(gpu_benchmark.parse_args([*TINY, "--archs", "transformer_alibi", "--budget", "1e-9"]))
+    saved = []
+    records = gpu_benchmark.run_all(gpu_benchmark.parse_args([*TINY, "--archs", "transformer_alibi", "--budget", "1e-9"]),
+                                    "run #1", "the device", save=saved.append)
     assert [(r["arch"], r["dtype"]) for r in records] == [(arch, dtype) for arch in ("transformer", "transformer_alibi")
                                                          for dtype in ("bf16", "fp16") for _ in range(2)]
     for item in records:
         assert item["error"].startswith("not measured: --budget")
         assert all(item[figure] is None and item["reference"][figure] is None for figure in FIGURES)
+        assert item["run"] == "run #1" and item["device_name"] == "the device"
+    assert [len(part) for part in saved] == [4, 8] and saved[0] == records[:4] and saved[1] == records
+
+
+def fake_records(run, sinusoidal_speed, floater_speed):
+    """One run's records of stock, sinusoidal and FLOATER in one cell, as the script writes them."""
+    figures = lambda speed: {"train_tokens_per_s": speed, "peak_memory_mb": 1000.0, "generate_tokens_per_s": None}  # noqa: E731
+    cell = {"device_name": "a GPU", "torch": "2.x", "commit": "abc", "dtype": "bf16", "batch": 16, "length": 512}
+    return [{"arch": arch, "options": options, **cell, **figures(speed), "reference": figures(100.0), "error": None,
+             "run": run}
+            for arch, options, speed in (("transformer", "", 100.0), ("transformer_sinusoidal", "", sinusoidal_speed),
+                                         ("transformer_floater", "--floater-recompute-every 1", floater_speed))]
+
+
+def floater_step_ratios(table):
+    return [line.split(" | ")[10] for line in table.splitlines() if line.startswith("| transformer_floater")]
+
+
+def test_runs_are_added_to_the_file_and_compared_within_each(tmp_path):
+    """A run's records join the earlier runs' in --out (before, a run replaced the whole file of recorded
+    runs), under its label; --add brings a GPU machine's file in; the table compares FLOATER with the
+    sinusoidal of its own run, never another's; a label the file holds is refused, the file unchanged."""
+    out, device_file = tmp_path / "records.json", tmp_path / "from_the_device.json"
+    out.write_text(json.dumps(fake_records("earlier", 100.0, 50.0)))
+    device_file.write_text(json.dumps(fake_records(None, 200.0, 100.0)))
+    script = lambda *words: subprocess.run([sys.executable, SCRIPT, *map(str, words)],  # noqa: E731
+                                           capture_output=True, text=True)
+    done = script("--add", device_file, "--out", out)
+    assert done.returncode == 2 and "without a run label: give one with --run" in done.stderr
+    done = script("--add", device_file, "--out", out, "--run", "later")
+    assert done.returncode == 0, done.stderr
+    records = json.loads(out.read_text())
+    assert [item["run"] for item in records] == ["earlier"] * 3 + ["later"] * 3
+    assert records[:3] == fake_records("earlier", 100.0, 50.0)
+    table = script("--table", out).stdout
+    assert table.count("Run earlier: a GPU") == 1 and table.count("Run later: a GPU") == 1
+    assert floater_step_ratios(table) == ["2.00", "2.00"]  # each against its own run's sinusoidal
+    before = out.read_text()
+    for words in (["--add", device_file, "--run", "earlier"], ["--add", out], ["--run", "later", *TINY]):
+        done = script(*words, "--out", out)
+        assert done.returncode == 2 and out.read_text() == before, (words, done.stderr)
+    assert "already holds the run later" in done.stderr
+    out.write_text("[not json")
+    done = script(*TINY, "--out", out)
+    assert done.returncode == 2 and "not a file of records" in done.stderr and out.read_text() == "[not json"
+
+
+def test_floater_brings_sinusoidal_and_its_solve_in_graphs_comes_first():
+    """FLOATER's goals are ratios to sinusoidal's step in the same run: asked for alone, sinusoidal is
+    measured too; with --floater-graphs the graphs' models (issue 36's rows) come before the default solve's."""
+    gpu_benchmark = load_script(SCRIPT)
+    models = gpu_benchmark.models_to_measure(gpu_benchmark.parse_args(
+        ["--archs", "transformer_floater", "--floater-graphs", "--floater-recompute", "10", "1"]))
+    assert models == [("transformer", ""), ("transformer_sinusoidal", ""),
+                      ("transformer_floater", "POSENC_FLOATER_CUDA_GRAPHS=1 --floater-recompute-every 10"),
+                      ("transformer_floater", "POSENC_FLOATER_CUDA_GRAPHS=1 --floater-recompute-every 1"),
+                      ("transformer_floater", "--floater-recompute-every 10"),
+                      ("transformer_floater", "--floater-recompute-every 1")]
 
 
 def test_a_failed_cell_gives_nulls_and_an_error_and_the_others_go_on(tmp_path, monkeypatch):
