@@ -15,21 +15,17 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE.parent))
 import posenc_fairseq  # noqa: E402,F401
-from checkpoint_eval import load_checkpoint  # noqa: E402
-from script_helpers import check_output, write_output  # noqa: E402
+from script_helpers import write_output  # noqa: E402
 
-# prediction and metrics of examples/glue/evaluate.py (same file name as this one: load it by path)
+# loading, prediction and metrics of examples/glue/evaluate.py (same file name as this one: load it by path)
 _spec = importlib.util.spec_from_file_location("glue_evaluate", HERE.parent / "glue" / "evaluate.py")
 glue_evaluate = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(glue_evaluate)
 predict, scores, print_scored = glue_evaluate.predict, glue_evaluate.scores, glue_evaluate.print_scored
-classification_head = glue_evaluate.classification_head
 
 TASKS = ["IMDB", "SST-2", "SNLI", "QNLI", "QQP", "MNLI"]
 DEFAULT_SUBSETS = {"IMDB": ["valid"], "SNLI": ["test"], "MNLI": ["valid", "valid1"]}
@@ -46,25 +42,9 @@ def metric_name(task: str, subsets) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("task", choices=TASKS)
-    p.add_argument("data_bin")
-    p.add_argument("checkpoint")
     p.add_argument("--subset", nargs="+", help="default: the paper's (see above)")
-    p.add_argument("--cpu", action="store_true")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--skip-too-long", action="store_true", help=glue_evaluate.SKIP_HELP)
-    p.add_argument("--json", type=Path)
-    args = p.parse_args(argv)
-    if not Path(args.data_bin).is_dir():
-        p.error(f"no folder {args.data_bin}")
-    if args.json:
-        check_output(args.json, [args.data_bin, args.checkpoint], p.error)
-    cpu = args.cpu or not torch.cuda.is_available()
-    model, cfg, task = load_checkpoint(args.checkpoint, args.data_bin, cpu)
-    head = classification_head(model, cfg, args.checkpoint)
-    label_dictionary = task.label_dictionary
-
-    def label_string(index):
-        return label_dictionary.string([index + label_dictionary.nspecial])
+    args, model, cfg, task, head, cpu = glue_evaluate.load_classifier(p, argv)
+    label_string = glue_evaluate.label_strings(task)
 
     parts = {}
     subsets = args.subset or DEFAULT_SUBSETS.get(args.task, ["valid"])

@@ -77,29 +77,39 @@ def scores(task_name, predictions, targets, label_string):
     return result
 
 
+def load_classifier(parser, argv):
+    """The options every scoring script takes (DATA_BIN CHECKPOINT --cpu --batch-size --skip-too-long
+    --json) added to `parser` (which has TASK), `argv` parsed and checked, the checkpoint loaded:
+    (args, model, cfg, task, head, cpu)."""
+    parser.add_argument("data_bin")
+    parser.add_argument("checkpoint")
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--skip-too-long", action="store_true", help=SKIP_HELP)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if not Path(args.data_bin).is_dir():
+        parser.error(f"no folder {args.data_bin}")
+    if args.json:
+        check_output(args.json, [args.data_bin, args.checkpoint], parser.error)
+    cpu = args.cpu or not torch.cuda.is_available()
+    model, cfg, task = load_checkpoint(args.checkpoint, args.data_bin, cpu)
+    return args, model, cfg, task, classification_head(model, cfg, args.checkpoint), cpu
+
+
+def label_strings(task):
+    """index -> its label as the data has it (the index itself where the task has no labels: regression)."""
+    labels = getattr(task, "label_dictionary", None)
+    return (lambda index: labels.string([index + labels.nspecial])) if labels else str
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("task", choices=["CoLA", "SST-2", "MRPC", "QQP", "STS-B", "MNLI", "QNLI", "RTE"])
-    p.add_argument("data_bin")
-    p.add_argument("checkpoint")
-    p.add_argument("--cpu", action="store_true")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--skip-too-long", action="store_true", help=SKIP_HELP)
-    p.add_argument("--json", type=Path)
-    args = p.parse_args(argv)
-    if not Path(args.data_bin).is_dir():
-        p.error(f"no folder {args.data_bin}")
-    if args.json:
-        check_output(args.json, [args.data_bin, args.checkpoint], p.error)
-    cpu = args.cpu or not torch.cuda.is_available()
-    model, cfg, task = load_checkpoint(args.checkpoint, args.data_bin, cpu)
-    head = classification_head(model, cfg, args.checkpoint)
+    args, model, cfg, task, head, cpu = load_classifier(p, argv)
     regression = bool(getattr(cfg.task, "regression_target", False))
     subsets = {"MNLI": [("valid", "dev_matched"), ("valid1", "dev_mismatched")]}.get(args.task, [("valid", "dev")])
-    label_dictionary = getattr(task, "label_dictionary", None)
-
-    def label_string(index):
-        return label_dictionary.string([index + label_dictionary.nspecial]) if label_dictionary else str(index)
+    label_string = label_strings(task)
 
     results = {}
     for subset, name in subsets:

@@ -47,7 +47,7 @@ EVALUATIONS = {  # script, the step a refusal must come before, its arguments be
     "translation": ("translation/evaluate.py", "generate", []),
     "lm": ("lm/evaluate.py", "eval_lm", []),
     "glue": ("glue/evaluate.py", "load_checkpoint", ["RTE"]),
-    "classification": ("classification/evaluate.py", "load_checkpoint", ["IMDB"]),
+    "classification": ("classification/evaluate.py", "glue_evaluate.load_checkpoint", ["IMDB"]),  # glue's loading
     "race": ("race/evaluate.py", "load_checkpoint", []),
 }
 
@@ -58,7 +58,11 @@ def test_evaluate_json_that_would_replace_an_input_or_cannot_be_written_is_refus
         script, target, inputs, tmp_path, monkeypatch, capsys):
     path, step, leading = EVALUATIONS[script]
     evaluate = load_script(EXAMPLES / path)
-    monkeypatch.setattr(evaluate, step, no_work(evaluate, step))
+    *owners, name = step.split(".")
+    owner = evaluate
+    for attribute in owners:
+        owner = getattr(owner, attribute)
+    monkeypatch.setattr(owner, name, no_work(owner, name))
     data, checkpoint, originals = inputs
     output = {"checkpoint": checkpoint, "data file": data / "dict.en.txt", "folder": tmp_path,
               "under a file": checkpoint / "scores.json"}[target]
