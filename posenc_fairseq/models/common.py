@@ -129,11 +129,18 @@ def real_token_positions(real: Tensor) -> AnyPositions:
     return PaddedPositions(((real.cumsum(dim=1) - 1) * real).long(), max(longest, 1))
 
 
-def check_length(embed_positions, length: int, limit: int):
-    """A learned absolute table cannot extrapolate: say so instead of an IndexError deep inside."""
-    if isinstance(embed_positions, LearnedPositionalEmbedding) and length > limit:
+def check_length(embed_positions, tokens, padding_idx, limit: int):
+    """A learned absolute table cannot extrapolate: say so instead of an IndexError deep inside. Its rows
+    are the real tokens' positions (fairseq numbers them past the padding), so a batch padded wider than
+    the table fits where every row's tokens do; they are counted only then (a device sync). With
+    `padding_idx` None (a decoding step, which fairseq numbers by the prefix's width) the width counts."""
+    if not isinstance(embed_positions, LearnedPositionalEmbedding) or tokens.size(1) <= limit:
+        return
+    length = tokens.size(1) if padding_idx is None else int(tokens.ne(padding_idx).sum(dim=1).max())
+    if length > limit:
         raise ValueError(f"input of {length} tokens exceeds the learned position table ({limit} positions); "
-                         "use --input-positions none/sinusoidal or a larger --max-*-positions")
+                         "use --input-positions none/sinusoidal, or a model built with a larger maximum "
+                         "(--max-source-positions / --max-target-positions; RoBERTa: --max-positions)")
 
 
 FULLY_SHARDED_MESSAGE = (
@@ -215,7 +222,7 @@ class PositionalTransformerEncoder(PositionalStack, TransformerEncoder):
             layer.self_attn.bind_position(encoding, "encoder", index)
 
     def forward(self, src_tokens, *args, **kwargs):
-        check_length(self.embed_positions, src_tokens.size(1), self.max_source_positions)
+        check_length(self.embed_positions, src_tokens, self.padding_idx, self.max_source_positions)
         if self.encoding is not None:
             self.encoding.begin("encoder", token_positions(src_tokens, self.padding_idx))
         return super().forward(src_tokens, *args, **kwargs)
@@ -257,7 +264,8 @@ class PositionalTransformerDecoder(PositionalStack, TransformerDecoder):
         return mask
 
     def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None, **kwargs):
-        check_length(self.embed_positions, prev_output_tokens.size(1), self.max_target_positions)
+        check_length(self.embed_positions, prev_output_tokens,
+                     self.padding_idx if incremental_state is None else None, self.max_target_positions)
         if self.encoding is not None:
             earlier = 0
             if incremental_state is None:

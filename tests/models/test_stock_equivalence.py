@@ -221,3 +221,38 @@ def test_the_encoding_draws_from_its_own_random_stream(translation_data, masked_
     ours, same, different = (dict(m.positional_encoding.named_parameters()) for m in (model, again, other))
     assert ours and all(torch.equal(ours[name], same[name]) for name in ours)
     assert any(not torch.equal(ours[name], different[name]) for name in ours if ours[name].abs().sum() > 0)
+
+
+@pytest.mark.parametrize("family", ["roberta", "transformer"])
+def test_a_batch_padded_wider_than_a_learned_table_runs_as_stock(translation_data, masked_lm_data, family):
+    """Padding takes no row of a learned table (fairseq numbers real tokens only): stock computes a batch
+    padded to 20 tokens with a 16-position table while every row's tokens fit. Before, ours refused it
+    by the batch's width (e.g. collate_tokens(pad_to_length=...)); a row of 17 tokens is still refused."""
+    limit = ["--max-positions", "16"] if family == "roberta" else ["--max-source-positions", "16",
+                                                                    "--max-target-positions", "16"]
+    data, tiny, task_name = ((masked_lm_data, TINY_ROBERTA, "masked_lm") if family == "roberta"
+                             else (translation_data, TINY_TRANSFORMER, "translation"))
+    learned = [] if family == "roberta" else ["--encoder-learned-pos", "--decoder-learned-pos"]
+    torch.manual_seed(0)
+    stock, task, _ = build_model(data, family, [*tiny, *limit, *learned], task=task_name)
+    torch.manual_seed(0)
+    ours, _, _ = build_model(data, f"{family}_learned", [*tiny, *limit], task=task_name)
+    stock.eval(), ours.eval()
+    dictionary = task.source_dictionary
+    tokens = torch.randint(dictionary.nspecial, len(dictionary), (2, 20))
+    tokens[:, 16:] = dictionary.pad()
+    tokens[1, 10:] = dictionary.pad()
+
+    def call(model, tokens):
+        if family == "roberta":
+            return model(tokens)[0]
+        lengths = tokens.ne(dictionary.pad()).sum(dim=1)
+        return model(tokens, lengths, tokens)[0]
+
+    with torch.no_grad():
+        ours_out = call(ours, tokens)
+        assert (ours_out - call(stock, tokens)).abs().max() <= 1e-5
+        assert (ours_out[:1, :16] - call(ours, tokens[:1, :16])).abs().max() <= 1e-5  # padding changes nothing
+        tokens[0, 16] = dictionary.nspecial
+        with pytest.raises(ValueError, match="input of 17 tokens exceeds the learned position table"):
+            call(ours, tokens)
