@@ -156,3 +156,10 @@ def results_by_name(paths, prefix: str, load, fail) -> dict:
             fail(f"two results named {name} ({path} and an earlier file)")
         results[name] = result
     return results
+
+
+def markdown_table(header, rows) -> list:
+    """A Markdown table's lines: `header`'s cells, the rule under them, then each row's cells (str() of each)."""
+    def line(cells):
+        return "| " + " | ".join(map(str, cells)) + " |"
+    return [line(header), "|" + "---|" * len(header), *map(line, rows)]

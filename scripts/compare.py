@@ -38,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 USER_DIR = REPO / "posenc_fairseq"
 sys.path.insert(0, str(REPO / "examples"))
-from script_helpers import increasing_counts, write_output  # noqa: E402
+from script_helpers import increasing_counts, markdown_table, write_output  # noqa: E402
 
 #: --length-bins B1,B2,...: the upper edges of the source-length bins in words
 length_bins = increasing_counts(1, "word counts")
@@ -248,21 +248,22 @@ def last_valid_loss(train_log: str):
     return None
 
 
-def markdown_table(results):
+def results_table(results):
     metric = next((r["metric"] for r in results if "metric" in r), "metric")
     labels = next((r["bins"] for r in results if r.get("bins")), [])
     header = ["arch", "params", "train s", "valid loss", metric] + [f"{label} words" for label, _, _ in labels]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for result in results:
         if "error" in result:
             error = result["error"].replace("|", "/").replace("\n", " ")  # one table cell
-            lines.append(f"| {result['arch']} | failed: {error} |" + " |" * (len(header) - 2))
+            rows.append([result["arch"], f"failed: {error}"] + [""] * (len(header) - 2))
             continue
         value = f"{result['value']:.2f}" + (f" ({result['metric']})" if result["metric"] != metric else "")
         cells = [result["arch"], f"{result['params']:,}" if result["params"] else "?", f"{result['train_seconds']:.0f}",
                  f"{result['valid_loss']:.3f}" if result["valid_loss"] is not None else "-", value]
-        cells += [f"{score:.2f} ({count})" if score is not None else "-" for _, score, count in result.get("bins", [])]
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells + [f"{score:.2f} ({count})" if score is not None else "-"
+                             for _, score, count in result.get("bins", [])])
+    lines = markdown_table(header, rows)
     if labels:
         lines.append("")
         lines.append("Length bins: BLEU (sentences) by source length in words.")
@@ -338,7 +339,7 @@ def main(argv=None):
         print(f"\ninterrupted while running {interrupted}", flush=True)
         if not results:
             return 130
-    table = markdown_table(results)
+    table = results_table(results)
     if interrupted is not None:
         table += f"\nInterrupted while running {interrupted}: it and the architectures after it are not in this table.\n"
     write_output(args.out / "results.md", table)

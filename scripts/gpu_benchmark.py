@@ -75,7 +75,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
-from script_helpers import at_least  # noqa: E402
+from script_helpers import at_least, markdown_table  # noqa: E402
 
 DEFAULT_OUT = REPO / "docs" / "data" / "gpu_benchmark.json"
 REFERENCE = "transformer"
@@ -536,7 +536,7 @@ def write_atomically(path, records):
 
 # --- the table -------------------------------------------------------------------------------------
 
-def markdown_table(records):
+def run_tables(records):
     """The records as markdown tables, one per run (`run_table`)."""
     runs = dict.fromkeys(item.get("run") for item in records)
     return "\n\n".join(run_table([item for item in records if item.get("run") == run]) for run in runs)
@@ -549,15 +549,13 @@ def run_table(records):
     the step keeps the device (`op_ms_per_step` / `step_ms`)."""
     sinusoidal = {run_cell(item): item for item in records if item["arch"] == SINUSOIDAL and item["options"] == ""}
     first = next((item for item in records if item.get("device_name")), records[0] if records else {})
-    lines = [f"Run {first.get('run')}: {first.get('device_name')}, torch {first.get('torch')}, commit "
-             f"{first.get('commit')}; ratios to stock `transformer` in the same run, dtype, batch and length", "",
-             "| arch | options | dtype | batch x n | train tok/s | x stock | peak MB | x stock | beam gen tok/s "
-             "| x stock | step / sinusoidal's | busy | attention kernels | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    header = ["arch", "options", "dtype", "batch x n", "train tok/s", "x stock", "peak MB", "x stock", "beam gen tok/s",
+              "x stock", "step / sinusoidal's", "busy", "attention kernels", "error"]
+    rows = []
     for item in records:
         reference = item["reference"]
         row = [item["arch"], f"`{item['options']}`" if item["options"] else "", item["dtype"],
-                  f"{item['batch']} x {item['length']}"]
+               f"{item['batch']} x {item['length']}"]
         for figure in FIGURES:
             row += [number(item[figure], ".0f"), ratio(item[figure], reference[figure])]
         floater_vs_sinusoidal = ""
@@ -566,10 +564,12 @@ def run_table(records):
                                           item["train_tokens_per_s"])
         # the operators' (CUDA: kernels') time per step over the step's duration (older records: none)
         busy = ratio(item.get("op_ms_per_step"), item.get("step_ms"))
-        row += [floater_vs_sinusoidal, busy, ", ".join(f"`{name[:60]}`" for name in (item.get("kernels") or [])[:3]),
-                   (item.get("error") or "").replace("|", "/")[:120]]
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+        rows.append(row + [floater_vs_sinusoidal, busy,
+                           ", ".join(f"`{name[:60]}`" for name in (item.get("kernels") or [])[:3]),
+                           (item.get("error") or "").replace("|", "/")[:120]])
+    return "\n".join([f"Run {first.get('run')}: {first.get('device_name')}, torch {first.get('torch')}, commit "
+                      f"{first.get('commit')}; ratios to stock `transformer` in the same run, dtype, batch and length",
+                      "", *markdown_table(header, rows)])
 
 
 def number(value, spec):
@@ -644,7 +644,7 @@ def measure(args, earlier):
     device = probe_device(args)
     records = run_all(args, label, device, save=lambda records: write_atomically(args.out, earlier + records))
     write_atomically(args.out, earlier + records)
-    print(markdown_table(records))
+    print(run_tables(records))
     failed = sum(item["error"] is not None for item in records)
     print(f"\ngpu_benchmark: {len(records)} records of the run {label} in {args.out}, {failed} with an error",
           file=sys.stderr)
@@ -654,7 +654,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         if args.table is not None:
-            print(markdown_table(read_records(args.table)))
+            print(run_tables(read_records(args.table)))
             return 0
         earlier = read_records(args.out) if args.out.exists() else []
         (add_run if args.add is not None else measure)(args, earlier)

@@ -50,10 +50,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "examples"))
 USER_DIR = str(REPO / "posenc_fairseq")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from script_helpers import markdown_table  # noqa: E402
 
 # The letters are the former run's (docs/gpu_check.md's records name them): a, c, d, f, g are the test suite's now.
 CHECKS = {
@@ -120,13 +122,12 @@ class Table:
         self.rows.append(Row(cells, status, detail))
 
     def markdown(self):
-        columns = [*self.columns, "status", "detail"]
-        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-        for row in self.rows:
-            values = [row.cells.get(column, "") for column in self.columns] + [row.status, row.detail]
-            values = ["—" if value is None else value for value in values]
-            lines.append("| " + " | ".join(str(value).replace("|", "/").replace("\n", " ") for value in values) + " |")
-        return "\n".join(lines)
+        def cell(value):  # one table cell
+            return "—" if value is None else str(value).replace("|", "/").replace("\n", " ")
+
+        return "\n".join(markdown_table([*self.columns, "status", "detail"], (
+            [cell(row.cells.get(column, "")) for column in self.columns] + [cell(row.status), cell(row.detail)]
+            for row in self.rows)))
 
     def count(self, status):
         return sum(row.status == status for row in self.rows)

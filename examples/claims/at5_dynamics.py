@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import process50  # noqa: E402
 import sweep  # noqa: E402
 from runner import TRAIN, USER_DIR  # noqa: E402
+from script_helpers import markdown_table  # noqa: E402  (examples/, on the path through runner)
 
 GROUPS = [("gamma", r"raw_gammas\."), ("mlp.{}", r"mlps\.[^.]+\.(\w+?)_raw$"), ("table", r"\.tables\."),
           ("attention", r"\.(q|k|v|out)_proj\.")]
@@ -158,15 +159,16 @@ def summary(records: list) -> str:
     """Mean gradient and update norms per group over the first and the last epoch traced."""
     steps = [r for r in records if "groups" in r]
     epochs = sorted({r["epoch"] for r in steps})
-    lines = ["| group | " + " | ".join(f"epoch {e} grad | epoch {e} update" for e in (epochs[0], epochs[-1])) + " |",
-             "|---|---|---|---|---|"]
+    header = ["group", *(f"epoch {e} {norm}" for e in (epochs[0], epochs[-1]) for norm in ("grad", "update"))]
+    rows = []
     for group in sorted(steps[0]["groups"]):
-        cells = []
+        cells = [group]
         for epoch in (epochs[0], epochs[-1]):
             chosen = [r["groups"][group] for r in steps if r["epoch"] == epoch]
             cells += [f"{sum(c['grad'] for c in chosen) / len(chosen):.3g}",
                       f"{sum(c['update'] for c in chosen) / len(chosen):.3g}"]
-        lines.append(f"| {group} | " + " | ".join(cells) + " |")
+        rows.append(cells)
+    lines = markdown_table(header, rows)
     valid = [r for r in records if "valid" in r]
     accuracies = ", ".join(f"{r['valid']:.3f}" for r in valid)
     lines.append(f"\nvalidation accuracy by epoch: {accuracies}")

@@ -24,6 +24,7 @@ import negation_scope  # noqa: E402
 import process50  # noqa: E402
 import sweep  # noqa: E402
 from runner import table  # noqa: E402
+from script_helpers import markdown_table  # noqa: E402  (examples/, on the path through runner)
 
 
 def load_runs(path: Path) -> list:
@@ -94,11 +95,9 @@ def plot_short_to_long(data: dict, path: Path):
 
 
 def short_to_long_table(data: dict) -> str:
-    lines = ["| model | " + " | ".join(data["bins"]) + " |", "|---" * (len(data["bins"]) + 1) + "|"]
-    for name, per_bin in data["rows"].items():
-        cells = [" / ".join(f"{score:.1f}" for score in seeds) + f" [{statistics.mean(seeds):.1f}]" for seeds in per_bin]
-        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(markdown_table(["model", *data["bins"]], (
+        [f"`{name}`", *(" / ".join(f"{score:.1f}" for score in seeds) + f" [{statistics.mean(seeds):.1f}]"
+                        for seeds in per_bin)] for name, per_bin in data["rows"].items()))) + "\n"
 
 
 def write_tables(doc: Path, tables: dict):

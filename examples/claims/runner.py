@@ -23,7 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples"))
-from script_helpers import at_least  # noqa: E402
+from script_helpers import at_least, markdown_table  # noqa: E402
 
 USER_DIR = REPO / "posenc_fairseq"
 CHECKPOINT_EVAL = REPO / "examples" / "checkpoint_eval.py"  # exact counts of right answers
@@ -193,7 +193,7 @@ def table(results, heading: str, paper: dict, reach=None) -> str:
     columns = ["run", "test acc", "best valid acc", "seeds", "paper", "minutes", "device"]
     if reach is not None:
         columns.insert(3, f"first epoch valid ≥ {reach:g}")
-    lines = [heading, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    rows = []
     for entry in dict.fromkeys(result["entry"] for result in results):
         runs = [result for result in results if result["entry"] == entry]
         done = [result for result in runs if result.get("test") is not None]
@@ -208,8 +208,8 @@ def table(results, heading: str, paper: dict, reach=None) -> str:
             epochs = [epoch for epoch in (first_epoch_reaching(r.get("valid_curve", []), reach) for r in done)
                       if epoch is not None]
             cells.insert(3, f"{statistics.mean(epochs):.1f} ({len(epochs)}/{len(done)})" if epochs else "never")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append(cells)
+    return "\n".join([heading, "", *markdown_table(columns, rows)]) + "\n"
 
 
 def add_common_args(parser, epochs: int, arch: list):

@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import process50  # noqa: E402
 from posenc_fairseq.provenance import source_commit  # noqa: E402
 from runner import preprocess, train_and_test  # noqa: E402
-from script_helpers import at_least  # noqa: E402  (examples/, on the path through runner)
+from script_helpers import at_least, markdown_table  # noqa: E402  (examples/, on the path through runner)
 
 SUCCESS = 0.75  # test accuracy from which a run has left the plateau (chance 0.5)
 ENCODINGS = ["roberta_at5", "roberta_at5_nob", "roberta_t5", "roberta_nope"]
@@ -235,20 +235,18 @@ def decides(by_arch: Dict[str, dict]) -> bool:
 
 def markdown(records: List[dict], encodings: List[str]) -> str:
     columns = [*Cell._fields, *encodings, "AT5 < T5"]
-    lines = [f"Process-50 sweep: per cell and encoding, runs leaving the plateau (test accuracy >= {SUCCESS:g}) / runs,"
-             " and the mean test accuracy; runs that failed are counted apart", "", "| " + " | ".join(columns) + " |",
-             "|" + "---|" * len(columns)]
+    heading = (f"Process-50 sweep: per cell and encoding, runs leaving the plateau (test accuracy >= {SUCCESS:g}) / "
+               "runs, and the mean test accuracy; runs that failed are counted apart")
 
     def mark(counts):
         finished = (f"{round(counts['rate'] * counts['runs'])}/{counts['runs']} ({counts['mean']:.3f})"
                     if counts["runs"] else "")
         return ", ".join(filter(None, [finished, f"{counts['failed']} failed" if counts["failed"] else ""]))
 
-    for cell, by_arch in sorted(summary(records).items()):
-        marks = [mark(by_arch[arch]) if arch in by_arch else "" for arch in encodings]
-        lines.append("| " + " | ".join([*(f"{value:g}" if isinstance(value, float) else str(value) for value in cell),
-                                        *marks, "yes" if decides(by_arch) else ""]) + " |")
-    return "\n".join(lines) + "\n"
+    rows = [[*(f"{value:g}" if isinstance(value, float) else value for value in cell),
+             *(mark(by_arch[arch]) if arch in by_arch else "" for arch in encodings), "yes" if decides(by_arch) else ""]
+            for cell, by_arch in sorted(summary(records).items())]
+    return "\n".join([heading, "", *markdown_table(columns, rows)]) + "\n"
 
 
 def cell_label(cell: tuple) -> str:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from script_helpers import check_output, write_output  # noqa: E402
+from script_helpers import check_output, markdown_table, write_output  # noqa: E402
 
 TASKS = ["IMDB", "SST-2", "SNLI", "QNLI", "QQP", "MNLI"]
 # Qu et al. 2021, table 1 (acc; QQP avg(acc/f1); MNLI avg(m/mm))
@@ -55,14 +55,13 @@ def main(argv=None):
         value, metric, as_in_table = read_result(path, p.error)
         results.setdefault(path.parent.name, {})[path.stem] = value if as_in_table else f"{value} ({metric})"
     tasks = [t for t in TASKS if any(t in r for r in results.values())]
-    header = ["encoding"] + [f"{t} paper | {t} ours" for t in tasks]
-    lines = ["| " + " | ".join(header) + " |", "|---" * (1 + 2 * len(tasks)) + "|"]
+    header = ["encoding"] + [column for t in tasks for column in (f"{t} paper", f"{t} ours")]
     order = list(PAPER) + sorted(set(results) - set(PAPER))  # the paper's row order, then the others
+    rows = []
     for encoding, row in sorted(results.items(), key=lambda item: order.index(item[0])):
         paper = dict(zip(TASKS, PAPER.get(encoding, ["–"] * len(TASKS))))
-        cells = [encoding] + [f"{paper[t]} | " + row.get(t, "–") for t in tasks]
-        lines.append("| " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
+        rows.append([encoding] + [cell for t in tasks for cell in (paper[t], row.get(t, "–"))])
+    table = "\n".join(markdown_table(header, rows))
     print(table)
     write_output(args.out, table + "\n")
     return 0

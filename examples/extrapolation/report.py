@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from script_helpers import check_output, results_by_name, write_output  # noqa: E402
+from script_helpers import check_output, markdown_table, results_by_name, write_output  # noqa: E402
 
 MISSING = "–"
 
@@ -51,12 +51,9 @@ def main(argv=None):
                          for suffix in (".md", ".png"))
     rows = results_by_name(args.results, "bleu_", load_result, p.error)
     bins = bin_columns(rows)
-    lines = ["| encoding | " + " | ".join(f"BLEU {b}" for b in bins) + " | all |",
-             "|---" * (len(bins) + 2) + "|"]
-    for name, (overall, by_bin) in rows.items():
-        cells = [f"{by_bin[b]['bleu']:.2f} (n={by_bin[b]['sentences']})" if b in by_bin else MISSING for b in bins]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {overall:.2f} |")
-    table = "\n".join(lines)
+    table = "\n".join(markdown_table(["encoding", *(f"BLEU {b}" for b in bins), "all"], (
+        [name, *(f"{by_bin[b]['bleu']:.2f} (n={by_bin[b]['sentences']})" if b in by_bin else MISSING for b in bins),
+         f"{overall:.2f}"] for name, (overall, by_bin) in rows.items())))
     print(table)
     write_output(markdown, table + "\n")
 

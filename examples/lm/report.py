@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from script_helpers import check_output, results_by_name, write_output  # noqa: E402
+from script_helpers import check_output, markdown_table, results_by_name, write_output  # noqa: E402
 
 MISSING = "–"
 
@@ -50,14 +50,10 @@ def main(argv=None):
                       key=lambda m: (0, int(m), m) if m.isdigit() else (1, 0, m))
     header = (["encoding"] + [f"paper M={m}" for m in ("150", "640")] + ["paper best"]
               + [f"ours M={m}" for m in memories] + ["ours best"])
-    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-    for name, result in rows.items():
-        paper = PAPER.get(name, (MISSING,) * 3)
-        cells = ([name, *map(str, paper)]
-                 + [f"{result['ppl'][m]:.2f}" if m in result["ppl"] else MISSING for m in memories]
-                 + [f"{result['best']:.2f}"])
-        lines.append("| " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
+    table = "\n".join(markdown_table(header, (
+        [name, *PAPER.get(name, (MISSING,) * 3)]
+        + [f"{result['ppl'][m]:.2f}" if m in result["ppl"] else MISSING for m in memories] + [f"{result['best']:.2f}"]
+        for name, result in rows.items())))
     print(table)
     write_output(args.out, table + "\n")
     return 0
