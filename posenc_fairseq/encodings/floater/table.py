@@ -8,9 +8,10 @@ valid for one stated thing and kept where that is said:
     mode (and whether it is a K-window pass): training with K = 1 and every pass with gradient
     solve from the live parameters, once per forward pass, shared by the layers;
   - the K-update window's (`Window`, training with `--floater-recompute-every K` > 1, on `Tables`):
-    valid while the window index (num_updates // K) and the options stay; solved with gradient on
-    the window's first pass, read detached by its other passes, extended from the window's
-    parameter snapshot (saved in checkpoints, so resuming inside a window is exact);
+    valid while the window index (num_updates // K) and the options stay; solved with gradient by
+    every pass of the window's first update, read detached by the passes of its later updates,
+    extended from the window's parameter snapshot (saved in checkpoints, so resuming inside a window
+    is exact, up to an extension's rounding where the two runs extended at other lengths);
   - evaluation's (no gradient, not training): an entry of the cache's inference scope, which is
     checked once per forward pass that starts at position 0 by value against h's parameters and
     every b(0) (`Floater.kept_value_inputs`); the entry also holds the options it was solved with.
@@ -124,10 +125,12 @@ def from_snapshot(flat: Tensor, tensors, dim: int):
 
 class Window:
     """The K-update window (training with K > 1): its index, the options and the parameter snapshot
-    of its first pass, and its table (None until solved)."""
+    of its first pass, the update count of that pass (None for a window loaded from a checkpoint,
+    whose first update is over), and its table (None until solved)."""
 
-    def __init__(self, index: int, options: tuple, parameters: Tensor):
+    def __init__(self, index: int, options: tuple, parameters: Tensor, first_update: Optional[int] = None):
         self.index, self.options, self.parameters = index, options, parameters
+        self.first_update = first_update
         self.table: Optional[Solved] = None
 
 
@@ -150,14 +153,16 @@ class Tables:
         self.window: Optional[Window] = None
         self.pending = []  # (the pass, its `OverflowCheck`): training tables' checks not yet read
 
-    def start_window_pass(self, encoding, index: int, in_pass: PassTables):
-        """A training pass with K > 1: the window's table if the window goes on, else a new window
-        (its first pass solves with gradient from the live parameters)."""
+    def start_window_pass(self, encoding, index: int, update: int, in_pass: PassTables):
+        """A training pass with K > 1 at update count `update`: the window's table if the window goes on
+        past its first update, else a new window. Every pass of a window's first update solves with
+        gradient from the live parameters: with --update-freq N each of its N passes, as N processes
+        would, one each (the parameters do not change within an update: the same table)."""
         options = encoding.table_options()
         if self.window is not None and self.window.index == index and self.window.options == options:
-            in_pass.window_pass = True
+            in_pass.window_pass = update != self.window.first_update
         else:
-            self.window = Window(index, options, snapshot(encoding.solve_inputs(), encoding.solve_dtype()))
+            self.window = Window(index, options, snapshot(encoding.solve_inputs(), encoding.solve_dtype()), update)
 
     @staticmethod
     def is_evaluation(encoding, values: Tensor) -> bool:
