@@ -286,6 +286,18 @@ def unknown_archs(names) -> list:
     return [name for name in dict.fromkeys(names) if name not in ARCH_MODEL_REGISTRY]
 
 
+def measure_in_process(arch, label, options, threads, failed: list):
+    """One measurement (`--one arch`) in a process of its own (peak memory and warm caches stay
+    separate): its figures, or None after its error is printed and `label` added to `failed`."""
+    done = subprocess.run([sys.executable, __file__, "--one", arch, *options], capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+    if done.returncode != 0:
+        print(f"{label}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
+        failed.append(arch)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def exit_if_failed(failed: list):
     """After the table: measurements that failed (each one's error printed above) make the exit status 1."""
     if failed:
@@ -355,15 +367,10 @@ def main():
     for round_index in range(args.repeats):  # round robin: a slow period of the machine hits every arch alike
         measured = {}
         order = ["--reference-first"] if round_index % 2 else []  # which model the process builds first
-        for arch in archs:  # one process per measurement: peak memory and warm caches stay separate
-            done = subprocess.run([sys.executable, __file__, "--one", arch, *order, *sys.argv[1:]],
-                                  capture_output=True, text=True,
-                                  env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
-            if done.returncode != 0:
-                print(f"{arch}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
-                failed.append(arch)
-                continue
-            measured[arch] = json.loads(done.stdout.strip().splitlines()[-1])
+        for arch in archs:
+            figures = measure_in_process(arch, arch, [*order, *sys.argv[1:]], args.threads, failed)
+            if figures is not None:
+                measured[arch] = figures
         if args.reference in measured:
             rounds.append(measured)
     print(f"length {args.length}, batch {args.batch}, dim {args.dim}, {args.layers}+{args.layers} layers, "
@@ -416,14 +423,11 @@ def growth(args):
         for arch in archs:
             measured = {}
             for n in (short, long):
-                done = subprocess.run([sys.executable, __file__, "--one", arch, *base, "--length", str(n),
-                                       "--extra", *args.extra], capture_output=True, text=True,
-                                      env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
-                if done.returncode != 0:
-                    print(f"{arch} (n = {n}): failed\n{done.stderr[-2000:]}", file=sys.stderr)
-                    failed.append(arch)
+                figures = measure_in_process(arch, f"{arch} (n = {n})", [*base, "--length", str(n), "--extra",
+                                                                         *args.extra], args.threads, failed)
+                if figures is None:
                     break
-                measured[n] = json.loads(done.stdout.strip().splitlines()[-1])
+                measured[n] = figures
                 times[(arch, n)].append(measured[n]["train_seconds_per_step"])
             if len(measured) == 2:
                 seconds = {n: measured[n]["train_seconds_per_step"] for n in (short, long)}
