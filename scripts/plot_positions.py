@@ -160,6 +160,12 @@ def bias_row(encoding, role, layer, query: int, keys: torch.Tensor):
     return None if bias is None else bias[:, 0].float()
 
 
+def key_distances(role: str, max_distance: int):
+    """The distances j - i that a query's keys are at, -D..D; in a decoder -D..0 (causal: the future
+    mask blocks the keys after the query, whatever the encoding has for them)."""
+    return torch.arange(-max_distance, (max_distance if role == "encoder" else 0) + 1)
+
+
 def plot_logit_bias(model, encoding, writer, length, max_distance):
     from posenc_fairseq.encodings.t5 import prior_distribution
 
@@ -168,14 +174,12 @@ def plot_logit_bias(model, encoding, writer, length, max_distance):
     made = False
     for role in stacks(model):
         for layer in range(encoding.dims.layers(role)):
-            # bias against distance: query at max_distance, keys 0..2*max_distance (decoder: up to the query)
-            last = 2 * max_distance if role == "encoder" else max_distance
-            keys = torch.arange(0, last + 1)
-            bias = bias_row(encoding, role, layer, max_distance, keys)
+            # bias against distance: query at max_distance, keys from 0 (decoder: up to the query)
+            distances = key_distances(role, max_distance)
+            bias = bias_row(encoding, role, layer, max_distance, distances + max_distance)
             if bias is None:
                 continue
             made = True
-            distances = keys - max_distance
             tag = f"{role}_layer{layer}"
             writer.csv(f"bias_{tag}.csv", ["key_minus_query"] + [f"head{h}" for h in range(heads)],
                        matrix_rows(distances, bias.t()), f"{role} layer {layer}: logit bias per head against j - i")
@@ -219,11 +223,11 @@ def plot_logit_bias(model, encoding, writer, length, max_distance):
 
 
 # --- Shaw / LFHC ---------------------------------------------------------------------------------------
-def relative_embeddings(encoding, table, layer, max_distance):
-    """(distances j - i, (2D+1, d_head) embedding each distance uses at `layer`)."""
-    keys = torch.arange(0, 2 * max_distance + 1)
-    rows = encoding.bucket_of(torch.tensor([max_distance]), keys, layer)[0]
-    return keys - max_distance, table.detach().float()[rows]
+def relative_embeddings(encoding, table, role, layer, max_distance):
+    """(distances j - i of `role`'s keys, the embedding each distance uses at `layer`)."""
+    distances = key_distances(role, max_distance)
+    rows = encoding.bucket_of(torch.tensor([max_distance]), distances + max_distance, layer)[0]
+    return distances, table.detach().float()[rows]
 
 
 def cosine_matrix(vectors):
@@ -242,7 +246,7 @@ def plot_relative_embeddings(model, encoding, writer, max_distance):
             figure, axes = plt.subplots(1, len(layers), figsize=(3.1 * len(layers) + 0.6, 3), squeeze=False,
                                         layout="constrained")
             for panel, layer in enumerate(layers):
-                distances, vectors = relative_embeddings(encoding, tables[f"{role}{layer}"], layer, max_distance)
+                distances, vectors = relative_embeddings(encoding, tables[f"{role}{layer}"], role, layer, max_distance)
                 similarity = cosine_matrix(vectors)
                 tag = f"{role}_layer{layer}_{kind}"
                 writer.csv(f"relative_{tag}.csv", ["key_minus_query"] + [str(int(d)) for d in distances],
@@ -280,18 +284,19 @@ def plot_projected_prior(model, encoding, writer, max_distance):
     heads, head_dim = encoding.dims.heads, encoding.dims.head_dim
     norms = {}
     for role in stacks(model):
+        seen = key_distances(role, max_distance)
         for layer in range(encoding.dims.layers(role)):
             projection = encoding.projections[f"{role}{layer}"]
             with torch.no_grad():
-                projected = projection(prior.to(projection.weight.dtype)).float().view(len(distances), heads, head_dim)
-            norm = projected.norm(dim=-1)  # (N, heads)
-            norms[(role, layer)] = norm
+                projected = projection(prior[: len(seen)].to(projection.weight.dtype)).float()
+            norm = projected.view(len(seen), heads, head_dim).norm(dim=-1)  # (N, heads)
+            norms[(role, layer)] = seen, norm
             writer.csv(f"projected_norm_{role}_layer{layer}.csv",
-                       ["key_minus_query"] + [f"head{h}" for h in range(heads)], matrix_rows(distances, norm),
+                       ["key_minus_query"] + [f"head{h}" for h in range(heads)], matrix_rows(seen, norm),
                        f"{role} layer {layer}: |W_r R_(i-j)| per head against j - i")
     figure, axis = plt.subplots(figsize=(5, 3))
-    for (role, layer), norm in norms.items():
-        axis.plot(distances.tolist(), norm.mean(dim=1).tolist(), lw=1, label=f"{role} layer {layer}")
+    for (role, layer), (seen, norm) in norms.items():
+        axis.plot(seen.tolist(), norm.mean(dim=1).tolist(), lw=1, label=f"{role} layer {layer}")
     axis.set(xlabel="key - query (j - i)", ylabel="mean over heads of |W_r R|", title=f"{encoding.name}: learned W_r R")
     axis.legend(fontsize=6)
     writer.figure(figure, "projected_norm.png", "norm of the learned W_r R against distance, per layer")
@@ -425,6 +430,10 @@ def plot_checkpoint(checkpoint, out, data=None, length=128, max_distance=None, l
     parts = [("", whole)] if not hasattr(whole, "parts") else [
         (f"{role}_part_", part) for role, part in zip(("encoder", "decoder"), whole.parts())]
     deepest = max(max(part.dims.encoder_layers, part.dims.decoder_layers) for _, part in parts)
+    floater_options = [option for option, value in (("--layers", layers), ("--mark-length", mark)) if value is not None]
+    if floater_options and not all(isinstance(encoding, Floater) for _, encoding in parts):  # (it would be ignored)
+        raise SystemExit(f"error: {' and '.join(floater_options)}: FLOATER's option(s), and {checkpoint} is a "
+                         f"{whole.name} model")
     missing = sorted(set(layers or []) - set(range(deepest)))
     if missing:  # (before anything is written)
         raise SystemExit(f"error: --layers {','.join(map(str, missing))}: {checkpoint} has layers 0-{deepest - 1}")

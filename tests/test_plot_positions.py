@@ -127,8 +127,10 @@ def test_lfhc_similarity_of_relative_embeddings_and_learned_input_embedding(tiny
         for layer in (0, 1):
             table = state[f"positional_encoding.key_tables.{role}{layer}"].double()  # (2k+1, d_head)
             header, distances, similarity = read(tmp_path / f"relative_{role}_layer{layer}_key.csv")
-            assert distances.tolist() == list(range(-9, 10))  # k * (layers + 1)
-            assert header[1:] == [str(d) for d in range(-9, 10)]
+            # k * (layers + 1) each side; the decoder's keys stop at the query (its future mask blocks the rest)
+            last = 9 if role == "encoder" else 0
+            assert distances.tolist() == list(range(-9, last + 1))
+            assert header[1:] == [str(d) for d in range(-9, last + 1)]
             # eq. 9 of Qu et al. on x = i - j = -(j - i), floor rounding, layer l = layer + 1
             rows = torch.div(-distances, layer + 1, rounding_mode="floor").clamp(-3, 3) + 3
             vectors = table[rows]
@@ -164,8 +166,9 @@ def test_gcdf_prior_and_projected_norm(tiny_checkpoint, tmp_path):
     for role in ("encoder", "decoder"):
         for layer in (0, 1):
             weight = state[f"positional_encoding.projections.{role}{layer}.weight"].double()
-            _, _, norm = read(tmp_path / f"projected_norm_{role}_layer{layer}.csv")
-            projected = (expected @ weight.t()).view(len(distances), 4, 8)
+            _, seen, norm = read(tmp_path / f"projected_norm_{role}_layer{layer}.csv")
+            assert seen.tolist() == list(range(-20, 21 if role == "encoder" else 1))  # decoder: keys up to the query
+            projected = (expected[: len(seen)] @ weight.t()).view(len(seen), 4, 8)
             torch.testing.assert_close(norm, projected.norm(dim=-1), atol=1e-5, rtol=1e-4)
 
 
@@ -227,6 +230,9 @@ def test_a_layer_the_model_lacks_or_a_file_that_is_no_checkpoint_ends_in_one_lin
     (tmp_path / "log.pt").write_text("iteration 5 loss 3.2")
     for arguments, code, message in (
             ([checkpoint, "--layers", "1,7"], 1, "error: --layers 7: "),
+            # FLOATER's options of another encoding's model (before: ignored without a word)
+            ([tiny_checkpoint("transformer_t5"), "--layers", "0", "--mark-length", "9"], 1,
+             "error: --layers and --mark-length: FLOATER's option(s), and "),
             ([tmp_path / "notes.pt"], 2, "notes.pt is not a fairseq checkpoint (not a file written by torch.save)"),
             ([tmp_path / "log.pt"], 2, "log.pt is not a fairseq checkpoint")):
         out = tmp_path / "out"
