@@ -148,6 +148,10 @@ class PositionalEncoding(nn.Module):
                                                     triton_attention.mode())
         return context
 
+    def end(self, role: str):
+        """The stack's forward pass is over: its terms shared by the layers are dropped (`EncodingCache.end`)."""
+        self.cache.end(role)
+
     def kept_value_inputs(self) -> Iterable[Tensor]:
         """The tensors the values kept in the cache's inference scope are computed from (checked by
         value once per pass): the encoding's parameters."""

@@ -2,8 +2,8 @@
 each kept in a scope that says how long it stays valid.
 
 - pass (`memoize`): a position term computed once per forward pass of a stack and shared by its
-  layers. Its `TermKey` names the role ('encoder', 'decoder', 'cross') whose stack's next `begin`
-  drops it and says what the term is and was computed from (the positions' bounds, the layer's
+  layers. Its `TermKey` names the role ('encoder', 'decoder', 'cross') whose stack's `end` (or next
+  `begin`) drops it, so that a (H, T, T) term lives no longer than its pass's graph, and says what the term is and was computed from (the positions' bounds, the layer's
   table, the dtype); terms are shared only within one grad mode. A `recorded` run (non-reentrant
   activation checkpointing) replays its forward's hits and misses in the recomputation.
 - inference (`inference`, `inference_value`, `range_values`): values kept across decoding steps
@@ -77,6 +77,12 @@ class EncodingCache:
         if not (reads_encoder and self.last_stack == "encoder"):
             self.model_pass = {}
         self.last_stack = role
+
+    def end(self, role: str):
+        """A stack's forward pass as `role` is over: its pass values are dropped (a recorded run's
+        recomputation in backward keeps its own copy of the scope: `recorded`)."""
+        if self.pass_values:
+            self.pass_values.pop(role, None)
 
     def clear(self):
         """Forget every value but the constants (what they were computed from changed shape)."""

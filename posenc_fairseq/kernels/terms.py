@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..encodings.cache import TermKey
 from ..encodings.distance import dense_logits
 from .masks import blocked_fill_value, only_blocks
 
@@ -52,6 +53,26 @@ def with_masks_for_log_sum_exp(call, additive: Optional[Tensor]) -> Tuple[Option
 
 
 def _with_blocked(call, additive: Optional[Tensor], rows_without_keys_at_zero: bool):
+    shared = _shared_key(call, rows_without_keys_at_zero)
+    if shared is not None:  # one copy for the stack's layers, which keep it for their backward
+        return call.memoize(shared, lambda: _blocked(call, additive, rows_without_keys_at_zero))
+    return _blocked(call, additive, rows_without_keys_at_zero)
+
+
+def _shared_key(call, rows_without_keys_at_zero: bool):
+    """The pass-scope key of `_with_blocked`'s result where every layer of the stack computes the same:
+    a memoized bias-only term (`dense_logits`'s condition) under the stack's own future mask alone; None
+    elsewhere (padding or another mask: tensors a key cannot name)."""
+    term = call.term
+    if (call.memoize is None or term is None or term.key is None or term.vectors is not None
+            or term.content is not None or not call.stack_mask or call.key_padding_mask is not None
+            or call.source_keys):
+        return None
+    return TermKey(term.key.role, term.key.encoding, "dense with the future mask",
+                   (term.key, term.low, term.high, call.q.size(2), call.q.dtype, rows_without_keys_at_zero))
+
+
+def _blocked(call, additive: Optional[Tensor], rows_without_keys_at_zero: bool):
     additive = with_finite_mask(call, additive)
     blocked = blocked_entries(call)
     if blocked is None:

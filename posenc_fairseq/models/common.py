@@ -225,7 +225,10 @@ class PositionalTransformerEncoder(PositionalStack, TransformerEncoder):
         check_length(self.embed_positions, src_tokens, self.padding_idx, self.max_source_positions)
         if self.encoding is not None:
             self.encoding.begin("encoder", token_positions(src_tokens, self.padding_idx))
-        return super().forward(src_tokens, *args, **kwargs)
+        out = super().forward(src_tokens, *args, **kwargs)
+        if self.encoding is not None:
+            self.encoding.end("encoder")
+        return out
 
 
 class PositionalTransformerDecoder(PositionalStack, TransformerDecoder):
@@ -286,7 +289,10 @@ class PositionalTransformerDecoder(PositionalStack, TransformerDecoder):
                     length, batch = encoder_out["encoder_out"][0].shape[:2]
                     source = shared_range(batch, 0, length, prev_output_tokens.device)
             self.encoding.begin("decoder", positions, source, earlier)
-        return super().extract_features(prev_output_tokens, encoder_out, incremental_state, **kwargs)
+        out = super().extract_features(prev_output_tokens, encoder_out, incremental_state, **kwargs)
+        if self.encoding is not None:
+            self.encoding.end("decoder")
+        return out
 
 
 def encoding_parts(encoding) -> list:
@@ -317,6 +323,10 @@ class PerStackEncoding(nn.Module):
     def begin(self, role, positions=None, source_positions=None, earlier=0):
         for part in self.parts():
             part.begin(role, positions, source_positions, earlier)
+
+    def end(self, role):
+        for part in self.parts():
+            part.end(role)
 
     def bind_model(self, model, attentions):
         # each part serves the attentions of its roles (`for_role`); a part may freeze everything
