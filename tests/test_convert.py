@@ -143,6 +143,25 @@ def test_converted_roberta_equals_source(stock_roberta, source_roberta_outputs, 
         assert (roberta_outputs(dst) - source_roberta_outputs).abs().max() <= 1e-5
 
 
+def test_a_roberta_checkpoint_in_fairseqs_older_key_names_converts(stock_roberta, source_roberta_outputs, tmp_path):
+    """Older RoBERTa checkpoints (the layout of the released roberta.base/large model.pt) name the encoder
+    decoder.sentence_encoder.* and its embedding norm emb_layer_norm; fairseq renames them as it loads
+    (upgrade_state_dict_named). Before, the converter checked the learned input table before that
+    renaming, found it under an unknown name and refused the checkpoint."""
+    def older(key):
+        key = "decoder." + key[len("encoder."):] if key.startswith("encoder.") else key
+        return key.replace(".layernorm_embedding.", ".emb_layer_norm.")
+
+    state = torch.load(stock_roberta, map_location="cpu")
+    state["model"] = {older(key): value for key, value in state["model"].items()}
+    assert any(key.startswith("decoder.sentence_encoder.embed_positions") for key in state["model"])
+    torch.save(state, tmp_path / "older.pt")
+    shutil.copyfile(stock_roberta.parent / "dict.txt", tmp_path / "dict.txt")
+    assert (roberta_outputs(tmp_path / "older.pt") - source_roberta_outputs).abs().max() == 0  # stock loads it
+    assert convert_in_process(tmp_path / "older.pt", tmp_path / "model.pt", "roberta", "t5")
+    assert (roberta_outputs(tmp_path / "model.pt") - source_roberta_outputs).abs().max() <= 1e-5
+
+
 def test_transformer_script_generate_and_resume(stock_transformer, translation_data, tmp_path):
     before = digest(stock_transformer)
     dst = tmp_path / "floater.pt"

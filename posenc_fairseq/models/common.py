@@ -562,6 +562,10 @@ class EncodingStateMixin:
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
         cfg = model_cfg if model_cfg is not None else args
+        # fairseq's renaming of older keys first (RoBERTa's decoder.sentence_encoder.*, as the released
+        # model.pt name them), which its own load_state_dict does again below (a no-op then): the checks
+        # read the keys as this model names them
+        self.upgrade_state_dict(state_dict)
         state_dict = prune_encoding_state_dict(state_dict, cfg)
         if strict:
             check_stock_input_kept(state_dict, cfg)

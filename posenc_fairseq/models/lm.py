@@ -99,12 +99,16 @@ class PositionalLanguageModel(EncodingStateMixin, TransformerLanguageModel):
     @classmethod
     def build_model(cls, args, task):
         if getattr(args, "max_target_positions", None) is None:
-            # stock's config takes it from the task (`${task.tokens_per_sample}`); fairseq-hydra-train
-            # gives this model no task options, where stock's build falls back to 1024
-            task_options = getattr(task, "cfg", None)
-            if task_options is None:  # (fairseq's legacy tasks keep their options as `args`)
-                task_options = getattr(task, "args", None)
-            tokens_per_sample = getattr(task_options, "tokens_per_sample", None)
+            # as stock's build: the model config's tokens_per_sample (a checkpoint's: the length it was
+            # trained at, whatever the task loading it asks, e.g. fairseq-eval-lm --tokens-per-sample),
+            # which stock's config takes from the task (`${task.tokens_per_sample}`); fairseq-hydra-train
+            # gives this model no such option: the task's then, where stock's build falls back to 1024
+            tokens_per_sample = getattr(args, "tokens_per_sample", None)
+            if tokens_per_sample is None:
+                task_options = getattr(task, "cfg", None)
+                if task_options is None:  # (fairseq's legacy tasks keep their options as `args`)
+                    task_options = getattr(task, "args", None)
+                tokens_per_sample = getattr(task_options, "tokens_per_sample", None)
             if tokens_per_sample is not None:
                 args.max_target_positions = tokens_per_sample
         # fairseq's own build (embeddings, adaptive input, ...) with our decoder class in place of

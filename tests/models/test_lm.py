@@ -315,6 +315,27 @@ def test_converted_lm_equals_stock_source(stock_lm, stock_logits, masked_lm_data
     assert (logits - stock_logits).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("evaluated_at", [32, 128])
+def test_a_converted_lm_keeps_its_length_under_an_evaluation_task_of_another(stock_lm, masked_lm_data, tmp_path,
+                                                                            evaluated_at):
+    """fairseq-eval-lm --tokens-per-sample N builds the model from the checkpoint's model config with a task
+    of N: stock keeps the length it was trained with (its config's tokens_per_sample, 64). Before, a
+    converted model took N: a learned table refused, and with N = 128 it scored 551 tokens where stock
+    scores 39 (it skips blocks longer than 64)."""
+    from fairseq import checkpoint_utils
+    from fairseq.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
+
+    converted = convert.convert_checkpoint(torch.load(stock_lm, map_location="cpu"), "transformer_lm", "t5")
+    torch.save(converted, tmp_path / "converted.pt")
+    lengths = []
+    for path in (stock_lm, tmp_path / "converted.pt"):
+        task = LanguageModelingTask.setup_task(LanguageModelingConfig(data=str(masked_lm_data),
+                                                                      tokens_per_sample=evaluated_at))
+        models, _, _ = checkpoint_utils.load_model_ensemble_and_task([str(path)], task=task)  # as fairseq-eval-lm
+        lengths.append(models[0].max_positions())
+    assert lengths == [64, 64]
+
+
 def test_fine_tuning_a_converted_lm_with_the_printed_options_starts_as_stock(stock_lm, masked_lm_data, tmp_path):
     """fairseq-train builds --restore-file's model from its command line. With the options the converter
     prints, a converted LM takes stock's first fine-tuning step (the same loss and gradient norm); with
