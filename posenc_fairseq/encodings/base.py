@@ -165,7 +165,7 @@ class PositionalEncoding(nn.Module):
 
     def memoize(self, key: TermKey, compute: Callable[[], Tensor]) -> Tensor:
         """`EncodingCache.memoize`: a position-only term computed once per forward and shared across
-        layers; `key.role`'s next `begin` drops it."""
+        layers; its stack's `end` (or `key.role`'s next `begin`) drops it."""
         return self.cache.memoize(key, compute)
 
     def recorded(self, function: Callable) -> Callable:

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 class TermKey(NamedTuple):
     """What a cached value is: two requests share the value exactly when their keys are equal.
     Built by `PositionalEncoding.term_key(role, what, *computed_from)`."""
-    role: str  # the stack whose pass asks for it (pass scope: whose next `begin` drops it)
+    role: str  # the stack whose pass asks for it (pass scope: whose `end` or next `begin` drops it)
     encoding: str  # the encoding's name
     what: str  # which term, e.g. 'prior', 'projected', 'per distance'
     computed_from: tuple  # the rest that tells values apart: table or layer, distances, dtype, ...
@@ -91,7 +91,7 @@ class EncodingCache:
 
     # --- pass scope -----------------------------------------------------------------------------
     def memoize(self, key: TermKey, compute: Callable[[], Any]) -> Any:
-        """compute() once per forward pass for `key`, dropped by the next `begin` of `key.role`;
+        """compute() once per forward pass for `key`, dropped by `end` or the next `begin` of `key.role`;
         shared only within one grad mode (a value computed without gradients has no graph to
         differentiate)."""
         values = self.pass_values.get(key.role)
