@@ -188,11 +188,12 @@ def split_overrides(argv) -> Tuple[Dict[str, object], List[str]]:
     return {key: value for key, value in vars(known).items() if value != defaults[key]}, rest
 
 
-def command_line(options: Dict[str, object]) -> List[str]:
+def command_line(options: Dict[str, object], parser: Optional[argparse.ArgumentParser] = None) -> List[str]:
     """The command-line options that give `options` ({dest: value}, as `split_overrides` returns them)
-    back, in the parser's order: what fairseq-train must be given to build a converted model again."""
+    back, in the order of `parser` (default: ours): what fairseq-train must be given to build a
+    converted model again."""
     parts = []
-    for action in option_parser()._actions:
+    for action in (parser or option_parser())._actions:
         if action.dest not in options or not action.option_strings:
             continue
         value = options[action.dest]
@@ -202,6 +203,29 @@ def command_line(options: Dict[str, object]) -> List[str]:
             parts += [action.option_strings[0], *(str(item) for item in (value if isinstance(value, (list, tuple))
                                                                         else [value]))]
     return parts
+
+
+def source_model_options(converted: dict, kind: str) -> List[str]:
+    """The stock model options of `converted` (sizes, normalisation, sharing, dropout, ...) that differ
+    from its architecture's defaults, as command-line options: fairseq-train builds a --restore-file's
+    model from its command line, and a left-out option of the same parameter shapes (e.g.
+    --encoder-normalize-before) loads strictly into another model. A flag the architecture sets that the
+    source turned off has no option to say so and is left out."""
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+
+    args = model_namespace(converted)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    _stock_class(kind).add_args(parser)
+    defaults = argparse.Namespace()
+    ARCH_CONFIG_REGISTRY[args.arch](defaults)
+    differing = {}
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or value is None or (action.nargs == 0 and not value):
+            continue
+        if value != getattr(defaults, action.dest, action.default):
+            differing[action.dest] = value
+    return command_line(differing, parser)
 
 
 def parse_overrides(argv) -> Dict[str, object]:

@@ -252,7 +252,7 @@ def remove_created(paths):
 
 def main(kind: str, argv=None):
     from .convert import (ConversionError, _arch as converted_architecture, check_encoding, command_line,
-                          convert_checkpoint, split_overrides)
+                          convert_checkpoint, source_model_options, split_overrides)
 
     # the encoding's options first, wherever they stand: argparse cannot tell that an option it does not
     # know takes a value, so `--t5-num-buckets 64 SRC DST` would read 64 as SRC
@@ -301,8 +301,8 @@ def main(kind: str, argv=None):
     print(f"wrote {args.dst} (architecture {architecture}, {equal})")
     # fairseq-train builds a model for --restore-file / --finetune-from-model from its command line
     options = {key: value for key, value in {"input_positions": "stock", **overrides}.items() if key != "positional_encoding"}
-    print(f"to train from it, give fairseq-train: --arch {architecture} "
-          f"{' '.join(shlex.quote(part) for part in command_line(options))}")
+    given = [*source_model_options(converted, kind), *command_line(options)]
+    print(f"to train from it, give fairseq-train: --arch {architecture} {' '.join(shlex.quote(part) for part in given)}")
     if copied:
         print(f"copied dict.txt to {copied}")
     return 0

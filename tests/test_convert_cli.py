@@ -24,14 +24,14 @@ from util import REPO
 SCRIPTS = REPO / "scripts"
 
 
-def stock_state(kind):
+def stock_state(kind, **options):
     from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 
     if kind == "transformer":
         args = argparse.Namespace(
             arch="transformer", encoder_layers=1, decoder_layers=1, encoder_embed_dim=16, decoder_embed_dim=16,
             encoder_ffn_embed_dim=32, decoder_ffn_embed_dim=32, encoder_attention_heads=2, decoder_attention_heads=2,
-            max_source_positions=64, max_target_positions=64)
+            max_source_positions=64, max_target_positions=64, **options)
     else:
         args = argparse.Namespace(arch="roberta_base", encoder_layers=1, encoder_embed_dim=16, encoder_ffn_embed_dim=32,
                                   encoder_attention_heads=2, max_positions=64, tokens_per_sample=64)
@@ -403,12 +403,15 @@ def test_floater_init_small_is_not_reported_as_equal(work, monkeypatch, capsys):
     assert status == 0 and out.splitlines()[0].endswith("outputs equal to the source)"), (out, err)
 
 
-@pytest.mark.parametrize("encoding,options", [("t5", ["--t5-num-buckets", "16"]), ("xl", [])])
-def test_the_printed_options_rebuild_the_converted_model(work, monkeypatch, capsys, encoding, options):
+@pytest.mark.parametrize("encoding,options,source", [("t5", ["--t5-num-buckets", "16"], "transformer.pt"),
+                                                     ("xl", [], "transformer.pt"), ("t5", [], "prenorm.pt")])
+def test_the_printed_options_rebuild_the_converted_model(work, monkeypatch, capsys, encoding, options, source):
     """fairseq-train builds the model for --restore-file / --finetune-from-model from its command line,
-    not from the checkpoint: the options the converter prints give a model that loads the converted
-    state strictly and computes the source's outputs. (Without --input-positions stock, T5's and XL's
-    default input embedding, none, drops stock's sinusoidal one, and the load says nothing.)"""
+    not from the checkpoint: the options the converter prints, and they alone, give a model that loads
+    the converted state strictly and computes the source's outputs. (Without --input-positions stock,
+    T5's and XL's default input embedding, none, drops stock's sinusoidal one, and the load says nothing;
+    before, the source's own options were left to the user, and a pre-norm source left without
+    --encoder/decoder-normalize-before loaded strictly into a post-norm model.)"""
     import shlex
 
     from fairseq import options as fairseq_options
@@ -417,20 +420,24 @@ def test_the_printed_options_rebuild_the_converted_model(work, monkeypatch, caps
     from util import USER_DIR
 
     monkeypatch.chdir(work)
-    status, out, err = run_main("transformer", "src/transformer.pt", "out.pt", "--encoding", encoding, *options,
+    if source == "prenorm.pt":
+        torch.save(stock_state("transformer", encoder_normalize_before=True, decoder_normalize_before=True),
+                   work / "src" / source)
+    status, out, err = run_main("transformer", f"src/{source}", "out.pt", "--encoding", encoding, *options,
                                 capsys=capsys)
     assert status == 0, err
     hint = out.splitlines()[-1]
     assert hint.startswith("to train from it, give fairseq-train: --arch "), out
     given = shlex.split(hint.split(": ", 1)[1])
     assert "--input-positions" in given and all(option in given for option in options)
-    source = torch.load(work / "src" / "transformer.pt", map_location="cpu", weights_only=False)
-    sizes = [f"--{name.replace('_', '-')}={getattr(source['args'], name)}" for name in (
-        "encoder_layers", "decoder_layers", "encoder_embed_dim", "decoder_embed_dim", "encoder_ffn_embed_dim",
-        "decoder_ffn_embed_dim", "encoder_attention_heads", "decoder_attention_heads", "max_source_positions",
-        "max_target_positions")]
+    source = torch.load(work / "src" / source, map_location="cpu", weights_only=False)
+    for name in ("encoder_layers", "decoder_layers", "encoder_embed_dim", "decoder_embed_dim", "encoder_ffn_embed_dim",
+                 "decoder_ffn_embed_dim", "encoder_attention_heads", "decoder_attention_heads", "max_source_positions",
+                 "max_target_positions"):
+        assert given[given.index(f"--{name.replace('_', '-')}") + 1] == str(getattr(source["args"], name))
+    assert ("--encoder-normalize-before" in given) == source["args"].encoder_normalize_before
     args = fairseq_options.parse_args_and_arch(fairseq_options.get_training_parser(), [
-        str(work), "--task", "translation", "--user-dir", USER_DIR, "--cpu", *sizes, *given])
+        str(work), "--task", "translation", "--user-dir", USER_DIR, "--cpu", *given])
     task = convert._Task(convert._dictionary(24), max_positions=64)
     rebuilt = ARCH_MODEL_REGISTRY[args.arch].build_model(args, task)
     rebuilt.load_state_dict(torch.load(work / "out.pt", map_location="cpu", weights_only=False)["model"], strict=True,
@@ -445,7 +452,7 @@ def test_the_printed_options_rebuild_the_converted_model(work, monkeypatch, caps
     without = [part for part in given if part not in ("--input-positions", "stock")]
     for chosen in ([], ["--input-positions", "none"]):
         args = fairseq_options.parse_args_and_arch(fairseq_options.get_training_parser(), [
-            str(work), "--task", "translation", "--user-dir", USER_DIR, "--cpu", *sizes, *without, *chosen])
+            str(work), "--task", "translation", "--user-dir", USER_DIR, "--cpu", *without, *chosen])
         model = ARCH_MODEL_REGISTRY[args.arch].build_model(args, task)
         weights = torch.load(work / "out.pt", map_location="cpu", weights_only=False)["model"]
         if chosen:
