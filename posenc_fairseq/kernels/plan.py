@@ -99,6 +99,10 @@ class Plan(NamedTuple):
     causal: bool = False
 
 
+#: what one call's query blocks under the future mask may keep of their terms for backward on the fused CPU
+#: path (half the call's pairs) rather than recompute them: beyond it memory would grow as T^2 per layer
+KEEP_TERMS_BYTES = 64 * 2 ** 20
+
 #: the plans of whole calls (no query blocks): immutable values, made once rather than per call
 _WHOLE_CALL = {(kernel, fold): Plan(kernel, fold_content=fold) for kernel in Kernel for fold in (False, True)}
 _CAUSAL_SDPA = Plan(Kernel.SDPA, causal=True)
@@ -145,9 +149,12 @@ def plan(call: AttentionCall) -> Plan:
         query_block = block
         # The fused CPU kernel keeps a block's output, log-sum-exp and terms only (not its logits
         # and probabilities). Under the future mask those terms cover the keys up to the block's
-        # last query, half of all pairs: such blocks are not recomputed (docs/benchmarks.md).
-        # Inside a checkpointed layer the layer's checkpoint covers the blocks.
-        recompute = call.grad_enabled and not call.recorded_run and not (call.future_blocked and fused_cpu)
+        # last query, half of all pairs: such blocks are not recomputed, unless those halves of the
+        # call would pass KEEP_TERMS_BYTES (docs/benchmarks.md). Inside a checkpointed layer the
+        # layer's checkpoint covers the blocks.
+        kept = batch * heads * queries * call.k.size(2) // 2 * call.q.element_size()
+        recompute = call.grad_enabled and not call.recorded_run and not (
+            call.future_blocked and fused_cpu and kept <= KEEP_TERMS_BYTES)
     return Plan(kernel, query_block, recompute, fold_content)
 
 

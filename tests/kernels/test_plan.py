@@ -118,6 +118,24 @@ def test_query_blocks_and_their_recomputation_follow_from_the_call():
     assert plan(call(**long, grad_enabled=False)) == plan(call(**long, grad_enabled=False))  # a value
 
 
+def test_blocks_under_the_future_mask_keep_their_terms_up_to_a_size():
+    """On the fused CPU path a causal call's blocks keep their terms for backward (half the call's pairs:
+    faster than recomputing them) while that stays under KEEP_TERMS_BYTES; beyond, they are recomputed
+    (before, always kept: an XL language model's training step held 351 MB at T = 4096, stock 35 MB)."""
+    from posenc_fairseq.kernels.plan import KEEP_TERMS_BYTES
+
+    causal = call(vectors=True, future_blocked=True, logits=LARGE)
+
+    def of_length(length):  # (expanded: no memory)
+        x = torch.zeros(1).expand(1, HEADS, length, DIM)
+        return causal._replace(q=x, k=x, v=x, k_target=x, logits=HEADS * length * length)
+
+    length = 1 + int((2 * KEEP_TERMS_BYTES / (HEADS * 4)) ** 0.5)  # just past the size, float32
+    assert plan(of_length(length)).query_block is not None and plan(of_length(length)).recompute_blocks
+    assert plan(of_length(length - 2)).query_block is not None and not plan(of_length(length - 2)).recompute_blocks
+    assert not plan(of_length(length)._replace(recorded_run=True)).recompute_blocks  # a layer's checkpoint covers them
+
+
 def test_content_is_folded_into_the_queries_except_on_flex():
     assert plan(call(content=True)).fold_content
     assert not plan(call(content=True, flex_mode="on", grad_enabled=False)).fold_content
