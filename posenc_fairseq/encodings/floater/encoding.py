@@ -12,6 +12,7 @@ import math
 from typing import List, Optional
 
 import torch
+from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from ..base import ROLES, PositionalEncoding, register_encoding, stack_of
@@ -84,6 +85,19 @@ class GatherSlots(torch.autograd.Function):
         return grad_table.view(rows, slots, width).to(present.dtype), None, None, None
 
 
+def run_optimizer(args) -> Optional[str]:
+    """The run's optimizer as the model's options tell it: fairseq-train's `--optimizer`; under
+    fairseq-hydra-train the model's config is a node of the run's, whose `optimizer._name` it is;
+    None where neither says (a model built outside a training run)."""
+    optimizer = getattr(args, "optimizer", None)
+    if isinstance(optimizer, str):
+        return optimizer
+    parent = args._get_parent() if isinstance(args, DictConfig) else None
+    chosen = parent.get("optimizer") if isinstance(parent, DictConfig) else None
+    name = chosen.get("_name") if isinstance(chosen, DictConfig) else None
+    return name if isinstance(name, str) else None
+
+
 @register_encoding("floater")
 class Floater(PositionalEncoding):
     """b(t_i) for every q/k/v projection of the attention layers the model binds to it (the package
@@ -120,7 +134,7 @@ class Floater(PositionalEncoding):
         if self.freeze_dynamics and self.train_dynamics_only:
             raise OptionValueError("--floater-freeze-dynamics and --floater-train-dynamics-only exclude each other")
         self.dynamics_lr_scale = floater("dynamics_lr_scale", LR_SCALE, 1.0, defines=False)
-        optimizer = getattr(args, "optimizer", None)
+        optimizer = run_optimizer(args)
         if self.dynamics_lr_scale != 1.0 and isinstance(optimizer, str) and optimizer != "composite":
             raise OptionValueError(f"--floater-dynamics-lr-scale needs fairseq's composite optimizer (got --optimizer "
                                    f"{optimizer}); see docs/floater.md")
@@ -191,7 +205,9 @@ class Floater(PositionalEncoding):
         group.add_argument("--floater-freeze-dynamics", action="store_true", default=None,
                            help="do not train the dynamics network h")
         group.add_argument("--floater-train-dynamics-only", action="store_true", default=None,
-                           help="train only h: every other parameter (including the b(0) projection biases) is frozen")
+                           help="train only h: every other parameter of the model as built (including the b(0) "
+                                "projection biases) is frozen; a head the task adds later (sentence_prediction's "
+                                "classification head) trains")
         group.add_argument("--floater-dynamics-lr-scale", type=LR_SCALE, metavar="X",
                            help="learning rate of h = X * the others' (needs fairseq's composite optimizer; default 1)")
 

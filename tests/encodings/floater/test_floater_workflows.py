@@ -205,6 +205,22 @@ def test_dynamics_learning_rate_scale_needs_the_composite_optimizer(translation_
                     [*TINY_TRANSFORMER, "--floater-dynamics-lr-scale", "10", "--optimizer", "adam"])
 
 
+def test_dynamics_learning_rate_scale_under_hydra_needs_the_composite_optimizer():
+    """Under fairseq-hydra-train the model's config is a node of the run's, without an `optimizer` of its
+    own: before, the check found none, and with `optimizer: adam` the scale was ignored without a word
+    (h moved by the others' learning rate). The run's `optimizer._name` is read now."""
+    from omegaconf import OmegaConf
+
+    from posenc_fairseq.encodings import ModelDims, build_encoding
+    from posenc_fairseq.encodings.option_types import OptionValueError
+
+    run = OmegaConf.create({"optimizer": {"_name": "adam"}, "model": {"floater_dynamics_lr_scale": 10.0}})
+    with pytest.raises(OptionValueError, match="needs fairseq's composite optimizer \\(got --optimizer adam\\)"):
+        build_encoding("floater", run.model, ModelDims(16, 2, 1, 1))
+    run.optimizer._name = "composite"
+    assert build_encoding("floater", run.model, ModelDims(16, 2, 1, 1)).dynamics_lr_scale == 10.0
+
+
 def test_converter_honours_floater_init_small(stock_transformer_checkpoint):
     state = torch.load(stock_transformer_checkpoint, map_location="cpu", weights_only=False)
     zero = convert_checkpoint(state, "transformer", "floater")
