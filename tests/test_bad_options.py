@@ -135,6 +135,9 @@ BAD_AT_BUILD = [
     ("floater", {"floater_step_size": 1e-7}, "--floater-step-size 1e-07: 1000000 solver steps per position"),
     ("floater", {"floater_freeze_dynamics": True, "floater_train_dynamics_only": True}, "exclude each other"),
     ("floater", {"floater_dynamics_lr_scale": 10.0, "optimizer": "adam"}, "composite optimizer"),
+    # (before, ignored without a word under the composite optimizer)
+    ("floater", {"floater_dynamics_lr_scale": 10.0, "floater_freeze_dynamics": True, "optimizer": "composite"},
+     "--floater-dynamics-lr-scale with --floater-freeze-dynamics: h is not trained"),
 ]
 BIG = ModelDims(embed_dim=1024, heads=16, encoder_layers=24, decoder_layers=24)
 

@@ -134,6 +134,8 @@ class Floater(PositionalEncoding):
         if self.freeze_dynamics and self.train_dynamics_only:
             raise OptionValueError("--floater-freeze-dynamics and --floater-train-dynamics-only exclude each other")
         self.dynamics_lr_scale = floater("dynamics_lr_scale", LR_SCALE, 1.0, defines=False)
+        if self.freeze_dynamics and self.dynamics_lr_scale != 1.0:  # (h would not move at any rate)
+            raise OptionValueError("--floater-dynamics-lr-scale with --floater-freeze-dynamics: h is not trained")
         optimizer = run_optimizer(args)
         if self.dynamics_lr_scale != 1.0 and isinstance(optimizer, str) and optimizer != "composite":
             raise OptionValueError(f"--floater-dynamics-lr-scale needs fairseq's composite optimizer (got --optimizer "
