@@ -3,7 +3,8 @@ each kept in a scope that says how long it stays valid.
 
 - pass (`memoize`): a position term computed once per forward pass of a stack and shared by its
   layers. Its `TermKey` names the role ('encoder', 'decoder', 'cross') whose stack's `end` (or next
-  `begin`) drops it, so that a (H, T, T) term lives no longer than its pass's graph, and says what the term is and was computed from (the positions' bounds, the layer's
+  `begin`) drops it, so that a (H, T, T) term lives no longer than its pass's graph, and says what
+  the term is and was computed from (the positions' bounds, the layer's
   table, the dtype); terms are shared only within one grad mode. A `recorded` run (non-reentrant
   activation checkpointing) replays its forward's hits and misses in the recomputation.
 - inference (`inference`, `inference_value`, `range_values`): values kept across decoding steps

@@ -15,8 +15,8 @@ dropout) are not kept. Checkpoints without the entry (stock fairseq's, older one
 The entry is a float tensor of the UTF-8 bytes of a JSON object and of its digest: fairseq's EMA
 multiplies every state-dict entry by its decay in place (an integer tensor would fail), and checkpoint
 averaging adds them up. Equal entries average to themselves (EMA's to within rounding: read back
-rounded to the nearest byte, since --ema-fp32's copy drifts, by an ulp of each step, as far as 0.02 in
-30,000 updates at fairseq's default decay 0.9999); the average of two different ones fails its digest,
+rounded to the nearest byte, since --ema-fp32's one copy drifts by an ulp of each step, past a tight
+tolerance in a long run at fairseq's default decay); the average of two different ones fails its digest,
 where its bytes alone might read as a third entry (the options 500 and 700 averaged to 600).
 """
 import hashlib

@@ -121,7 +121,7 @@ def test_query_blocks_and_their_recomputation_follow_from_the_call():
 def test_blocks_under_the_future_mask_keep_their_terms_up_to_a_size():
     """On the fused CPU path a causal call's blocks keep their terms for backward (half the call's pairs:
     faster than recomputing them) while that stays under KEEP_TERMS_BYTES; beyond, they are recomputed
-    (before, always kept: an XL language model's training step held 351 MB at T = 4096, stock 35 MB)."""
+    (before, always kept: memory O(T^2) per layer where stock's is O(T); figures in docs/benchmarks.md)."""
     from posenc_fairseq.kernels.plan import KEEP_TERMS_BYTES
 
     causal = call(vectors=True, future_blocked=True, logits=LARGE)

@@ -1,7 +1,6 @@
 """kernels/terms.py with the pass scope: a bias-only term under the stack's future mask is masked once per
-pass and shared by the layers (before, each layer made and kept for its backward an (H, T, T) copy: at
-T = 4096 a causal ALiBi language model held 256 MB more per layer than stock), and a stack's shared terms
-are let go when its pass ends, not at its next pass."""
+pass and shared by the layers (before, each layer made and kept for its backward an (H, T, T) copy; figures
+in docs/benchmarks.md), and a stack's shared terms are let go when its pass ends, not at its next pass."""
 import pytest
 import torch
 

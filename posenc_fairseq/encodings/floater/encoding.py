@@ -374,8 +374,7 @@ class Floater(PositionalEncoding):
             if self.training:
                 self._resumable_window = None  # (trained without being told the update count)
             if self.training and self.recompute_every > 1:
-                self.tables.start_window_pass(self, self._num_updates // self.recompute_every, self._num_updates,
-                                              state.tables)
+                self.tables.start_window_pass(self, self._num_updates, state.tables)
         if earlier > 0:
             # a later decoding step: its pass's first step checked the table and saw the source
             # positions (cross-attention keys are cached); its own are below earlier + length,

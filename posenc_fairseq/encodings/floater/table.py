@@ -153,12 +153,12 @@ class Tables:
         self.window: Optional[Window] = None
         self.pending = []  # (the pass, its `OverflowCheck`): training tables' checks not yet read
 
-    def start_window_pass(self, encoding, index: int, update: int, in_pass: PassTables):
-        """A training pass with K > 1 at update count `update`: the window's table if the window goes on
-        past its first update, else a new window. Every pass of a window's first update solves with
+    def start_window_pass(self, encoding, update: int, in_pass: PassTables):
+        """A training pass with K > 1 at update count `update` (window update // K): the window's table if
+        the window goes on past its first update, else a new window. Every pass of a window's first update solves with
         gradient from the live parameters: with --update-freq N each of its N passes, as N processes
         would, one each (the parameters do not change within an update: the same table)."""
-        options = encoding.table_options()
+        options, index = encoding.table_options(), update // encoding.recompute_every
         if self.window is not None and self.window.index == index and self.window.options == options:
             in_pass.window_pass = update != self.window.first_update
         else:
