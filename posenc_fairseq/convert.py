@@ -218,12 +218,16 @@ def source_model_options(converted: dict, kind: str) -> List[str]:
     _stock_class(kind).add_args(parser)
     defaults = argparse.Namespace()
     ARCH_CONFIG_REGISTRY[args.arch](defaults)
+    # a model with a dataclass config (transformer_lm, roberta's) adds its options without defaults
+    # (fairseq fills them from the dataclass after the architecture's function has run)
+    config = getattr(_stock_class(kind), "__dataclass", None)
+    config_defaults = vars(config()) if config is not None else {}
     differing = {}
     for action in parser._actions:
         value = getattr(args, action.dest, None)
         if not action.option_strings or value is None or (action.nargs == 0 and not value):
             continue
-        if value != getattr(defaults, action.dest, action.default):
+        if value != getattr(defaults, action.dest, config_defaults.get(action.dest, action.default)):
             differing[action.dest] = value
     return command_line(differing, parser)
 

@@ -500,3 +500,27 @@ def test_adaptive_input_and_softmax_lm_converts_to_equal_outputs(tmp_path):
             found = model.get_normalized_probs(model(tokens), log_probs=True)
         assert type(model) is not type(stock)
         assert (found - expected).abs().max() < 1e-5, encoding
+
+
+@pytest.mark.parametrize("kind,task,arch,given", [
+    ("transformer_lm", "language_modeling", "transformer_lm",
+     ["--decoder-layers", "2", "--decoder-embed-dim", "16", "--decoder-ffn-embed-dim", "32", "--dropout", "0.3"]),
+    ("transformer_lm", "language_modeling", "transformer_lm_gpt", ["--decoder-layers", "2", "--decoder-learned-pos"]),
+    ("roberta", "masked_lm", "roberta_base", ["--encoder-layers", "2", "--encoder-normalize-before"]),
+    ("transformer", "translation", "transformer", ["--encoder-layers", "2", "--share-all-embeddings"])])
+def test_the_hint_lists_the_options_the_source_was_trained_with(tmp_path, kind, task, arch, given):
+    """The training hint lists the source's model options that differ from its architecture's defaults:
+    here those of the command line that trained it, as fairseq-train saves its config (cfg). Models with
+    a dataclass config (transformer_lm) add their options without defaults; compared with those, every
+    option was listed as differing (--min-params-to-wrap 100000000, --character-filters ...)."""
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from omegaconf import OmegaConf
+
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        str(tmp_path), "--task", task, "--arch", arch, "--cpu", *given])
+    cfg = OmegaConf.to_container(convert_namespace_to_omegaconf(args), resolve=True, enum_to_str=True)
+    listed = convert.source_model_options({"cfg": cfg, "args": None, "model": {}}, kind)
+    pairs = lambda line: {(part, line[i + 1] if i + 1 < len(line) and not line[i + 1].startswith("--") else None)
+                          for i, part in enumerate(line) if part.startswith("--")}
+    assert pairs(listed) == pairs(given), listed
