@@ -142,6 +142,11 @@ class PositionalAttention(MultiheadAttention):
             return bias
         return self._buffers[f"pruned_{which}_bias"].index_copy(0, self._kept_channels(), bias)
 
+    def projection_bias_tensors(self, which: str) -> tuple:
+        """The stored tensors that `full_projection_bias(which)` is made of."""
+        bias = getattr(self, f"{which}_proj").bias
+        return (bias,) if bias is None or self._kept_heads() is None else (bias, self._buffers[f"pruned_{which}_bias"])
+
     def _kept_heads(self) -> Optional[Tensor]:
         return self._buffers.get("kept_heads")
 

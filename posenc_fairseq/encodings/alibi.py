@@ -37,6 +37,12 @@ class ALiBi(PositionalEncoding):
         super().__init__(args, dims)
         self.register_buffer("slopes", alibi_slopes(dims.heads), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """Module.to/half/float/...: the slopes made anew in the dtype and device they are moved to, so
+        that a round trip through a lower precision (.half() then .float()) leaves no rounding in them."""
+        super()._apply(fn, recurse)
+        self.slopes = alibi_slopes(self.slopes.numel()).to(self.slopes)
+        return self
     def penalty(self, distance: Tensor) -> Tensor:
         """-m_h |d| of key - query distances `distance` (any shape) -> (heads, *distance.shape)."""
         return -self.slopes.view(-1, *[1] * distance.dim()) * distance.abs()

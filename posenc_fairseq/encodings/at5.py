@@ -200,7 +200,8 @@ class AT5Bias(ScalarBias):
                        "learned scalar per head and relative position clipped to +-L (learned: the authors' code)")
 
     def bias_options(self):
-        return (self.length_scale, self.nob_input, getattr(self, "max_distance", None))
+        return (self.length_scale, self.nob_input, getattr(self, "max_distance", None),
+                tuple(mlp.activation for mlp in self.mlps.values()))
 
     def directions(self, key: str):
         """The encoder looks both ways; the causal decoder only at d <= 0."""

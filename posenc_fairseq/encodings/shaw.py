@@ -126,6 +126,10 @@ class Shaw(PositionalEncoding):
     def _layer_key(self, layer):
         return 0  # Shaw: the same rows at every layer
 
+    def row_options(self) -> tuple:
+        """The options `rows_of_distances` reads: rows kept across decoding steps follow them."""
+        return (self.k,)
+
     def distance_runs(self, role: str, layer: int, low: int, high: int):
         """(runs, first, last): the rows first..last that the distances low..high use, and the row
         of each distance - first as `row_runs` pieces (Python integers, computed on the host: no
@@ -156,7 +160,7 @@ class Shaw(PositionalEncoding):
             def compute(first, last):
                 return table.index_select(0, self.rows_of_distances(layer, first, last, table.device))
             kept_key = self.term_key(role, "rows per distance", layer, which)
-            rows = range_values(self.cache.inference(self), kept_key, (), low, high, compute, dim=0)
+            rows = range_values(self.cache.inference(self), kept_key, self.row_options(), low, high, compute, dim=0)
             return DistanceTerm(low, high, vectors=rows.to(dtype)[None])
         runs, first, last = self.distance_runs(role, layer, low, high)
         return DistanceTerm(low, high, vectors=table[first: last + 1].to(dtype)[None], rows=runs)
@@ -208,3 +212,6 @@ class LFHC(Shaw):
 
     def _layer_key(self, layer):
         return layer
+
+    def row_options(self) -> tuple:
+        return (self.k, self.rounding)

@@ -36,7 +36,7 @@ def naive_mlp(params, head, x, activation=sigmoid):
     return sum(hidden2[m] * w3[m] for m in range(len(b2))) + b3
 
 
-def naive_at5(encoding, role, i, j, head, nob, gammas=None, mlps=None):
+def naive_at5(encoding, role, i, j, head, nob, gammas=None, mlps=None, activation=sigmoid):
     """e_h(j - i): paper eqs. 17-20 with A = 1 / length scale; d > 0 uses the + branch, d <= 0
     the - branch; the causal decoder only has the - branch (future keys read d = 0). `gammas`
     ({name: (heads,) gamma as the paper's free parameter}, used as max(0, gamma)) and `mlps`
@@ -53,7 +53,7 @@ def naive_at5(encoding, role, i, j, head, nob, gammas=None, mlps=None):
         gamma = max(0.0, (gammas[name] if gammas else encoding.gamma(name))[head].item())
         x = 1 - math.exp(-d * A * gamma) if d > 0 else 1 - math.exp(d * A * gamma)
     params = mlps[name] if mlps else effective_parameters(encoding.mlps[name])
-    return naive_mlp(params, head, x)
+    return naive_mlp(params, head, x, activation)
 
 
 @pytest.mark.parametrize("role", ["encoder", "decoder"])
@@ -402,3 +402,22 @@ def test_a_checkpoint_from_before_the_geometric_default_is_refused_then_loads_wi
     models, _ = checkpoint_utils.load_model_ensemble([str(old)], arg_overrides={"at5_gamma_init": "uniform"})
     for name, value in models[0].state_dict().items():
         assert torch.equal(value, state["model"][name]), name
+
+
+def test_the_kept_bias_follows_the_mlps_activation():
+    """The bias kept across calls in inference is recomputed when the MLPs' activation is another (set
+    after a call); reference: the naive formula with that activation (before: the sigmoid's bias kept)."""
+    encoding = make("at5", layers=1).eval()
+    positions = torch.arange(7)
+    with torch.no_grad():
+        encoding.begin("encoder")
+        before = logits_between(encoding, "encoder", 0, None, None, positions, positions)
+        for mlp in encoding.mlps.values():
+            mlp.activation = torch.tanh
+        encoding.begin("encoder")
+        after = logits_between(encoding, "encoder", 0, None, None, positions, positions)
+    for i, j in [(0, 0), (2, 5), (6, 1)]:
+        for head in range(3):
+            expected = naive_at5(encoding, "encoder", i, j, head, nob=False, activation=math.tanh)
+            assert abs(float(after[head, i, j]) - expected) <= 1e-5
+    assert (after - before).abs().max() > 1e-2

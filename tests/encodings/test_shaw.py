@@ -336,3 +336,23 @@ def test_future_blocked_logits_agree_where_not_blocked(name, argv, tq, tk):
     (full, full_grad), (cut, cut_grad) = results
     assert (full - cut).abs()[..., seen].max() <= 1e-12
     assert (full_grad - cut_grad).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("name,layer", [("shaw", 0), ("lfhc", 1)])
+def test_rows_kept_across_decoding_steps_follow_the_clipping_distance(name, layer):
+    """The rows a decoding step keeps across steps are recomputed when k, the clip they are the rows
+    of, is another (set on the encoding after a decode): the steps equal the naive loops with the new k
+    (before: the rows of the old k, 1.1 apart)."""
+    enc = encoding(name, f"--{name}-k", "4").eval()  # (kept rows: in inference)
+    module = attention(enc, "decoder", layer)
+    x, _ = inputs()
+    attention_steps(module, enc, x)  # rows of k = 4 kept
+    enc.k = 1
+    no_padding = torch.zeros(x.size(1), x.size(0), dtype=torch.bool)
+    clip = (lambda i, j: shaw_clip(j - i, 1)) if name == "shaw" else (lambda i, j: lfhc_clip(i - j, 1, layer + 1))
+    key = f"decoder{layer}"
+    with torch.no_grad():
+        rows = slice(0, 2 * 1 + 1)  # the rows -1..1 of the tables, as k = 1 reads them
+        values = enc.value_tables[key][rows] if key in enc.value_tables else None
+        expected = naive(module, x, no_padding, True, enc.key_tables[key][rows], values, clip)
+    assert (attention_steps(module, enc, x) - expected).abs().max() <= 1e-5

@@ -37,9 +37,11 @@ class PassState:
     """FLOATER's state of one forward pass of the model (an entry of the cache's model-pass scope,
     which spans both stacks: its table covers the positions of either). Plain attributes: made
     once per decoding step, where nn.Module's __setattr__ would cost."""
-    __slots__ = ("tables", "group_tables", "gathered", "biases", "needed", "step_positions", "step_biases")
+    __slots__ = ("solved_from", "tables", "group_tables", "gathered", "biases", "needed", "step_positions",
+                 "step_biases")
 
-    def __init__(self):
+    def __init__(self, solved_from: tuple):
+        self.solved_from = solved_from  # `Floater.solve_input_versions()` when the pass began
         self.tables = PassTables()  # the tables solved in this pass
         self.group_tables = {}  # (group, dtype) -> (table values, b(t) of the group's slots)
         self.gathered = {}  # (group, dtype, shared range or None) -> (table values, positions, biases there)
@@ -265,6 +267,15 @@ class Floater(PositionalEncoding):
         """What a table is solved from: h's parameters and every slot's b(0)."""
         return [*self.dynamics.parameters(), *self.initial_parameters()]
 
+    def solve_input_versions(self) -> tuple:
+        """(identity, version) of every stored tensor a table is solved from: h's parameters and the
+        projection biases (with their pruned heads' values); any replacement or in-place change
+        (optimizer step, load_state_dict) changes it."""
+        tensors = [*self.dynamics.parameters()]
+        for _, _, which, module in self._slots:
+            tensors += module.projection_bias_tensors(which)
+        return tuple((id(tensor), tensor._version) for tensor in tensors)
+
     def table_options(self) -> tuple:
         """What a table depends on besides `solve_inputs`: the solver options, h's form and the slots."""
         return self.solver_options(), self.dynamics.form, tuple(self._slot_index)
@@ -291,7 +302,7 @@ class Floater(PositionalEncoding):
         """This forward pass's state (the cache's model-pass scope)."""
         state = self.cache.model_pass.get(self.pass_key)
         if state is None:
-            state = self.cache.model_pass[self.pass_key] = PassState()
+            state = self.cache.model_pass[self.pass_key] = PassState(self.solve_input_versions())
         return state
 
     def kept_value_inputs(self):
@@ -369,8 +380,14 @@ class Floater(PositionalEncoding):
         context = super().begin(role, positions, source_positions, earlier)
         model_pass = self.cache.model_pass
         state = model_pass.get(self.pass_key)
+        if state is not None and earlier == 0:
+            # the decoder continuing the encoder's pass (it reads its output): the pass's tables only
+            # while the tensors they were solved from stand (no optimizer step or load in between)
+            versions = self.solve_input_versions()
+            if versions != state.solved_from:
+                state = None
         if state is None:  # a new forward pass of the model (the cache's model-pass scope)
-            state = model_pass[self.pass_key] = PassState()
+            state = model_pass[self.pass_key] = PassState(self.solve_input_versions())
             if self.training:
                 self._resumable_window = None  # (trained without being told the update count)
             if self.training and self.recompute_every > 1:
