@@ -99,6 +99,14 @@ def model_namespace(state: dict) -> argparse.Namespace:
 
 
 # --------------------------------------------------------------------------- validation
+def _stock_config(kind):
+    """The dataclass of the stock model's options, where it has one."""
+    if kind == "transformer":
+        from fairseq.models.transformer import TransformerConfig
+        return TransformerConfig
+    return getattr(_stock_class(kind), "__dataclass", None)
+
+
 def _stock_class(kind):
     if kind == "transformer":
         from fairseq.models.transformer import TransformerModel
@@ -206,28 +214,36 @@ def command_line(options: Dict[str, object], parser: Optional[argparse.ArgumentP
 
 
 def source_model_options(converted: dict, kind: str) -> List[str]:
-    """The stock model options of `converted` (sizes, normalisation, sharing, dropout, ...) that differ
-    from its architecture's defaults, as command-line options: fairseq-train builds a --restore-file's
-    model from its command line, and a left-out option of the same parameter shapes (e.g.
-    --encoder-normalize-before) loads strictly into another model. A flag the architecture sets that the
-    source turned off has no option to say so and is left out."""
+    """The stock model options of `converted` (sizes, normalisation, sharing, dropout, ...) that its
+    architecture would not set to the same value without them, as command-line options: fairseq-train
+    builds a --restore-file's model from its command line, and a left-out option of the same parameter
+    shapes (e.g. --encoder-normalize-before) loads strictly into another model. An option is left out
+    where the architecture's function, given the source's other options, sets it to the source's value
+    (its default, or a value it follows: --decoder-output-dim from --decoder-embed-dim). A flag the
+    architecture sets that the source turned off has no option to say so and is left out."""
     from fairseq.models import ARCH_CONFIG_REGISTRY
 
     args = model_namespace(converted)
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     _stock_class(kind).add_args(parser)
-    defaults = argparse.Namespace()
-    ARCH_CONFIG_REGISTRY[args.arch](defaults)
-    # a model with a dataclass config (transformer_lm, roberta's) adds its options without defaults
-    # (fairseq fills them from the dataclass after the architecture's function has run)
-    config = getattr(_stock_class(kind), "__dataclass", None)
+    # models with a dataclass config add their options without defaults (fairseq fills them from the
+    # dataclass after the architecture's function has run)
+    config = _stock_config(kind)
     config_defaults = vars(config()) if config is not None else {}
+    given = {action.dest: getattr(args, action.dest) for action in parser._actions
+             if action.option_strings and getattr(args, action.dest, None) is not None}
     differing = {}
     for action in parser._actions:
-        value = getattr(args, action.dest, None)
-        if not action.option_strings or value is None or (action.nargs == 0 and not value):
+        value = given.get(action.dest)
+        if value is None or (action.nargs == 0 and not value):
             continue
-        if value != getattr(defaults, action.dest, config_defaults.get(action.dest, action.default)):
+        without = argparse.Namespace(**{dest: other for dest, other in given.items() if dest != action.dest})
+        try:
+            ARCH_CONFIG_REGISTRY[args.arch](without)
+        except AttributeError:  # (a function that reads the option without a default: it is needed)
+            differing[action.dest] = value
+            continue
+        if value != getattr(without, action.dest, config_defaults.get(action.dest, action.default)):
             differing[action.dest] = value
     return command_line(differing, parser)
 

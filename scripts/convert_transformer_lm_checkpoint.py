@@ -10,7 +10,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from posenc_fairseq.cli_signals import end_on_terminate  # noqa: E402
 from posenc_fairseq.convert_cli import main  # noqa: E402
 
 if __name__ == "__main__":
+    end_on_terminate()
     sys.exit(main("transformer_lm"))

@@ -431,13 +431,13 @@ def test_the_printed_options_rebuild_the_converted_model(work, monkeypatch, caps
     given = shlex.split(hint.split(": ", 1)[1])
     assert "--input-positions" in given and all(option in given for option in options)
     source = torch.load(work / "src" / source, map_location="cpu", weights_only=False)
-    for name in ("encoder_layers", "decoder_layers", "encoder_embed_dim", "decoder_embed_dim", "encoder_ffn_embed_dim",
-                 "decoder_ffn_embed_dim", "encoder_attention_heads", "decoder_attention_heads", "max_source_positions",
-                 "max_target_positions"):
-        assert given[given.index(f"--{name.replace('_', '-')}") + 1] == str(getattr(source["args"], name))
-    assert ("--encoder-normalize-before" in given) == source["args"].encoder_normalize_before
     args = fairseq_options.parse_args_and_arch(fairseq_options.get_training_parser(), [
         str(work), "--task", "translation", "--user-dir", USER_DIR, "--cpu", *given])
+    for name in ("encoder_layers", "decoder_layers", "encoder_embed_dim", "decoder_embed_dim", "encoder_ffn_embed_dim",
+                 "decoder_ffn_embed_dim", "encoder_attention_heads", "decoder_attention_heads", "max_source_positions",
+                 "max_target_positions", "encoder_normalize_before", "decoder_normalize_before", "decoder_output_dim"):
+        assert getattr(args, name) == getattr(source["args"], name), name
+    assert "--min-params-to-wrap" not in given  # (the source's value is the default)
     task = convert._Task(convert._dictionary(24), max_positions=64)
     rebuilt = ARCH_MODEL_REGISTRY[args.arch].build_model(args, task)
     rebuilt.load_state_dict(torch.load(work / "out.pt", map_location="cpu", weights_only=False)["model"], strict=True,
@@ -524,3 +524,26 @@ def test_the_hint_lists_the_options_the_source_was_trained_with(tmp_path, kind, 
     pairs = lambda line: {(part, line[i + 1] if i + 1 < len(line) and not line[i + 1].startswith("--") else None)
                           for i, part in enumerate(line) if part.startswith("--")}
     assert pairs(listed) == pairs(given), listed
+
+
+@pytest.mark.parametrize("kind", ["transformer", "roberta"])
+def test_a_conversion_stopped_by_sigterm_midway_leaves_nothing(work, kind):
+    """SIGTERM (kill, a job scheduler) while the output is being written ends the run as Ctrl-C does:
+    the temporary file and the folders the run made are removed, one line says so. The script runs as
+    from the command line (its __main__), with torch.save replaced by one that writes part of a file and
+    then signals its own process (before: Python's default ended it at once, leaving both)."""
+    source = {"transformer": "src/transformer.pt", "roberta": "src/roberta.base/model.pt"}[kind]
+    code = (f"import os, runpy, signal, sys, time, torch\n"
+            f"save = torch.save\n"
+            f"def partial(obj, f, *a, **k):\n"
+            f"    if 'model' not in obj:\n"  # (the package's import saves a probe to memory)
+            f"        return save(obj, f, *a, **k)\n"
+            f"    f.write(b'PK' * 1000); f.flush(); os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)\n"
+            f"torch.save = partial\n"
+            f"sys.argv = [sys.argv[0], {source!r}, 'out/deep/model.pt', '--encoding', 't5']\n"
+            f"runpy.run_path({str(SCRIPTS / f'convert_{kind}_checkpoint.py')!r}, run_name='__main__')\n")
+    env = {name: value for name, value in os.environ.items() if name != "POSENC_TEST_FORK_SERVER"}  # (a process of its own)
+    done = subprocess.run([sys.executable, "-c", code], cwd=work, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].endswith("interrupted; nothing written"), \
+        done.stderr[-2000:]
+    assert not (work / "out").exists()

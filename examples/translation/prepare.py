@@ -16,7 +16,6 @@ the stamp a finished one ends with, so the refusal then says that DEST may be in
 """
 import argparse
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from posenc_fairseq.cli_signals import end_on_terminate  # noqa: E402
 from script_helpers import at_least, check_parallel, fairseq_command, read_lines  # noqa: E402
 
 
@@ -31,11 +31,6 @@ from script_helpers import at_least, check_parallel, fairseq_command, read_lines
 STAMP = "prepare.done"
 #: what a preparation writes into DEST
 OUTPUTS = ("spm.model", "spm.vocab", "spm", "bin", STAMP)
-
-
-def terminated(signum, frame):
-    """SIGTERM (kill, a job scheduler's stop) ends the run as Ctrl-C does: what it wrote is removed."""
-    raise KeyboardInterrupt
 
 
 def main(argv=None):
@@ -120,5 +115,5 @@ def prepare(args, splits):
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, terminated)  # (here, not in main: the tests call main in their own process)
+    end_on_terminate()  # (here, not in main: the tests call main in their own process)
     main()
