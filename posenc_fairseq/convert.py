@@ -454,6 +454,10 @@ def _model_options(state: dict, kind: str, encoding: str, overrides: Optional[di
         raise ConversionError(f"unknown encoding options: {', '.join(unknown)}")
     if overrides.get("positional_encoding", encoding) != encoding:
         raise ConversionError("give the encoding once (--encoding), not also as positional_encoding")
+    if overrides.get("input_positions", "stock") != "stock":
+        raise ConversionError(f"--input-positions {overrides['input_positions']}: a converted model keeps the "
+                              "source's input embedding (stock), which its weights were trained with; change it "
+                              "when fine-tuning, if at all")
     from .encodings import options_of_other_encodings
 
     foreign = options_of_other_encodings(encoding, overrides)

@@ -374,3 +374,38 @@ def test_fairseq_generate_refuses_a_misspelt_model_override_in_one_line(translat
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert "error: --t5-max-distanse: no encoding has this option (did you mean --t5-max-distance?)" in last, last
+
+
+def test_a_misspelt_general_option_or_an_unknown_encoding_in_a_config_is_refused():
+    """The package's own options (--input-positions, --positional-encoding, --allow-encoding-change) set
+    through --model-overrides or hub keywords: a misspelling was ignored silently, an unknown encoding
+    name ended in a bare KeyError."""
+    import argparse
+
+    from posenc_fairseq.encodings.base import GENERAL_OPTIONS
+    from posenc_fairseq.models.common import add_position_args, set_position_defaults
+
+    with pytest.raises(OptionValueError, match=r"^--input-position: .*did you mean --input-positions\?"):
+        build_encoding("t5", encoding_options(input_position="learned"), DIMS)
+    with pytest.raises(OptionValueError, match=r"^--positional-encodng: .*did you mean --positional-encoding\?"):
+        build_encoding("t5", {"positional_encodng": "alibi"}, DIMS)
+    build_encoding("t5", {"input_positions": "learned", "allow_encoding_change": True}, DIMS)
+    with pytest.raises(OptionValueError, match=r"^--positional-encoding bogus: expected one of alibi, at5, "):
+        set_position_defaults(argparse.Namespace(positional_encoding="bogus"), "t5")
+    # the general options named in encodings/base.py are those the models add
+    parser = argparse.ArgumentParser()
+    add_position_args(parser)
+    general = {action.dest for action in parser._actions} - set(vars(encoding_options())) - {"help"}
+    assert general == GENERAL_OPTIONS
+
+
+def test_a_roberta_architecture_on_a_translation_task_is_refused(translation_data):
+    """An encoder of one sequence built for a task of pairs (fairseq-train's default task, translation)
+    trained without a word when its input embedding read no maximum (--input-positions none); stock
+    RoBERTa fails there on a tuple (a traceback)."""
+    from util import TINY_ROBERTA, build_model
+
+    with pytest.raises(OptionValueError, match=r"^--arch roberta_t5: RoBERTa reads one sequence, but --task "
+                                               r"translation gives pairs \(max positions \(\d+, \d+\)\): use a "
+                                               r"single-sequence task"):
+        build_model(translation_data, "roberta_t5", TINY_ROBERTA)

@@ -149,6 +149,10 @@ REFUSALS = [
      None, "--floater-method is an option of floater, not of t5 (--encoding), which would not read it"),
     ("lfhc given shaw's k", "roberta", ["src/roberta.base/model.pt", "new/model.pt", "--encoding", "lfhc",
                                         "--shaw-k", "8"], None, "--shaw-k is an option of shaw, not of lfhc"),
+    # (before: refused as 'differs from the source by 3.29', not naming the option)
+    ("another input embedding", "transformer", ["src/transformer.pt", "new/model.pt", "--encoding", "t5",
+                                                "--input-positions", "none"],
+     None, "--input-positions none: a converted model keeps the source's input embedding (stock)"),
 ]
 
 

@@ -121,10 +121,11 @@ class PositionalEncoding(nn.Module):
         if prefix + trained_with.KEY in unexpected_keys:  # (not a parameter)
             unexpected_keys.remove(prefix + trained_with.KEY)
 
-    def check_trained_with(self, saved) -> None:
+    def check_trained_with(self, saved, loadable: bool = True) -> None:
         """Refuse the saved entry (`trained_with.check`) of weights trained with another encoding, or
-        with another value of an option this encoding has by default."""
-        trained_with.check(saved, self.name, self.defining_options)
+        with another value of an option this encoding has by default (`loadable`: whether the weights
+        fit this encoding's by name and shape)."""
+        trained_with.check(saved, self.name, self.defining_options, loadable)
 
     @classmethod
     def depth_changed_by_pruning(cls, args, role: str, kept: List[int]) -> Optional[str]:
@@ -310,15 +311,23 @@ def encoding_option_names() -> FrozenSet[str]:
     return frozenset(action.dest for action in parser._actions)
 
 
+#: the package's model options besides the encodings' (models/common.add_position_args), and the
+#: beginnings that a misspelling of one keeps
+GENERAL_OPTIONS = frozenset({"positional_encoding", "input_positions", "input_positions_default",
+                             "input_positions_flags", "allow_encoding_change"})
+GENERAL_PREFIXES = ("positional_enc", "input_pos", "allow_enc")
+
+
 def refuse_unknown_options(args) -> None:
     """Refuse (OptionValueError, one line) a name in the model's config (Namespace, dict or DictConfig)
-    that begins as the options of an encoding (or the scalar-bias family) do but is none of them.
-    fairseq's --model-overrides, hub keyword arguments and arg_overrides set any name they are given,
-    so a misspelt option would be ignored silently (argparse refuses one on the command line). Every
-    option this package ever had is still registered: a stored config holds no other."""
-    known = encoding_option_names()
-    prefixes = tuple(prefix for prefix in (f"{name}_" for name in (*ENCODINGS, "scalar_bias"))
-                     if any(dest.startswith(prefix) for dest in known))
+    that begins as the options of an encoding (or the scalar-bias family) or the package's general
+    options do but is none of them. fairseq's --model-overrides, hub keyword arguments and arg_overrides
+    set any name they are given, so a misspelt option would be ignored silently (argparse refuses one on
+    the command line). Every option this package ever had is still registered: a stored config holds no
+    other."""
+    known = encoding_option_names() | GENERAL_OPTIONS
+    prefixes = GENERAL_PREFIXES + tuple(prefix for prefix in (f"{name}_" for name in (*ENCODINGS, "scalar_bias"))
+                                        if any(dest.startswith(prefix) for dest in known))
     for name in list(args.keys() if hasattr(args, "keys") else vars(args).keys()):
         unknown = isinstance(name, str) and name.startswith(prefixes) and name not in known
         if unknown and given(args, name) is not None:

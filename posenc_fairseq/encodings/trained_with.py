@@ -95,21 +95,33 @@ def _same(value, trained) -> bool:
     return json.loads(json.dumps(value)) == trained
 
 
-def check(saved, name: str, options: Dict[str, DefiningOption]) -> None:
+def check(saved, name: str, options: Dict[str, DefiningOption], loadable: bool = True) -> None:
     """Refuse (OptionValueError, one line) the saved entry of weights trained with another encoding
-    than `name`, or with other values of options that `options` hold by default (all of them named)."""
+    than `name`, or with other values of options that `options` hold by default (all of them named).
+    `loadable`: whether the weights fit this model's by name and shape, so that --allow-encoding-change
+    (and another value of an option) can load them."""
     trained = read(saved)
     if trained["encoding"] != name:
+        way_out = f", {WAY_OUT}" if loadable else f" ({NO_WAY_OUT})"
         raise OptionValueError(
             f"the checkpoint's weights were trained with the {trained['encoding']} encoding, not {name}: give the "
             f"checkpoint's --arch (an architecture of the {trained['encoding']} encoding, or --positional-encoding "
-            f"{trained['encoding']}), {WAY_OUT}")
+            f"{trained['encoding']}){way_out}")
     found = differing(trained["options"], options)
     if found:
-        raise OptionValueError(refusal(found))
+        raise OptionValueError(refusal(found, loadable))
 
 
 WAY_OUT = "or --allow-encoding-change to load the weights as they are"
+NO_WAY_OUT = "the encoding's weights differ from this model's in shape: --allow-encoding-change cannot load them"
+
+
+def described(saved) -> str:
+    """What a saved entry says the weights were trained with: 't5 with --t5-num-buckets 16 ...'."""
+    trained = read(saved)
+    options = " ".join(shown(dest, value) for dest, value in sorted(trained["options"].items())
+                       if value is not None and value is not False)
+    return f"{trained['encoding']}{' with ' + options if options else ''}"
 
 
 def differing(trained: dict, options: Dict[str, DefiningOption]) -> List[Tuple[str, object, object]]:
@@ -126,14 +138,16 @@ def differing(trained: dict, options: Dict[str, DefiningOption]) -> List[Tuple[s
     return found
 
 
-def refusal(found: List[Tuple[str, object, object]]) -> str:
-    """The one line that names the `differing` options and the ways out."""
+def refusal(found: List[Tuple[str, object, object]], loadable: bool = True) -> str:
+    """The one line that names the `differing` options and the ways out (`loadable`: the weights fit
+    this model's shapes, so another value or --allow-encoding-change can load them)."""
     it = "it" if len(found) == 1 else "them"
     ours_shown = ", ".join(shown(dest, ours) for dest, ours, _ in found)
     theirs_shown = " ".join(shown(dest, theirs) for dest, _, theirs in found)
     # (a flag cannot be given as absent)
     change = "" if all(isinstance(ours, bool) for _, ours, _ in found) else f", another value to change {it}"
     overrides = ", ".join(f"'{dest}': {theirs!r}" for dest, _, theirs in found)
+    ways_out = f"to keep {it}{change}, {WAY_OUT}" if loadable else f"({NO_WAY_OUT})"
     return (f"{ours_shown} ({'the default' if it == 'it' else 'the defaults'}): the checkpoint's weights were "
-            f"trained with {theirs_shown}; give {theirs_shown} to keep {it}{change}, {WAY_OUT} (when loading a "
+            f"trained with {theirs_shown}; give {theirs_shown} {ways_out} (when loading a "
             f"stored checkpoint: --model-overrides \"{{{overrides}}}\")")

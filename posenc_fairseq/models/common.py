@@ -55,6 +55,9 @@ def set_position_defaults(args, encoding: str, stacks=("encoder", "decoder")):
     config's flags are told apart from a user's (--model-overrides): flags that ask something else
     than the choice are refused, never silently overruled."""
     args.positional_encoding = getattr(args, "positional_encoding", None) or encoding
+    if args.positional_encoding not in ENCODINGS:  # (argparse checks the command line; a stored config or an override, here)
+        raise OptionValueError(f"--positional-encoding {args.positional_encoding}: expected one of "
+                               f"{', '.join(sorted(ENCODINGS))}")
     asked = fairseq_input_positions(args, stacks)
     written = getattr(args, "input_positions_flags", None)
     if written is not None and written not in INPUT_POSITIONS:  # (a stored config or an override)
@@ -543,14 +546,45 @@ def learned_table_size_error(key: str, extra_rows: int, cfg) -> OptionValueError
         f"{option} {built + extra_rows}, for inputs of at most {built + extra_rows} tokens")
 
 
-def check_encoding_entries(model, state_dict) -> None:
+def check_encoding_entries(model, state_dict, loadable: bool = True) -> None:
     """Refuse weights whose encoding entry (encodings/trained_with.py) says they were trained with
     another encoding, or with another value of an option the model's encoding has by default: every
-    encoding module of `model` (a `PerStackEncoding`'s two parts) checks its own."""
+    encoding module of `model` (a `PerStackEncoding`'s two parts) checks its own. `loadable`: whether
+    the encoding's weights fit the model's (else --allow-encoding-change is no way out)."""
     for name, module in model.named_modules():
         saved = state_dict.get(f"{name}.{trained_with.KEY}") if isinstance(module, PositionalEncoding) else None
         if saved is not None:
-            module.check_trained_with(saved)
+            module.check_trained_with(saved, loadable)
+
+
+def check_encoding_weights(model, model_state, state_dict, stock_converter: str) -> None:
+    """Refuse, in one line, a checkpoint whose positional-encoding weights are not the model's by name
+    and shape, which a strict load reports only as torch's missing/unexpected keys or size mismatch:
+    a stock checkpoint not converted (`stock_converter` converts it), or an encoding option that
+    sizes the tables (--t5-num-buckets, --shaw-k, ...) other than the weights were trained with."""
+    prefixes = tuple(f"{name}." for name, module in model.named_modules()
+                     if name and isinstance(module, PositionalEncoding))
+    entries = [key for key in state_dict if key.endswith(f".{trained_with.KEY}")]
+
+    def weights(state):
+        return {key: value for key, value in state.items() if key.startswith(prefixes) and key != STOCK_INPUT_KEPT
+                and not key.endswith(f".{trained_with.KEY}")}
+    ours, theirs = weights(model_state), weights(state_dict)
+    if not theirs and ours and not entries:
+        raise OptionValueError(
+            f"the checkpoint has none of this model's positional-encoding weights ({sorted(ours)[0]}, ...): "
+            f"a stock fairseq checkpoint is converted first ({stock_converter}, docs/conversion.md)")
+    differences = [f"{key} missing" for key in sorted(set(ours) - set(theirs))]
+    differences += [f"{key} unexpected" for key in sorted(set(theirs) - set(ours))]
+    differences += [f"{key} of shape {tuple(theirs[key].shape)} in the checkpoint, {tuple(ours[key].shape)} here"
+                    for key in sorted(set(ours) & set(theirs))
+                    if torch.is_tensor(ours[key]) and ours[key].shape != theirs[key].shape]
+    if differences:
+        trained = [trained_with.described(state_dict[key]) for key in entries]
+        raise OptionValueError(
+            f"the checkpoint's positional-encoding weights do not fit this model's ({'; '.join(differences[:3])}"
+            f"{'; ...' if len(differences) > 3 else ''}): build the model with the encoding options the weights "
+            f"were trained with{' (' + '; '.join(trained) + ')' if trained else ''}")
 
 
 class EncodingStateMixin:
@@ -558,7 +592,10 @@ class EncodingStateMixin:
     pruning; learned input tables that the model and checkpoint disagree on are refused, and so are
     weights that keep the stock input embedding for a model that dropped it by default, and weights
     trained with another encoding or option value than the model's default (`check_encoding_entries`,
-    unless --allow-encoding-change)."""
+    unless --allow-encoding-change), and encoding weights of other names or shapes (`check_encoding_weights`)."""
+
+    #: the script that converts the stock checkpoints of this kind of model (named in refusals)
+    stock_converter = "scripts/convert_transformer_checkpoint.py"
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
         cfg = model_cfg if model_cfg is not None else args
@@ -568,10 +605,18 @@ class EncodingStateMixin:
         self.upgrade_state_dict(state_dict)
         state_dict = prune_encoding_state_dict(state_dict, cfg)
         if strict:
+            model_state = self.state_dict()
             check_stock_input_kept(state_dict, cfg)
-            check_learned_input_tables(self.state_dict(), state_dict, cfg)
+            check_learned_input_tables(model_state, state_dict, cfg)
+            try:
+                check_encoding_weights(self, model_state, state_dict, self.stock_converter)
+                fits = True
+            except OptionValueError as mismatch:
+                fits, weights_error = False, mismatch
             if not getattr(self, "allow_encoding_change", False):
-                check_encoding_entries(self, state_dict)
+                check_encoding_entries(self, state_dict, loadable=fits)  # (names the encoding and options first)
+            if not fits:
+                raise weights_error
         state_dict = {key: value for key, value in state_dict.items() if key != STOCK_INPUT_KEPT}
         return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 

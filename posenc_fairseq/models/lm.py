@@ -91,6 +91,8 @@ def _attach_decoder_encoding(model, args, decoder):
 
 @register_model("posenc_lm")
 class PositionalLanguageModel(EncodingStateMixin, TransformerLanguageModel):
+    stock_converter = "scripts/convert_transformer_lm_checkpoint.py"
+
     @classmethod
     def add_args(cls, parser):
         TransformerLanguageModel.add_args(parser)  # the options of fairseq's TransformerLanguageModelConfig

@@ -9,6 +9,7 @@ from fairseq.models.roberta import RobertaEncoder, RobertaModel
 from fairseq.models.roberta import model as stock
 from fairseq.modules.transformer_sentence_encoder import init_bert_params
 
+from ..encodings.option_types import OptionValueError
 from .common import (EncodingStateMixin, PositionalTransformerEncoder, add_position_args, attach_encoding,
                      register_architectures)
 
@@ -30,6 +31,8 @@ class PositionalRobertaEncoder(RobertaEncoder):
 
 @register_model("posenc_roberta")
 class PositionalRobertaModel(EncodingStateMixin, RobertaModel):
+    stock_converter = "scripts/convert_roberta_checkpoint.py"
+
     @staticmethod
     def add_args(parser):
         RobertaModel.add_args(parser)
@@ -41,6 +44,10 @@ class PositionalRobertaModel(EncodingStateMixin, RobertaModel):
         stock.base_architecture(args)
         if not getattr(args, "max_positions", None):
             args.max_positions = getattr(args, "tokens_per_sample", None) or task.max_positions()
+        if not isinstance(args.max_positions, int):  # (stock fails later on the sum of a tuple and an int)
+            raise OptionValueError(f"--arch {args.arch}: RoBERTa reads one sequence, but --task {args.task} gives "
+                                   f"pairs (max positions {args.max_positions}): use a single-sequence task "
+                                   "(masked_lm, sentence_prediction, sentence_ranking)")
         model = cls(args, PositionalRobertaEncoder(args, task.source_dictionary))
         attach_encoding(model, args, model.encoder.sentence_encoder)
         return model

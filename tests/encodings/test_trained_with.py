@@ -266,3 +266,38 @@ def test_training_and_saving_keep_the_entry_through_fairseq(translation_data, ti
     saved = torch.load(checkpoint, map_location="cpu", weights_only=False)["model"][KEY]
     assert trained_with.read(saved) == {"encoding": "t5", "options": {
         "input_positions": "none", "scalar_bias_layers": "first", "t5_max_distance": 64, "t5_num_buckets": 16}}
+
+
+def test_weights_of_other_shapes_are_refused_without_a_way_out_that_cannot_load_them(translation_data):
+    """An option that sizes the tables (--t5-num-buckets) or another encoding with tables: the refusal
+    names what the weights were trained with and does not offer --allow-encoding-change or another
+    value, which would end in torch's size mismatch; with the flag given, the shapes are refused in one
+    line naming them (before: torch's missing/unexpected keys and size mismatch, as a traceback)."""
+    t5_16 = model(translation_data, "transformer_t5", "--t5-num-buckets", "16").state_dict()
+    with pytest.raises(OptionValueError, match=r"^--t5-num-buckets 32 \(the default\): the checkpoint's weights were "
+                                               r"trained with --t5-num-buckets 16; give --t5-num-buckets 16 \(the "
+                                               r"encoding's weights differ from this model's in shape: "
+                                               r"--allow-encoding-change cannot load them\)"):
+        load_with_config(translation_data, t5_16, "transformer_t5")
+    with pytest.raises(OptionValueError, match=r"^the checkpoint's positional-encoding weights do not fit this "
+                                               r"model's \(positional_encoding\.\S+ of shape \(16, 4\) in the "
+                                               r"checkpoint, \(32, 4\) here.*\): build the model with the encoding "
+                                               r"options the weights were trained with \(t5 with .*--t5-num-buckets "
+                                               r"16.*\)$"):
+        load_with_config(translation_data, t5_16, "transformer_t5", "--allow-encoding-change")
+    load_with_config(translation_data, t5_16, "transformer_t5", "--t5-num-buckets", "16")
+    with pytest.raises(OptionValueError, match=r"^the checkpoint's weights were trained with the t5 encoding, not "
+                                               r"alibi: .*--positional-encoding t5\) \(the encoding's weights differ"):
+        load_with_config(translation_data, t5_16, "transformer_alibi")
+
+
+def test_a_stock_checkpoint_into_an_encoding_with_weights_names_the_converter(translation_data):
+    """Stock fairseq weights have none of the encoding's parameters: the one line names the converter
+    (before: torch's missing keys as a traceback). Parameter-free encodings load them as before."""
+    stock = build_model(translation_data, "transformer", TINY_TRANSFORMER)[0].state_dict()
+    with pytest.raises(OptionValueError, match=r"^the checkpoint has none of this model's positional-encoding "
+                                               r"weights \(positional_encoding\.\S+, \.\.\.\): a stock fairseq "
+                                               r"checkpoint is converted first \(scripts/convert_transformer_"
+                                               r"checkpoint\.py, docs/conversion\.md\)$"):
+        load_with_config(translation_data, stock, "transformer_t5")
+    load_with_config(translation_data, stock, "transformer_alibi", "--input-positions", "stock")
