@@ -409,3 +409,31 @@ def test_a_roberta_architecture_on_a_translation_task_is_refused(translation_dat
                                                r"translation gives pairs \(max positions \(\d+, \d+\)\): use a "
                                                r"single-sequence task"):
         build_model(translation_data, "roberta_t5", TINY_ROBERTA)
+
+
+def test_an_option_of_the_same_family_that_the_encoding_does_not_read_is_named(translation_data, caplog):
+    """Options shared by a family (t5/t5_nob, at5/at5_nob, FLOATER's solvers) that the encoding as built
+    does not read were accepted without a word; dopri5 with a tiny step was refused for a step count it
+    never takes."""
+    from util import TINY_TRANSFORMER, build_model
+
+    def warnings_of(arch, *options):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="posenc_fairseq"):
+            build_model(translation_data, arch, [*TINY_TRANSFORMER, *options])
+        return [record.getMessage() for record in caplog.records if record.name.startswith("posenc_fairseq")]
+
+    assert warnings_of("transformer_t5_nob", "--t5-num-buckets", "16") == [
+        "--t5-num-buckets has no effect: t5_nob has no buckets"]
+    assert warnings_of("transformer_at5_nob", "--at5-gamma-range", "1", "5", "--at5-gamma-init", "uniform") == [
+        "--at5-gamma-range has no effect: at5_nob has no gamma", "--at5-gamma-init has no effect: at5_nob has no gamma"]
+    assert warnings_of("transformer_at5", "--at5-nob-input", "learned") == [
+        "--at5-nob-input has no effect: only at5_nob reads it"]
+    assert warnings_of("transformer_t5", "--scalar-bias-share-layers") == [
+        "--scalar-bias-share-layers has no effect: it shares the tables of --scalar-bias-layers all"]
+    assert warnings_of("transformer_t5", "--scalar-bias-share-layers", "--scalar-bias-layers", "all") == []
+    assert warnings_of("transformer_floater", "--floater-tolerance", "1e-3") == [
+        "--floater-tolerance has no effect: only --floater-method dopri5 reads it"]
+    assert warnings_of("transformer_floater", "--floater-method", "dopri5", "--floater-step-size", "1e-7") == [
+        "--floater-step-size has no effect: dopri5 chooses its own steps (--floater-tolerance)"]
+    assert warnings_of("transformer_floater", "--floater-method", "dopri5", "--floater-tolerance", "1e-3") == []

@@ -164,6 +164,11 @@ class AT5Bias(ScalarBias):
         dropout = option(args, "at5_dropout", probability, 0.0)
         read_nob_input = option if self.uses_gamma else self.defining_option  # (at5_nob reads it)
         self.nob_input = read_nob_input(args, "at5_nob_input", one_of(*NOB_INPUTS), "distance")
+        if self.uses_gamma:
+            self.not_read(args, "at5_nob_input", "only at5_nob reads it")
+        else:
+            self.not_read(args, "at5_gamma_range", "at5_nob has no gamma")
+            self.not_read(args, "at5_gamma_init", "at5_nob has no gamma")
         self.mlps = nn.ModuleDict()
         self.raw_gammas = nn.ParameterDict()  # gamma = exp(GAMMA_STEP_SCALE * raw), see gamma()
         names = [f"{key}_{direction}" for key in self.table_keys() for direction in self.directions(key)]

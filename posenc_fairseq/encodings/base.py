@@ -15,6 +15,7 @@ fairseq: encodings are plain torch and testable in milliseconds.
 """
 import argparse
 import difflib
+import logging
 from typing import Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional
 
 import torch
@@ -98,6 +99,13 @@ class PositionalEncoding(nn.Module):
         value = read(args, dest, checker, default)
         self.record_option(dest, value, given(args, dest) is not None, follows)
         return value
+
+    def not_read(self, args, dest: str, why: str) -> None:
+        """A logged warning where `args` gives option `dest`, which this encoding, as built, does not read
+        (`why`): fairseq accepts it (every model has every encoding's options), and it changes nothing.
+        A warning, not a refusal: checkpoints trained so must still load."""
+        if given(args, dest) not in (None, False):
+            logging.getLogger(__name__).warning(f"{flag_name(dest)} has no effect: {why}")
 
     def record_option(self, dest: str, value, was_given: bool, follows=()) -> None:
         """Keep `value` of option `dest` (the value computed with, where it is not the one read) in the

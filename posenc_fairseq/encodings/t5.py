@@ -110,6 +110,8 @@ class ScalarBias(PositionalEncoding):
         super().__init__(args, dims)
         self.bias_layers = self.defining_option(args, "scalar_bias_layers", bias_layers_type, "first")
         self.share_layers = bool(getattr(args, "scalar_bias_share_layers", False))
+        if self.bias_layers == "first":
+            self.not_read(args, "scalar_bias_share_layers", "it shares the tables of --scalar-bias-layers all")
 
     # --- layout ---------------------------------------------------------------------------
     @classmethod
@@ -255,6 +257,10 @@ class T5Bias(_TableBias):
 @register_encoding("t5_nob")
 class T5NoBuckets(_TableBias):
     """T5-NoB: one scalar per relative distance clipped to +-M (causal: 0..M), no buckets."""
+
+    def __init__(self, args, dims):
+        super().__init__(args, dims)
+        self.not_read(args, "t5_num_buckets", "t5_nob has no buckets")
 
     def rows(self, bidirectional):
         return 2 * self.max_distance + 1 if bidirectional else self.max_distance + 1

@@ -557,11 +557,13 @@ def check_encoding_entries(model, state_dict, loadable: bool = True) -> None:
             module.check_trained_with(saved, loadable)
 
 
-def check_encoding_weights(model, model_state, state_dict, stock_converter: str) -> None:
-    """Refuse, in one line, a checkpoint whose positional-encoding weights are not the model's by name
-    and shape, which a strict load reports only as torch's missing/unexpected keys or size mismatch:
-    a stock checkpoint not converted (`stock_converter` converts it), or an encoding option that
-    sizes the tables (--t5-num-buckets, --shaw-k, ...) other than the weights were trained with."""
+def encoding_weights_mismatch(model, model_state, state_dict, stock_converter: str) -> Optional[str]:
+    """How the checkpoint's positional-encoding weights differ from the model's by name and shape, as one
+    line (None where they agree), for a strict load that fails on them, where torch reports only missing
+    or unexpected keys or a size mismatch: a stock checkpoint not converted (`stock_converter` converts
+    it), or an encoding option that sizes the tables (--t5-num-buckets, --shaw-k, ...) other than the
+    weights were trained with. (Older key names that an encoding renames as it loads differ here too:
+    the message is used only where the load fails.)"""
     prefixes = tuple(f"{name}." for name, module in model.named_modules()
                      if name and isinstance(module, PositionalEncoding))
     entries = [key for key in state_dict if key.endswith(f".{trained_with.KEY}")]
@@ -571,18 +573,17 @@ def check_encoding_weights(model, model_state, state_dict, stock_converter: str)
                 and not key.endswith(f".{trained_with.KEY}")}
     ours, theirs = weights(model_state), weights(state_dict)
     if not theirs and ours and not entries:
-        raise OptionValueError(
-            f"the checkpoint has none of this model's positional-encoding weights ({sorted(ours)[0]}, ...): "
-            f"a stock fairseq checkpoint is converted first ({stock_converter}, docs/conversion.md)")
+        return (f"the checkpoint has none of this model's positional-encoding weights ({sorted(ours)[0]}, ...): "
+                f"a stock fairseq checkpoint is converted first ({stock_converter}, docs/conversion.md)")
     differences = [f"{key} missing" for key in sorted(set(ours) - set(theirs))]
     differences += [f"{key} unexpected" for key in sorted(set(theirs) - set(ours))]
     differences += [f"{key} of shape {tuple(theirs[key].shape)} in the checkpoint, {tuple(ours[key].shape)} here"
                     for key in sorted(set(ours) & set(theirs))
                     if torch.is_tensor(ours[key]) and ours[key].shape != theirs[key].shape]
-    if differences:
-        trained = [trained_with.described(state_dict[key]) for key in entries]
-        raise OptionValueError(
-            f"the checkpoint's positional-encoding weights do not fit this model's ({'; '.join(differences[:3])}"
+    if not differences:
+        return None
+    trained = [trained_with.described(state_dict[key]) for key in entries]
+    return (f"the checkpoint's positional-encoding weights do not fit this model's ({'; '.join(differences[:3])}"
             f"{'; ...' if len(differences) > 3 else ''}): build the model with the encoding options the weights "
             f"were trained with{' (' + '; '.join(trained) + ')' if trained else ''}")
 
@@ -592,7 +593,7 @@ class EncodingStateMixin:
     pruning; learned input tables that the model and checkpoint disagree on are refused, and so are
     weights that keep the stock input embedding for a model that dropped it by default, and weights
     trained with another encoding or option value than the model's default (`check_encoding_entries`,
-    unless --allow-encoding-change), and encoding weights of other names or shapes (`check_encoding_weights`)."""
+    unless --allow-encoding-change), and encoding weights of other names or shapes, named where the load fails (`encoding_weights_mismatch`)."""
 
     #: the script that converts the stock checkpoints of this kind of model (named in refusals)
     stock_converter = "scripts/convert_transformer_checkpoint.py"
@@ -604,21 +605,21 @@ class EncodingStateMixin:
         # read the keys as this model names them
         self.upgrade_state_dict(state_dict)
         state_dict = prune_encoding_state_dict(state_dict, cfg)
+        mismatch = None
         if strict:
             model_state = self.state_dict()
             check_stock_input_kept(state_dict, cfg)
             check_learned_input_tables(model_state, state_dict, cfg)
-            try:
-                check_encoding_weights(self, model_state, state_dict, self.stock_converter)
-                fits = True
-            except OptionValueError as mismatch:
-                fits, weights_error = False, mismatch
+            mismatch = encoding_weights_mismatch(self, model_state, state_dict, self.stock_converter)
             if not getattr(self, "allow_encoding_change", False):
-                check_encoding_entries(self, state_dict, loadable=fits)  # (names the encoding and options first)
-            if not fits:
-                raise weights_error
+                check_encoding_entries(self, state_dict, loadable=mismatch is None)
         state_dict = {key: value for key, value in state_dict.items() if key != STOCK_INPUT_KEPT}
-        return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
+        try:
+            return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
+        except RuntimeError as error:  # (torch's missing/unexpected keys or size mismatch)
+            if mismatch is None:
+                raise
+            raise OptionValueError(mismatch) from error
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)

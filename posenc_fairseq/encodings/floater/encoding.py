@@ -122,7 +122,10 @@ class Floater(PositionalEncoding):
         if self.method in FIXED_GRID:  # the step the solve takes (step sizes of equal substeps are one model)
             self.record_option("floater_step_size", self.delta / self.substeps,
                                given(args, "floater_step_size") is not None, follows=["floater_delta"])
-        if self.substeps > MAX_STEPS_PER_POSITION:
+            self.not_read(args, "floater_tolerance", "only --floater-method dopri5 reads it")
+        else:
+            self.not_read(args, "floater_step_size", "dopri5 chooses its own steps (--floater-tolerance)")
+        if self.method in FIXED_GRID and self.substeps > MAX_STEPS_PER_POSITION:
             raise OptionValueError(f"--floater-step-size {self.step_size:g}: {self.substeps} solver steps per position "
                                    f"(--floater-delta {self.delta:g}); at most {MAX_STEPS_PER_POSITION} are allowed")
         self.tolerance = floater("tolerance", TOLERANCE, 1e-6, defines=self.method not in FIXED_GRID)
