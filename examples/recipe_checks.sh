@@ -16,6 +16,14 @@ need_checkpoint() {  # FILE WHAT
   [[ -f "$1" ]] || recipe_error "no checkpoint file $1 ($2)"
 }
 
+# refused where INPUT is FOLDER or lies in it (links resolved: by another path it would go too), FOLDER being
+# one the recipe removes or empties
+need_outside() {  # INPUT FOLDER WHAT-THE-RECIPE-DOES-TO-FOLDER
+  case "$(realpath -m "$1")/" in
+    "$(realpath -m "$2")"/*) recipe_error "$1 is or lies in $2, which this recipe $3" ;;
+  esac
+}
+
 # fairseq-train resumes from SAVE_DIR/checkpoint_last.pt (its way to continue a stopped run), whatever
 # options this run has: said before it starts, so that a rerun with other settings is not taken for a new run
 say_if_resuming() {  # SAVE_DIR

@@ -1,9 +1,11 @@
 """Helpers the example scripts share: option types that refuse out-of-range numbers at parse time,
 reading text files line by line as fairseq does, parallel files checked to match line for line,
-inputs and outputs checked before the work (a checkpoint is one, an output never replaces an input),
-and writing a file whole or not at all."""
+inputs and outputs checked before the work (a checkpoint is one, an output never replaces an input,
+an output folder never holds one), and writing a file whole or not at all."""
 import argparse
+import contextlib
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -58,19 +60,39 @@ def check_parallel(source: Path, target: Path, fail):
     _check_parallel(source, target, fail, lambda path: [None] * len(read_lines(path)))
 
 
-def write_text_atomic(path: Path, text: str, encoding="utf-8"):
-    """Write `text` to `path` through a temporary file in the same folder, so that `path` is either
-    its old self or the whole new text, never half written."""
-    path = Path(path)
-    handle = tempfile.NamedTemporaryFile("w", encoding=encoding, dir=path.parent, prefix=f".{path.name}.",
-                                         suffix=".tmp", delete=False)
+def new_file_mode(path: Path) -> int:
+    """The permission bits a file written in place of `path` is to get: `path`'s own when it exists,
+    else those of a file open() creates (0666 less the umask), not mkstemp's private 0600."""
+    from posenc_fairseq.convert_cli import new_file_mode as umask_mode
+
     try:
-        with handle:
-            handle.write(text)
-        os.replace(handle.name, path)
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return umask_mode()
+
+
+@contextlib.contextmanager
+def replaced_whole(path: Path):
+    """A temporary file's path in `path`'s folder (ending in `path`'s suffix, for writers that go by it,
+    as matplotlib does) to write into; when the block ends it replaces `path` with new_file_mode(path),
+    and if the block fails it is removed: `path` is either its old self or the whole new file."""
+    path = Path(path)
+    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=f".tmp{path.suffix}")
+    os.close(handle)
+    try:
+        yield Path(name)
+        os.chmod(name, new_file_mode(path))
+        os.replace(name, path)
     except BaseException:
-        os.unlink(handle.name)
+        Path(name).unlink(missing_ok=True)
         raise
+
+
+def write_text_atomic(path: Path, text: str, encoding="utf-8"):
+    """Write `text` to `path` through a temporary file in the same folder (replaced_whole), so that
+    `path` is either its old self or the whole new text, never half written."""
+    with replaced_whole(path) as temporary:
+        temporary.write_text(text, encoding=encoding)
 
 
 def refuse(message: str):
@@ -109,6 +131,19 @@ def check_output(path: Path, inputs, fail) -> Path:
     existing = next(folder for folder in target.parents if folder.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         fail(f"cannot write {path}: {existing} is not a folder this user may write in")
+    return path
+
+
+def check_output_folder(path: Path, inputs, fail) -> Path:
+    """`path`, a folder a script will build and put in place of an earlier one (deleting all it holds),
+    checked before the work: it must not be, or hold, one of `inputs` (files or folders the run reads),
+    or it would delete them (links resolved: an input named through a link elsewhere counts). Returns it
+    as a Path."""
+    path = Path(path)
+    target = path.resolve()
+    for source in map(Path, inputs):
+        if source.resolve() == target or source.resolve().is_relative_to(target):
+            fail(f"{path} would replace an input ({source}): give another output folder")
     return path
 
 

@@ -259,3 +259,28 @@ class HostReads(TorchDispatchMode):
             owner = "posenc_fairseq" if "/posenc_fairseq/" in path else "fairseq" if "/fairseq/" in path else "other"
             return owner, frame.name
         return "other", "?"
+
+
+def sigterm_handler_of(script) -> str:
+    """The module of the SIGTERM handler that `script`'s __main__ installs (run with --help):
+    'posenc_fairseq.cli_signals' where SIGTERM ends it as Ctrl-C does (cli_signals.end_on_terminate)."""
+    code = ("import runpy, signal, sys\nsys.argv = [sys.argv[1], '--help']\ntry:\n"
+            "    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print(signal.getsignal(signal.SIGTERM).__module__)")
+    done = subprocess.run([sys.executable, "-c", code, str(script)], capture_output=True, text=True, timeout=300)
+    return (done.stdout.splitlines() or [done.stderr[-1000:]])[-1]
+
+
+def fail_at_call(monkeypatch, module, name: str, call: int, error=RuntimeError("fairseq-preprocess failed")):
+    """`module.name` replaced by one that runs the original until its `call`-th call, which raises
+    `error` (a step failing midway: the disk full, say); returns the list of the calls' arguments, which
+    a test may clear to start counting again."""
+    calls, original = [], getattr(module, name)
+
+    def failing(*arguments):
+        calls.append(arguments)
+        if len(calls) == call:
+            raise error
+        return original(*arguments)
+    monkeypatch.setattr(module, name, failing)
+    return calls

@@ -12,7 +12,6 @@ table (rates per cell and encoding) and claim_process50_sweep.png.
 """
 import argparse
 import json
-import os
 import re
 import statistics
 import sys
@@ -24,7 +23,9 @@ import negation_scope  # noqa: E402
 import process50  # noqa: E402
 import sweep  # noqa: E402
 from runner import table  # noqa: E402
-from script_helpers import markdown_table  # noqa: E402  (examples/, on the path through runner)
+from posenc_fairseq.cli_signals import end_on_terminate  # noqa: E402
+# (examples/, on the path through runner)
+from script_helpers import markdown_table, replaced_whole, write_text_atomic  # noqa: E402
 
 
 def load_runs(path: Path) -> list:
@@ -66,7 +67,8 @@ def plot_accuracy(runs, order, paper: dict, path: Path, title: str, chance=0.5, 
     ax.set_xlabel("test accuracy (bar: mean; dots: seeds; x: paper" + ("; dashed: Bayes rate)" if ceiling else ")"), fontsize=8)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with replaced_whole(path) as temporary:  # (a figure stopped midway leaves the earlier one)
+        fig.savefig(temporary, dpi=110)
     plt.close(fig)
 
 
@@ -90,7 +92,8 @@ def plot_short_to_long(data: dict, path: Path):
     ax.set_title("Short to long (FLOATER paper, figure 2) at toy scale", fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with replaced_whole(path) as temporary:  # (a figure stopped midway leaves the earlier one)
+        fig.savefig(temporary, dpi=110)
     plt.close(fig)
 
 
@@ -108,9 +111,7 @@ def write_tables(doc: Path, tables: dict):
         if not pattern.search(text):
             raise SystemExit(f"{doc}: no <!-- table:{name} --> ... <!-- /table --> markers")
         text = pattern.sub(lambda match: match.group(1) + body + match.group(2), text)
-    temporary = doc.with_name(doc.name + ".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, doc)
+    write_text_atomic(doc, text)
 
 
 def main(argv=None):
@@ -154,7 +155,8 @@ def main(argv=None):
         present = list(dict.fromkeys(run["arch"] for run in runs))  # the default four first, then the variants
         encodings = [arch for arch in sweep.ENCODINGS if arch in present] + [a for a in present if a not in sweep.ENCODINGS]
         tables["process50_sweep"] = sweep.markdown(runs, encodings)
-        sweep.plot(runs, encodings, args.out / "claim_process50_sweep.png")
+        with replaced_whole(args.out / "claim_process50_sweep.png") as temporary:
+            sweep.plot(runs, encodings, temporary)
 
     data = json.loads((args.data / "short_to_long.json").read_text())
     tables["short_to_long"] = "BLEU per source-length bin, seeds 1 / 2 / 3 [mean]\n\n" + short_to_long_table(data)
@@ -166,4 +168,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    end_on_terminate()  # (here, not in main: the tests call main in their own process)
     sys.exit(main())

@@ -21,7 +21,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "glue"))
-from preprocess_glue import binarize, bpe_encode, built_beside  # noqa: E402
+from posenc_fairseq.cli_signals import end_on_terminate  # noqa: E402
+from preprocess_glue import binarize, bpe_encode, built_beside, check_out_dir  # noqa: E402
 from roberta_bpe import add_bpe_options, dictionary_for  # noqa: E402
 from script_helpers import read_lines  # noqa: E402
 
@@ -107,9 +108,11 @@ def main(argv=None):
     add_bpe_options(p)
     args = p.parse_args(argv)
     check_layout(args.task, args.raw_dir, p.error)  # before anything is downloaded or written
+    check_out_dir(args.out_dir, [args.raw_dir], args, p.error)
     args.dictionary = dictionary_for(p, args)
     preprocess(args.task, args.raw_dir, args.out_dir, args, p.error)
 
 
 if __name__ == "__main__":
+    end_on_terminate()  # (here, not in main: the tests call main in their own process)
     main()

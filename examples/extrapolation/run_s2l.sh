@@ -26,6 +26,8 @@ TGT=${TGT:-de}
 THRESHOLD=${THRESHOLD:-80}
 BINS=${BINS:-80,100,120,140}
 VOCAB_SIZE=${VOCAB_SIZE:-32000}
+source "$HERE/../recipe_checks.sh"
+need_outside "$RAW" "$WORK/data" "removes and remakes"
 mkdir -p "$WORK"
 
 rm -rf "$WORK/data"  # this recipe's own output, remade from the split below

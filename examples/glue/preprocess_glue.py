@@ -13,7 +13,8 @@ QNLI RTE, a comma-separated list of them, or ALL (OUT_DIR then gets one TASK-bin
 --bpe-dir if missing, text is encoded with fairseq's multiprocessing_bpe_encoder.
 --bpe none: text is used as it is (whitespace tokens) with --dict (the tests' plain dictionary).
 Each OUT_DIR (TASK-bin) is built in a temporary folder beside it (with the intermediate text files)
-and replaces an earlier one only when complete; GLUE_DIR is only read.
+and replaces an earlier one only when complete; GLUE_DIR is only read. An OUT_DIR that is or holds
+what the run reads (GLUE_DIR/TASK, --dict, --bpe-dir) is refused: replacing it would delete them.
 """
 import argparse
 import contextlib
@@ -25,7 +26,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from posenc_fairseq.cli_signals import end_on_terminate  # noqa: E402
 from roberta_bpe import add_bpe_options, dictionary_for  # noqa: E402
+from script_helpers import check_output_folder  # noqa: E402
 
 TASKS = ["CoLA", "SST-2", "MRPC", "QQP", "STS-B", "MNLI", "QNLI", "RTE"]
 # 1-based columns as in preprocess_GLUE_tasks.sh: (train/dev inputs, test inputs, label, dev label)
@@ -56,6 +59,13 @@ def check_task_folder(glue_dir: Path, task: str, fail):
     for needed in (["train"], dev):
         if not any((data / f"{split}.tsv").is_file() for split in needed):
             fail(f"no {' or '.join(f'{split}.tsv' for split in needed)} in {data}")
+
+
+def check_out_dir(out: Path, data_inputs, args, fail):
+    """fail(message) if `out`, which built_beside replaces whole, is or holds what the run reads: the
+    data (`data_inputs`) or the dictionary and BPE files of args (before anything is downloaded)."""
+    bpe_inputs = [args.bpe_dir] if args.bpe == "gpt2" else [args.dict] if args.dict else []
+    check_output_folder(out, [*data_inputs, *bpe_inputs], fail)
 
 
 @contextlib.contextmanager
@@ -167,13 +177,16 @@ def main(argv=None):
         if task not in TASKS:
             p.error(f"unknown task {task}")
         check_task_folder(args.glue_dir, task, p.error)
+    one = len(tasks) == 1 and args.task != "ALL"
+    outs = {task: args.out_dir if one else args.out_dir / f"{task}-bin" for task in tasks}
+    folders = [args.glue_dir / task for task in tasks]
+    for out in outs.values():  # (each against every task's folder: an earlier task's would go before it is read)
+        check_out_dir(out, folders, args, p.error)
     args.dictionary = dictionary_for(p, args)
-    if len(tasks) == 1 and args.task != "ALL":
-        preprocess_task(tasks[0], args.glue_dir, args.out_dir, args)
-    else:
-        for task in tasks:
-            preprocess_task(task, args.glue_dir, args.out_dir / f"{task}-bin", args)
+    for task in tasks:
+        preprocess_task(task, args.glue_dir, outs[task], args)
 
 
 if __name__ == "__main__":
+    end_on_terminate()  # (here, not in main: the tests call main in their own process)
     main()

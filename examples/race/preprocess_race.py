@@ -11,6 +11,8 @@ texts) and .label; step 2 BPE-encodes (gpt2: fairseq's multiprocessing_bpe_encod
 encoder.json/vocab.bpe/dict.txt, downloaded into --bpe-dir if missing; none: as is, with --dict);
 step 3 runs fairseq-preprocess into OUT_DIR/input0..4 and copies the labels into OUT_DIR/label
 (train, valid = dev, test = test-middle, test1 = test-high).
+OUT_DIR is built in a temporary folder beside it and replaces an earlier one only when complete (as
+examples/glue/preprocess_glue.py does); one that is or holds RACE_DIR, --dict or --bpe-dir is refused.
 """
 import argparse
 import shutil
@@ -19,17 +21,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "glue"))
+from posenc_fairseq.cli_signals import end_on_terminate  # noqa: E402
+from preprocess_glue import binarize, built_beside, check_out_dir  # noqa: E402
 from roberta_bpe import add_bpe_options, dictionary_for  # noqa: E402
 
 SPLITS = ["train", "dev", "test-middle", "test-high"]
-
-
-def binarize(options):
-    """fairseq-preprocess, run in this process (same code as the command, without its start-up cost)."""
-    from fairseq import options as fairseq_options
-    from fairseq_cli.preprocess import main as preprocess
-
-    preprocess(fairseq_options.get_preprocessing_parser().parse_args([str(o) for o in options]))
 
 
 def main(argv=None):
@@ -38,9 +35,17 @@ def main(argv=None):
     p.add_argument("out_dir", type=Path)
     add_bpe_options(p)
     args = p.parse_args(argv)
+    check_out_dir(args.out_dir, [args.race_dir], args, p.error)  # before anything is downloaded or written
     dictionary = dictionary_for(p, args)
+    # built beside OUT_DIR, which it replaces only when complete: a failed run leaves no half-built OUT_DIR
+    with built_beside(args.out_dir) as (build, _):
+        binarize_race(args, dictionary, build)
+    print(f"RACE binarised into {args.out_dir} (test = middle, test1 = high)")
 
-    extracted = args.out_dir / "extracted"
+
+def binarize_race(args, dictionary, build: Path):
+    """RACE_DIR -> OUT_DIR's content, written into `build`."""
+    extracted = build / "extracted"
     subprocess.run([sys.executable, "-m", "fairseq.examples.roberta.preprocess_RACE",
                     "--input-dir", str(args.race_dir), "--output-dir", str(extracted)], check=True)
     for split in SPLITS:
@@ -57,14 +62,13 @@ def main(argv=None):
         binarize(["--only-source", "--trainpref", extracted / f"train.input{i}.bpe",
                   "--validpref", extracted / f"dev.input{i}.bpe",
                   "--testpref", f"{extracted}/test-middle.input{i}.bpe,{extracted}/test-high.input{i}.bpe",
-                  "--destdir", args.out_dir / f"input{i}", "--workers", args.workers, "--srcdict", dictionary])
-    label = args.out_dir / "label"
-    shutil.rmtree(label, ignore_errors=True)
-    label.mkdir(parents=True)
+                  "--destdir", build / f"input{i}", "--workers", args.workers, "--srcdict", dictionary])
+    label = build / "label"
+    label.mkdir()
     for split, name in zip(SPLITS, ["train", "valid", "test", "test1"]):
         shutil.copyfile(extracted / f"{split}.label", label / f"{name}.label")
-    print(f"RACE binarised into {args.out_dir} (test = middle, test1 = high)")
 
 
 if __name__ == "__main__":
+    end_on_terminate()  # (here, not in main: the tests call main in their own process)
     main()

@@ -20,7 +20,6 @@ import collections
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -29,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import posenc_fairseq  # noqa: E402,F401  (allow-lists fairseq's checkpoint contents)
 from fairseq import checkpoint_utils  # noqa: E402
+from posenc_fairseq.cli_signals import end_on_terminate  # noqa: E402
 from posenc_fairseq.encodings import trained_with  # noqa: E402
-from script_helpers import at_least, check_checkpoint, check_output  # noqa: E402
+from script_helpers import at_least, check_checkpoint, check_output, replaced_whole  # noqa: E402
 
 
 def last_checkpoints(directory, n, by_update):
@@ -123,22 +123,18 @@ def main(argv=None):
         check_checkpoint(path, p.error)
     check_output(args.output, paths, p.error)
     state = average(paths)
-    # saved beside the output first: the output is its old self or the whole average, never half written
-    try:
+    replacing = os.path.isfile(args.output)  # (not an input: check_output refused those)
+    try:  # saved beside the output first: the output is its old self or the whole average, never half written
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        handle = tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(args.output)),
-                                             prefix=f".{os.path.basename(args.output)}.", suffix=".tmp", delete=False)
-        try:
-            with handle:
-                torch.save(state, handle)
-            os.replace(handle.name, args.output)
-        except BaseException:
-            os.unlink(handle.name)
-            raise
+        with replaced_whole(args.output) as temporary:
+            torch.save(state, temporary)
     except OSError as error:
         raise SystemExit(f"error: cannot write {args.output}: {error.strerror or error}") from None
+    if replacing:  # replaced as by fairseq's own script, but said: the earlier file is gone
+        print(f"replaced the earlier {args.output}")
     print(f"averaged {len(paths)} checkpoints: {', '.join(os.path.basename(p) for p in paths)} -> {args.output}")
 
 
 if __name__ == "__main__":
+    end_on_terminate()  # (here, not in main: the tests call main in their own process)
     main()

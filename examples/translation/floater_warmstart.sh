@@ -40,6 +40,9 @@ LR=${LR:-7e-4}
 STOCK_EPOCHS=${STOCK_EPOCHS:-30}
 RETRAIN_EPOCHS=${RETRAIN_EPOCHS:-10}
 AVERAGE=${AVERAGE:-5}
+for input in "$DATA_BIN" ${STOCK_CHECKPOINT:+"$STOCK_CHECKPOINT"}; do
+  need_outside "$input" "$WORK/floater" "empties before its FLOATER step"
+done
 mkdir -p "$WORK"
 
 # 1. the stock transformer

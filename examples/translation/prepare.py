@@ -63,8 +63,13 @@ def main(argv=None):
         unfinished = "" if (args.dest / STAMP).exists() else f" that may be incomplete (no {STAMP}, which is written last)"
         p.error(f"{args.dest} holds an earlier preparation ({', '.join(earlier)}){unfinished}: remove it or choose "
                 "another DEST")
+    if args.dest.exists() and not args.dest.is_dir():
+        p.error(f"{args.dest} is not a folder: give a folder as DEST")
     created_dest = not args.dest.exists()
-    args.dest.mkdir(parents=True, exist_ok=True)
+    try:
+        args.dest.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # (under a file, or no permission)
+        p.error(f"cannot make {args.dest}: {error.strerror or error}")
     try:
         prepare(args, splits)
     except BaseException as error:  # (Ctrl-C too) nothing half-written is left to block the next run
@@ -76,22 +81,41 @@ def main(argv=None):
                 path.unlink(missing_ok=True)
         if created_dest:
             args.dest.rmdir()
-        if isinstance(error, subprocess.CalledProcessError):
-            raise SystemExit(f"error: fairseq-preprocess failed (exit status {error.returncode}); nothing kept in "
-                             f"{args.dest}")
         if isinstance(error, KeyboardInterrupt):
             raise SystemExit(f"interrupted; nothing kept in {args.dest}")
-        raise
+        reason = failure(error)
+        if reason is None:  # (a bug: its traceback)
+            raise
+        raise SystemExit(f"error: {reason}; nothing kept in {args.dest}") from None
+
+
+def failure(error: BaseException):
+    """What went wrong, in words, for the failures a preparation may meet; None for others."""
+    if isinstance(error, subprocess.CalledProcessError):
+        return f"fairseq-preprocess failed (exit status {error.returncode})"
+    if isinstance(error, SentencepieceFailed):
+        return str(error)
+    if isinstance(error, OSError):  # (disk full, no permission; fairseq-preprocess not found)
+        return f"{error.strerror or error}" + (f": {error.filename}" if error.filename else "")
+    return None
+
+
+class SentencepieceFailed(Exception):
+    """sentencepiece's training failed, in words (it raises a RuntimeError of its C++ status)."""
 
 
 def prepare(args, splits):
     """sentencepiece trained on train, every split encoded, then binarised (into args.dest)."""
     prefix = args.dest / "spm"
-    spm.SentencePieceTrainer.train(
-        input=[str(args.raw_dir / f"train.{args.src}"), str(args.raw_dir / f"train.{args.tgt}")],
-        model_prefix=str(prefix), vocab_size=args.vocab_size, model_type=args.model_type,
-        character_coverage=args.character_coverage, input_sentence_size=args.input_sentence_size,
-        shuffle_input_sentence=True, hard_vocab_limit=False, minloglevel=2)
+    try:
+        spm.SentencePieceTrainer.train(
+            input=[str(args.raw_dir / f"train.{args.src}"), str(args.raw_dir / f"train.{args.tgt}")],
+            model_prefix=str(prefix), vocab_size=args.vocab_size, model_type=args.model_type,
+            character_coverage=args.character_coverage, input_sentence_size=args.input_sentence_size,
+            shuffle_input_sentence=True, hard_vocab_limit=False, minloglevel=2)
+    except RuntimeError as error:  # (e.g. empty training files)
+        raise SentencepieceFailed(f"sentencepiece training on train.{args.src}, train.{args.tgt} failed: "
+                                  f"{str(error).strip()}") from None
     sp = spm.SentencePieceProcessor(model_file=str(prefix) + ".model")
 
     encoded = args.dest / "spm"

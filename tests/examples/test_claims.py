@@ -268,6 +268,38 @@ def test_plot_claims_needs_every_result_before_drawing_any(tmp_path, capsys):
     assert not (tmp_path / "img").exists()
 
 
+def test_plot_claims_writes_its_doc_and_figures_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Before, the tables went through a fixed DOC.tmp, left half-written when the write failed, and a
+    figure was saved in place: a failure midway left half of it instead of the earlier one."""
+    import errno
+    import os
+
+    import matplotlib.figure
+
+    plot_claims = load_script(CLAIMS / "plot_claims.py")
+    doc, figure = tmp_path / "claims.md", tmp_path / "claim_short_to_long.png"
+    doc.write_text("<!-- table:x -->\nearlier\n<!-- /table -->\n")
+    figure.write_bytes(b"earlier figure")
+    before = {path: path.read_bytes() for path in (doc, figure)}
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def half_text(self, text, *args, **kwargs):  # a disk that fills up halfway through
+        write_text(self, text[:len(text) // 2], *args, **kwargs)
+        raise full
+
+    def half_figure(self, path, *args, **kwargs):
+        Path(path).write_bytes(b"half a figure")
+        raise full
+    write_text = Path.write_text
+    monkeypatch.setattr(Path, "write_text", half_text)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", half_figure)
+    with pytest.raises(OSError):
+        plot_claims.write_tables(doc, {"x": "new\n"})
+    with pytest.raises(OSError):
+        plot_claims.plot_short_to_long({"bins": ["[3,16)"], "rows": {"t5": [[1.0, 2.0]]}}, figure)
+    assert {path: path.read_bytes() for path in tmp_path.iterdir()} == before
+
+
 @pytest.mark.slow
 def test_short_to_long_runs_through_fairseq_and_reports_each_bin(tmp_path):
     """FLOATER paper, figure 2, at toy size: sinusoidal and the bounded FLOATER through the recipe's

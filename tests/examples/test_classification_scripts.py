@@ -38,3 +38,21 @@ def test_preprocess_leaves_only_its_output(dictionary, tmp_path):
                                   "--dict", str(dictionary), "--workers", "1"])
     assert [path.name for path in out.parent.iterdir()] == ["IMDB-bin"]
     assert {"input0", "label"} <= {path.name for path in out.iterdir()}
+
+
+@pytest.mark.parametrize("case", ["RAW_DIR", "the folder above RAW_DIR", "--dict's folder"])
+def test_preprocess_refuses_an_out_dir_that_is_or_holds_an_input(case, dictionary, tmp_path, capsys):
+    """Before, the input went with the earlier OUT_DIR that the new one replaced, and the run said it
+    had binarised the task."""
+    raw = write_imdb(tmp_path / "raw")
+    own = tmp_path / "dicts" / "dict.txt"  # (a folder of its own: the one above the fixture's holds RAW_DIR too)
+    own.parent.mkdir()
+    own.write_bytes(dictionary.read_bytes())
+    dictionary = own
+    out = {"RAW_DIR": raw, "the folder above RAW_DIR": raw.parent, "--dict's folder": dictionary.parent}[case]
+    before = {path: None if path.is_dir() else path.read_bytes() for path in tmp_path.rglob("*")}
+    with pytest.raises(SystemExit) as exit_info:
+        load_script(PREPROCESS).main(["IMDB", str(raw), str(out), "--bpe", "none", "--dict", str(dictionary),
+                                      "--workers", "1"])
+    assert exit_info.value.code == 2 and f"{out} would replace an input (" in capsys.readouterr().err
+    assert {path: None if path.is_dir() else path.read_bytes() for path in tmp_path.rglob("*")} == before

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from recipe_data import WORDS, write_glue
-from util import REPO, load_script
+from util import REPO, fail_at_call, load_script
 
 GLUE = REPO / "examples" / "glue"
 
@@ -71,18 +71,74 @@ def test_preprocess_glue_keeps_the_earlier_output_when_a_run_fails(mrpc, preproc
     out = tmp_path / "MRPC-bin"
     preprocess.main(options(mrpc, mrpc.glue, out))
     before = listing(tmp_path)
-    calls = []
-
-    def binarize_then_fail(arguments):
-        calls.append(arguments)
-        if len(calls) == 2:
-            raise RuntimeError("fairseq-preprocess failed")  # (e.g. the disk full)
-        original(arguments)
-    original = preprocess.binarize
-    monkeypatch.setattr(preprocess, "binarize", binarize_then_fail)
+    fail_at_call(monkeypatch, preprocess, "binarize", 2)
     with pytest.raises(RuntimeError):
         preprocess.main(options(mrpc, mrpc.glue, out))
     assert listing(tmp_path) == before  # the earlier output as it was, no temporary folder left
+
+
+@pytest.mark.parametrize("case", ["GLUE_DIR/TASK", "GLUE_DIR", "--dict's folder", "--dict through a link",
+                                  "--bpe-dir's folder"])
+def test_preprocess_glue_refuses_an_out_dir_that_is_or_holds_an_input(case, mrpc, preprocess, tmp_path, capsys):
+    """Before, the input went with the earlier OUT_DIR that the new one replaced, and the run said it
+    had binarised the task."""
+    glue = write_glue(tmp_path / "glue_data", "MRPC")
+    dictionary = tmp_path / "dicts" / "dict.txt"
+    dictionary.parent.mkdir()
+    dictionary.write_bytes(mrpc.dict.read_bytes())
+    argv = options(mrpc, glue, None)
+    if case == "--dict through a link":  # the link elsewhere, the file in OUT_DIR
+        (tmp_path / "link.txt").symlink_to(dictionary)
+        argv[argv.index("--dict") + 1] = str(tmp_path / "link.txt")
+    else:
+        argv[argv.index("--dict") + 1] = str(dictionary)
+    if case == "--bpe-dir's folder":  # GPT-2's files there already: nothing to download
+        bpe = tmp_path / "work" / "gpt2_bpe"
+        bpe.mkdir(parents=True)
+        for name in ("encoder.json", "vocab.bpe", "dict.txt"):
+            (bpe / name).write_text("{}")
+        argv[argv.index("--bpe") + 1] = "gpt2"
+        argv += ["--bpe-dir", str(bpe)]
+    out = {"GLUE_DIR/TASK": glue / "MRPC", "GLUE_DIR": glue, "--dict's folder": dictionary.parent,
+           "--dict through a link": dictionary.parent, "--bpe-dir's folder": tmp_path / "work"}[case]
+    argv[2] = str(out)
+    before = listing(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        preprocess.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{out} would replace an input (" in err and "give another output folder" in err, err
+    assert listing(tmp_path) == before
+
+
+def test_preprocess_glue_stopped_by_sigterm_leaves_no_temporary_folder(mrpc, tmp_path):
+    """Before, SIGTERM ended the run at once: the folder it builds in stayed beside OUT_DIR."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "MRPC-bin"
+    # the script run as a command (its __main__), with fairseq-preprocess taking long: stopped while it builds
+    code = ("import runpy, sys, time, fairseq_cli.preprocess as fairseq_preprocess\n"
+            "fairseq_preprocess.main = lambda args: time.sleep(120)\n"
+            f"sys.argv[0] = {str(GLUE / 'preprocess_glue.py')!r}\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    # a process of its own (not one of the tests' fork server's), whose Python sets its handlers
+    env = {name: value for name, value in os.environ.items() if name != "POSENC_TEST_FORK_SERVER"}
+    process = subprocess.Popen([sys.executable, "-c", code, *options(mrpc, mrpc.glue, out)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=dict(env, OMP_NUM_THREADS="1"))
+    try:
+        while not list(tmp_path.glob(".MRPC-bin.*/processed/train.label")) and process.poll() is None:
+            time.sleep(0.02)
+        assert process.poll() is None, process.communicate()
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert list(tmp_path.iterdir()) == [], err[-2000:]
+    assert process.returncode != 0 and "KeyboardInterrupt" in err, err[-2000:]  # (what Ctrl-C ends in)
 
 
 # ---------------------------------------------------------------- evaluate.py's prediction pass

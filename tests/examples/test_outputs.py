@@ -198,3 +198,23 @@ def test_average_checkpoints_refuses_an_output_that_is_an_input_or_a_text_input(
     notes.write_text("iteration 5\n")
     err = refused(capsys, averaging.main, "--inputs", checkpoint, notes, "--output", tmp_path / "avg.pt")
     assert "notes.txt is not a fairseq checkpoint" in err and "KeyError" not in err
+
+
+def test_write_text_atomic_gives_a_new_files_mode_or_keeps_the_replaced_ones(tmp_path):
+    """Before, every file it wrote was private (0600, its temporary file's mode), whatever the umask or
+    the mode of the file it replaced."""
+    import os
+    import stat
+
+    helpers = load_script(EXAMPLES / "script_helpers.py")
+    path = tmp_path / "table.md"
+    umask = os.umask(0o027)
+    try:
+        helpers.write_text_atomic(path, "one\n")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640 and path.read_text() == "one\n"
+        path.chmod(0o604)
+        helpers.write_text_atomic(path, "two\n")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o604 and path.read_text() == "two\n"
+    finally:
+        os.umask(umask)
+    assert [entry.name for entry in tmp_path.iterdir()] == ["table.md"]

@@ -90,6 +90,48 @@ def test_floater_warmstart_rerun_averages_only_its_own_epochs(made, tmp_path):
                           STOCK_CHECKPOINT=str(tmp_path / "none.pt")), "no checkpoint file")
 
 
+@pytest.mark.parametrize("case", ["DATA_BIN", "DATA_BIN through a link", "STOCK_CHECKPOINT"])
+def test_floater_warmstart_refuses_an_input_in_the_folder_it_empties(case, made, tmp_path):
+    """Before, `rm -rf WORK_DIR/floater` deleted a DATA_BIN or STOCK_CHECKPOINT kept there."""
+    data, checkpoint = made
+    work = tmp_path / "work"
+    kept = work / "floater" / ("stock.pt" if case == "STOCK_CHECKPOINT" else "bin")
+    kept.parent.mkdir(parents=True)
+    if case == "STOCK_CHECKPOINT":
+        kept.write_bytes(checkpoint.read_bytes())
+        checkpoint = given = kept
+    else:
+        kept.mkdir()
+        given = kept if case == "DATA_BIN" else tmp_path / "link"
+        if case == "DATA_BIN through a link":
+            given.symlink_to(kept)
+        data = given
+    python = tmp_path / "python"  # as in the test above: the conversion writes its file
+    python.write_text('#!/bin/bash\ncase "$1" in\n  *convert_transformer_checkpoint.py) printf PK > "$3" ;;\n'
+                      '  -c) echo 0.00035 ;;\nesac\n')
+    python.chmod(0o755)
+    done = script("translation/floater_warmstart.sh", data, work, SKIP_STOCK="1", STOCK_CHECKPOINT=str(checkpoint),
+                  PYTHON=str(python))
+    assert refused(done, f"{given} is or lies in {work / 'floater'}, which this recipe empties"), done.stderr
+    assert kept.exists()
+
+
+@pytest.mark.parametrize("case", ["WORK_DIR/data", "in WORK_DIR/data", "in WORK_DIR/data through a link"])
+def test_run_s2l_refuses_a_raw_dir_in_the_folder_it_removes(case, tmp_path):
+    """Before, `rm -rf WORK_DIR/data` deleted a RAW_DIR kept there, before anything read it."""
+    work = tmp_path / "work"
+    kept = work / "data" / ("" if case == "WORK_DIR/data" else "raw")
+    kept.mkdir(parents=True)
+    (kept / "train.en").write_text("a b\n")
+    given = kept
+    if case.endswith("link"):
+        given = tmp_path / "raw"
+        given.symlink_to(kept)
+    done = script("extrapolation/run_s2l.sh", given, work)
+    assert refused(done, f"{given} is or lies in {work / 'data'}, which this recipe removes"), done.stderr
+    assert (kept / "train.en").exists()
+
+
 def test_freeze_dynamics_takes_one_or_zero(made, tmp_path):
     """Before, FREEZE_DYNAMICS=yes trained the dynamics along (only the exact value 1 froze them)."""
     data, checkpoint = made

@@ -1,9 +1,11 @@
 """examples/translation/'s scripts on hand-made inputs, without training: average_checkpoints.py (its
 options, models that cannot be averaged, what it keeps of the newest checkpoint), prepare.py (parallel
 files line for line) and evaluate.py's reading of fairseq-generate's output (--nbest)."""
+import errno
 import os
 import random
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -107,6 +109,24 @@ def test_average_checkpoints_names_a_missing_input(averaging, tmp_path, capsys):
     err = usage_error(capsys, averaging.main, "--inputs", tmp_path / "nowhere", "--num-epoch-checkpoints", "2",
                       "--output", tmp_path / "x.pt")
     assert "give one folder as --inputs" in err
+
+
+def test_average_checkpoints_output_has_a_new_files_mode_or_the_replaced_ones(averaging, tmp_path, capsys):
+    """Before, the output was left private (0600, its temporary file's mode), whatever the umask or the
+    mode of the file it replaced; replacing an earlier output is said."""
+    checkpoint = save_checkpoint(tmp_path / "checkpoint1.pt", {"w": torch.tensor([1.0])})
+    out = tmp_path / "avg.pt"
+    umask = os.umask(0o022)
+    try:
+        averaging.main(["--inputs", str(checkpoint), "--output", str(out)])
+        assert stat.S_IMODE(out.stat().st_mode) == 0o644 and "replaced" not in capsys.readouterr().out
+        out.chmod(0o664)
+        averaging.main(["--inputs", str(checkpoint), "--output", str(out)])
+        assert stat.S_IMODE(out.stat().st_mode) == 0o664
+        assert f"replaced the earlier {out}" in capsys.readouterr().out
+    finally:
+        os.umask(umask)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["avg.pt", "checkpoint1.pt"]  # no temporaries
 
 
 # ---------------------------------------------------------------- prepare.py
@@ -222,6 +242,51 @@ def test_prepare_that_fails_midway_leaves_nothing_behind(tmp_path, monkeypatch, 
     with pytest.raises(SystemExit, match="fairseq-preprocess failed .exit status 1.; nothing kept in"):
         prepare.main([str(raw), str(dest), "--vocab-size", "40", "--workers", "1", "--src", "en", "--tgt", "de"])
     assert sorted(path.name for path in dest.iterdir()) == ["README"] if existing_dest else not dest.exists()
+
+
+@pytest.mark.parametrize("dest", ["a file", "under a file"])
+def test_prepare_refuses_a_dest_that_cannot_be_a_folder_in_one_line(dest, tmp_path, capsys):
+    """Before: FileExistsError / NotADirectoryError, a traceback."""
+    prepare = load_script(TRANSLATION / "prepare.py")
+    write_pair(tmp_path / "raw", "train", ["a b", "c d"], ["A B", "C D"])
+    (tmp_path / "afile").write_text("mine")
+    target = tmp_path / "afile" if dest == "a file" else tmp_path / "afile" / "out"
+    err = usage_error(capsys, prepare.main, tmp_path / "raw", target, "--src", "en", "--tgt", "de")
+    assert (f"{target} is not a folder" if dest == "a file" else f"cannot make {target}: Not a directory") in err, err
+    assert "Traceback" not in err and (tmp_path / "afile").read_text() == "mine"
+
+
+@pytest.mark.parametrize("failure", ["disk full", "sentencepiece"])
+def test_prepare_that_fails_on_the_way_says_why_in_one_line_and_keeps_nothing(failure, tmp_path, monkeypatch):
+    """Before: OSError (a full disk while the text was encoded) or sentencepiece's RuntimeError (here: empty
+    training files) as a traceback; what was written was removed all the same."""
+    prepare = load_script(TRANSLATION / "prepare.py")
+    raw = tmp_path / "raw"
+    if failure == "sentencepiece":
+        write_pair(raw, "train", [], [])
+    else:
+        source = [" ".join(f"w{(i * 7 + j) % 30}" for j in range(4)) for i in range(40)]
+        write_pair(raw, "train", source, [line.upper() for line in source])
+        written = []
+
+        def full_disk(path, mode="r", *args, **kwargs):  # the encoded text's writes fail after a few lines
+            handle = open(path, mode, *args, **kwargs)
+            if "w" in mode:
+                def write(text):
+                    written.append(text)
+                    if len(written) > 3:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                    return type(handle).write(handle, text)
+                handle.write = write
+            return handle
+        monkeypatch.setattr(prepare, "open", full_disk, raising=False)
+    dest = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        prepare.main([str(raw), str(dest), "--vocab-size", "40", "--workers", "1", "--src", "en", "--tgt", "de"])
+    expected = {"disk full": "error: No space left on device; nothing kept in",
+                "sentencepiece": "error: sentencepiece training on train.en, train.de failed: "}[failure]
+    assert expected in str(exit_info.value.code) and "\n" not in str(exit_info.value.code)
+    assert not dest.exists()
 
 
 def test_prepare_refuses_zero_workers(tmp_path, capsys):
