@@ -16,11 +16,14 @@ evaluated on --subset according to the task stored in it:
 - masked_lm / language_modeling (and anything else): perplexity from `fairseq-validate`, or its loss
   where the criterion logs no perplexity (e.g. sentence_prediction with --regression-target).
 
-Writes DIR/results.md (the table, also printed), DIR/results.csv and DIR/compare.png; each
-architecture's logs are in DIR/ARCH/. An architecture that fails (a command, or reading its
-results: DIR/ARCH/error.log) is reported in the table, the others still run, and the exit status is
-then 1. `--preset demo` adds the demo's model and training settings (examples/demo/run_demo.py) for
-the toy data `make demo` prepares in work/demo/data/.
+Writes DIR/results.md (the table, also printed, under a line with the commit and the command line
+that made it), DIR/results.csv (the same in the columns `commit`, `command`, `train_options`,
+`generate_args`) and DIR/compare.png; each architecture's logs are in DIR/ARCH/. A rerun into the same
+DIR replaces DIR/ARCH: an earlier run's DIR/ARCH/checkpoints are removed before ARCH trains (DATA-BIN
+must not lie there). An architecture that fails (a command, or reading its results:
+DIR/ARCH/error.log) is reported in the table and named over the plot, the others still run, and the
+exit status is then 1. `--preset demo` adds the demo's model and training settings
+(examples/demo/run_demo.py) for the toy data `make demo` prepares in work/demo/data/.
 """
 import argparse
 import csv
@@ -37,8 +40,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 USER_DIR = REPO / "posenc_fairseq"
+sys.path.insert(0, str(REPO))  # this tree's posenc_fairseq: the one fairseq-train gets as --user-dir
 sys.path.insert(0, str(REPO / "examples"))
 from script_helpers import increasing_counts, markdown_table, write_output  # noqa: E402
+
+from posenc_fairseq.cli_signals import end_on_terminate  # noqa: E402
+from posenc_fairseq.provenance import source_commit  # noqa: E402
 
 #: --length-bins B1,B2,...: the upper edges of the source-length bins in words
 length_bins = increasing_counts(1, "word counts")
@@ -95,6 +102,11 @@ def parse_args(argv):
         parser.error(f"no data folder {args.data}")
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} is a file: give a folder")
+    for arch in args.arch:  # (each run removes DIR/ARCH/checkpoints first)
+        removed = (args.out / arch / "checkpoints").resolve()
+        if args.data.resolve().is_relative_to(removed):
+            parser.error(f"DATA-BIN {args.data} lies in {args.out / arch / 'checkpoints'}, which a run removes: "
+                         "give another --out")
     import posenc_fairseq  # noqa: F401  (registers this package's architectures beside fairseq's)
     from fairseq.models import ARCH_MODEL_REGISTRY
 
@@ -219,8 +231,9 @@ def evaluate(args, arch, work, checkpoint, env, device):
 
 def train_and_evaluate(args, arch, env, device):
     work = args.out / arch
-    if (work / "checkpoints").exists():
-        shutil.rmtree(work / "checkpoints")  # a fresh run, the same for every architecture
+    if (work / "checkpoints").exists():  # a fresh run, the same for every architecture
+        print(f"{arch}: removing an earlier run's checkpoints in {work / 'checkpoints'}", flush=True)
+        shutil.rmtree(work / "checkpoints")
     work.mkdir(parents=True, exist_ok=True)
     log = work / "train.log"
     log.write_text("")
@@ -248,6 +261,11 @@ def last_valid_loss(train_log: str):
     return None
 
 
+def shown(result) -> str:
+    """A result's value with the digits fairseq logs it with: accuracy rounded to 0.1, the rest to 0.01."""
+    return f"{result['value']:.{1 if result['metric'].startswith('accuracy') else 2}f}"
+
+
 def results_table(results):
     metric = next((r["metric"] for r in results if "metric" in r), "metric")
     labels = next((r["bins"] for r in results if r.get("bins")), [])
@@ -258,7 +276,7 @@ def results_table(results):
             error = result["error"].replace("|", "/").replace("\n", " ")  # one table cell
             rows.append([result["arch"], f"failed: {error}"] + [""] * (len(header) - 2))
             continue
-        value = f"{result['value']:.2f}" + (f" ({result['metric']})" if result["metric"] != metric else "")
+        value = shown(result) + (f" ({result['metric']})" if result["metric"] != metric else "")
         cells = [result["arch"], f"{result['params']:,}" if result["params"] else "?", f"{result['train_seconds']:.0f}",
                  f"{result['valid_loss']:.3f}" if result["valid_loss"] is not None else "-", value]
         rows.append(cells + [f"{score:.2f} ({count})" if score is not None else "-"
@@ -277,6 +295,7 @@ def plot(results, path):
     import matplotlib.pyplot as plt
 
     done = [r for r in results if "error" not in r]
+    failed = [r["arch"] for r in results if "error" in r]
     with_bins = [r for r in done if r.get("bins")]
     figure, axes = plt.subplots(1, 2 if with_bins else 1, figsize=(9 if with_bins else 5, 3.2), squeeze=False)
     axis = axes[0][0]
@@ -284,6 +303,8 @@ def plot(results, path):
     axis.set_xticks(range(len(done)))
     axis.set_xticklabels([r["arch"] for r in done], rotation=30, ha="right", fontsize=7)
     axis.set_ylabel(done[0]["metric"] if done else "")
+    if failed:  # (they have no bar: say so rather than leave them out without a word)
+        axis.set_title(f"failed: {', '.join(failed)}", fontsize=7, color="tab:red")
     for index, result in enumerate(done):
         axis.text(index, result["value"], f"{result['value']:.1f}", ha="center", va="bottom", fontsize=7)
     if with_bins:
@@ -303,8 +324,17 @@ def plot(results, path):
 OUTPUTS = ("results.md", "results.csv", "compare.png")
 
 
+def provenance(argv, args) -> dict:
+    """What made the results: the commit, the command line, and the options each fairseq-train and
+    fairseq-generate got (--preset demo adds its own)."""
+    return {"commit": source_commit() or "unknown", "command": shlex.join(["scripts/compare.py", *map(str, argv)]),
+            "train_options": shlex.join(map(str, args.train_options)), "generate_args": args.generate_args}
+
+
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    made = provenance(argv, args)
     try:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -321,7 +351,7 @@ def main(argv=None):
         (args.out / arch / "error.log").unlink(missing_ok=True)  # an earlier run's
         try:
             result = train_and_evaluate(args, arch, env, device)
-            print(f"[{number}/{len(args.arch)}] {arch}: {result['metric']} = {result['value']:.2f}", flush=True)
+            print(f"[{number}/{len(args.arch)}] {arch}: {result['metric']} = {shown(result)}", flush=True)
         except KeyboardInterrupt:
             interrupted = arch
             break
@@ -339,17 +369,20 @@ def main(argv=None):
         print(f"\ninterrupted while running {interrupted}", flush=True)
         if not results:
             return 130
-    table = results_table(results)
+    table = (f"Commit {made['commit']}: `{made['command']}`; fairseq-train options `{made['train_options']}`"
+             + (f", generate args `{made['generate_args']}`" if made["generate_args"] else "") + "\n\n"
+             + results_table(results))
     if interrupted is not None:
         table += f"\nInterrupted while running {interrupted}: it and the architectures after it are not in this table.\n"
     write_output(args.out / "results.md", table)
     rows = io.StringIO(newline="")
     writer = csv.writer(rows)
-    writer.writerow(["arch", "params", "train_seconds", "valid_loss", "metric", "value", "bins"])
+    writer.writerow(["arch", "params", "train_seconds", "valid_loss", "metric", "value", "bins", *made])
     for r in results:
         writer.writerow([r["arch"], r.get("params"), r.get("train_seconds"), r.get("valid_loss"), r.get("metric"),
                          r.get("value", r.get("error")),
-                         ";".join(f"{label}:{score}:{count}" for label, score, count in r.get("bins", []))])
+                         ";".join(f"{label}:{score}:{count}" for label, score, count in r.get("bins", [])),
+                         *made.values()])
     write_output(args.out / "results.csv", rows.getvalue())
     plot(results, args.out / "compare.png")
     print()
@@ -361,4 +394,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    end_on_terminate()  # (here, not in main: the tests call main in their own process)
     sys.exit(main())

@@ -59,6 +59,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path[:1]:
     sys.path.insert(0, str(REPO))  # this tree's posenc_fairseq, not an installed one
+sys.path.insert(0, str(REPO / "examples"))
+from script_helpers import check_output, refuse, replaced_whole  # noqa: E402
+
 USER_DIR = str(REPO / "posenc_fairseq")
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -577,6 +580,7 @@ def roberta_cases(rec, data, arch, extra, dtype_name, small):
 
 # --- dump / compare -----------------------------------------------------------------------------------
 def dump(out, only=None, skip_long=False):
+    out = check_output(out, [], refuse)  # (a folder, or one that cannot be made: said now, not after the run)
     import torch
 
     torch.set_num_threads(1)
@@ -611,7 +615,12 @@ def dump(out, only=None, skip_long=False):
                          small=True)
                 roberta_cases(rec, data, f"roberta_{name}", extra, dtype_name, small=True)
             print(f"{name}{' ' + ' '.join(extra) if extra else ''}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    torch.save(rec.tensors, out)
+    try:  # through a temporary file: an interrupt or a full disk leaves an earlier dump whole
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with replaced_whole(out) as temporary:
+            torch.save(rec.tensors, temporary)
+    except OSError as error:
+        raise SystemExit(f"error: cannot write {out}: {error.strerror or error}") from None
     print(f"{len(rec.tensors)} tensors -> {out} in {time.perf_counter() - started:.1f} s; "
           f"{len(rec.failed)} cases failed or skipped{': ' + ', '.join(rec.failed) if rec.failed else ''}")
     return 0
@@ -702,4 +711,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    # (imported here, after OMP_NUM_THREADS above: it imports torch; called here, not in main: the tests
+    # call main in their own process)
+    from posenc_fairseq.cli_signals import end_on_terminate
+
+    end_on_terminate()
     sys.exit(main())

@@ -75,7 +75,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
-from script_helpers import at_least, markdown_table  # noqa: E402
+from script_helpers import at_least, check_output, markdown_table  # noqa: E402
 
 DEFAULT_OUT = REPO / "docs" / "data" / "gpu_benchmark.json"
 REFERENCE = "transformer"
@@ -461,7 +461,12 @@ def measure_in_process(context, arch, options, args, share, path):
     path.touch()
     child = context.Process(target=measure_model, args=(arch, options, args, time.time() + share, path))
     child.start()
-    child.join(share + GRACE_S)
+    try:
+        child.join(share + GRACE_S)
+    except BaseException:  # Ctrl-C, or SIGTERM to this process alone: the model's process ends with it
+        child.kill()
+        child.join()
+        raise
     killed = child.is_alive()
     if killed:
         child.kill()
@@ -584,6 +589,11 @@ class Refused(Exception):
     """Nothing measured or written: the message says why."""
 
 
+def refuse(message):
+    """A `fail` for script_helpers' checks."""
+    raise Refused(message)
+
+
 def read_records(path):
     """The records (a JSON list of objects) of the file `path`."""
     try:
@@ -656,6 +666,8 @@ def main(argv=None):
         if args.table is not None:
             print(run_tables(read_records(args.table)))
             return 0
+        # --out a folder, or in one that cannot be made: said now, not after the first model is measured
+        check_output(args.out, [], refuse)
         earlier = read_records(args.out) if args.out.exists() else []
         (add_run if args.add is not None else measure)(args, earlier)
     except Refused as reason:
@@ -665,4 +677,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from posenc_fairseq.cli_signals import end_on_terminate
+
+    end_on_terminate()  # (here, not in main: the tests call main in their own process)
     sys.exit(main())

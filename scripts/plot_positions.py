@@ -25,7 +25,9 @@ dictionaries) and writes, for each picture, a PNG and the numbers behind it as C
 - every model with an absolute input embedding (sinusoidal or learned; FLOATER paper figure 3a/3b):
   `input_positions_ROLE.csv` (rows: positions 0..N-1, columns: dimensions).
 
-Prints the files it wrote with one line on what each shows.
+Prints the files it wrote with one line on what each shows. DIR/plot_positions.files names them: a
+later run into DIR first removes those files (and no others), so it refuses a CHECKPOINT in DIR that is
+named there or like an output (.csv, .png).
 """
 import argparse
 import csv
@@ -38,7 +40,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples"))
-from script_helpers import check_checkpoint, check_output  # noqa: E402
+from script_helpers import check_checkpoint, check_output, replaced_whole, write_text_atomic  # noqa: E402
+
+from posenc_fairseq.cli_signals import end_on_terminate  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -87,40 +91,85 @@ MANIFEST = "plot_positions.files"
 
 class Writer:
     """Writes the tables and figures into `out`; first removes those an earlier run wrote there (its
-    MANIFEST: another checkpoint's files would read as this one's), never anything else."""
+    MANIFEST: another checkpoint's files would read as this one's), never anything else.
+
+    Each file goes through a temporary file beside it and os.replace: a link of that name is replaced,
+    not followed (it may point at the checkpoint), and a run that stops midway leaves no half-written
+    file. MANIFEST names each file before the file is put in place, so that the next run can always
+    remove what this one left."""
 
     def __init__(self, out: Path, dpi: int):
         self.out, self.dpi, self.written = out, dpi, []
         self.prefix = ""  # 'encoder_part_' / 'decoder_part_' for models with one encoding part per stack
-        out.mkdir(parents=True, exist_ok=True)
-        manifest = out / MANIFEST
-        if manifest.is_file():
-            for name in manifest.read_text().splitlines():
-                if name and "/" not in name and (out / name).is_file():
-                    (out / name).unlink()
-            manifest.unlink()
+        self._guard(out, lambda: out.mkdir(parents=True, exist_ok=True))
+        earlier = earlier_files(out)
+        for name in earlier:  # (MANIFEST keeps naming them until all are gone)
+            if (out / name).is_file() or (out / name).is_symlink():
+                self._guard(out / name, (out / name).unlink, "remove")
+        if earlier:
+            self._list([])
 
     def finish(self):
-        (self.out / MANIFEST).write_text("".join(f"{path.name}\n" for path, _ in self.written))
+        self._list(path.name for path, _ in self.written)
 
-    def csv(self, name: str, header, rows, what: str):
+    def _list(self, names):
+        manifest = self.out / MANIFEST
+        self._guard(manifest, lambda: write_text_atomic(manifest, "".join(f"{name}\n" for name in names)))
+
+    def _put(self, name: str, what: str, write):
+        """`write(temporary path)`, then the file in place as `name` in `out`, listed in MANIFEST first."""
         path = self.out / (self.prefix + name)
-        with open(path, "w", newline="") as handle:
-            writer = csv.writer(handle)
-            writer.writerow(header)
-            for row in rows:
-                writer.writerow([_number(value) for value in row])
+        self._list([*(done.name for done, _ in self.written), path.name])
+
+        def replace():
+            with replaced_whole(path) as temporary:
+                write(temporary)
+        self._guard(path, replace)
         self.written.append((path, what))
         return path
+
+    @staticmethod
+    def _guard(path, action, doing="write"):
+        """`action()`; an OSError (disk full, a folder that takes no files) ends the run in one line."""
+        try:
+            action()
+        except OSError as error:
+            raise SystemExit(f"error: cannot {doing} {path}: {error.strerror or error}") from None
+
+    def csv(self, name: str, header, rows, what: str):
+        def write(temporary):
+            with open(temporary, "w", newline="") as handle:
+                writer = csv.writer(handle)
+                writer.writerow(header)
+                for row in rows:
+                    writer.writerow([_number(value) for value in row])
+        return self._put(name, what, write)
 
     def figure(self, figure, name: str, what: str):
         import matplotlib.pyplot as plt
 
-        path = self.out / (self.prefix + name)
-        figure.savefig(path, dpi=self.dpi, bbox_inches="tight")
-        plt.close(figure)
-        self.written.append((path, what))
-        return path
+        try:  # (the temporary file ends in .png: matplotlib takes the format from it)
+            return self._put(name, what, lambda temporary: figure.savefig(temporary, dpi=self.dpi, bbox_inches="tight"))
+        finally:
+            plt.close(figure)
+
+
+def earlier_files(out: Path) -> list:
+    """The files an earlier run's MANIFEST in `out` lists (plain names only: never a path elsewhere)."""
+    manifest = out / MANIFEST
+    if not manifest.is_file():
+        return []
+    return [name for name in manifest.read_text().splitlines() if name and "/" not in name and name not in (".", "..")]
+
+
+def check_checkpoint_apart(checkpoint: Path, out: Path, fail):
+    """`fail(message)` where this run would replace or remove the checkpoint: it writes CSV and PNG files
+    and MANIFEST into `out`, after removing the files an earlier run's MANIFEST lists there."""
+    checkpoint = checkpoint.resolve()
+    if checkpoint.parent != out.resolve():
+        return
+    if checkpoint.suffix in (".csv", ".png") or checkpoint.name in (MANIFEST, *earlier_files(out)):
+        fail(f"{checkpoint} is in --out {out} under a name this run would replace or remove: give another --out")
 
 
 def _number(value):
@@ -492,6 +541,7 @@ def main(argv=None):
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     out = args.out or args.checkpoint.parent / "positions"
     check_output(out / MANIFEST, [args.checkpoint], parser.error)  # (out a file, or not writable: one line)
+    check_checkpoint_apart(args.checkpoint, out, parser.error)
     name, written = plot_checkpoint(args.checkpoint, out, args.data, args.length, args.max_distance,
                                     args.layers, args.dpi, args.mark_length)
     if not written:
@@ -501,4 +551,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    end_on_terminate()  # (here, not in main: the tests call main in their own process)
     main()

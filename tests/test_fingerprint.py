@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from util import REPO, load_script
+from util import REPO, load_script, sigterm_handler_of
 
 FINGERPRINT = REPO / "scripts" / "fingerprint.py"
 
@@ -66,3 +66,62 @@ def test_a_case_that_raises_leaves_all_its_names_out(fingerprint, capsys, raised
     recorder.case("bad", failing)
     assert recorder.failed == ["bad"] and list(recorder.tensors) == ["ok/out"]
     assert ("SKIPPED bad" if raised == "PatchMissing" else "FAILED bad") in capsys.readouterr().err
+
+
+# fingerprint.dump with its cases stubbed (one tensor recorded, and with "interrupt" an entry whose
+# pickling raises KeyboardInterrupt: Ctrl-C during torch.save)
+STUBBED_DUMP = """
+import importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location("fingerprint", sys.argv[1])
+fingerprint = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fingerprint)
+class Interrupt:
+    def __reduce__(self):
+        raise KeyboardInterrupt
+def case(rec, *args, **kwargs):
+    print("a case ran", file=sys.stderr)
+    rec.tensors["a/big"] = torch.ones(200000)
+    if sys.argv[3] == "interrupt":
+        rec.tensors["b/interrupt"] = Interrupt()
+fingerprint.transformer_cases = fingerprint.lm_cases = fingerprint.roberta_cases = case
+fingerprint.write_data = lambda root: root
+sys.exit(fingerprint.dump(sys.argv[2], only=["t5"]))
+"""
+
+
+def stubbed_dump(out, how="whole"):
+    return subprocess.run([sys.executable, "-c", STUBBED_DUMP, str(FINGERPRINT), str(out), how], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_an_interrupted_dump_leaves_the_earlier_one_whole(tmp_path):
+    """Before, torch.save wrote straight into OUT: an interrupt left a truncated file in place of a complete
+    earlier dump."""
+    out = tmp_path / "fp.pt"
+    torch.save({"x": torch.arange(3)}, out)
+    done = stubbed_dump(out, "interrupt")
+    assert done.returncode != 0 and "KeyboardInterrupt" in done.stderr
+    assert torch.equal(torch.load(out, weights_only=True)["x"], torch.arange(3))
+    assert [path.name for path in tmp_path.iterdir()] == ["fp.pt"]  # no temporary file left
+    done = stubbed_dump(out)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert list(torch.load(out, weights_only=True)) == ["a/big"]
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_the_cases_run(tmp_path):
+    """Before, OUT under a file or naming a folder was found by torch.save after every case had run,
+    and ended in a traceback."""
+    (tmp_path / "afile").write_text("")
+    for out, message in ((tmp_path / "afile" / "fp.pt", f"{tmp_path / 'afile'} is not a folder this user may write in"),
+                         (tmp_path, "is a folder: give a file name to write")):
+        done = stubbed_dump(out)
+        assert done.returncode == 1 and message in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]
+        assert "a case ran" not in done.stderr and "Traceback" not in done.stderr
+    done = stubbed_dump(tmp_path / "new" / "folder" / "fp.pt")  # a folder it can make
+    assert done.returncode == 0 and (tmp_path / "new" / "folder" / "fp.pt").is_file(), done.stderr[-2000:]
+
+
+def test_sigterm_ends_a_dump_as_ctrl_c_does():
+    """Before, SIGTERM (kill, a job scheduler's stop) ended a dump at once, past the removal of its
+    temporary files that an interrupt runs."""
+    assert sigterm_handler_of(FINGERPRINT) == "posenc_fairseq.cli_signals"

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from util import REPO, load_script, run
+from util import REPO, load_script, run, sigterm_handler_of
 
 SCRIPT = REPO / "scripts" / "gpu_benchmark.py"
 TINY = ["--device", "cpu", "--layers", "1", "--dim", "16", "--heads", "2", "--vocab", "40", "--warmup", "1",
@@ -259,3 +259,46 @@ def test_triton_rows_follow_the_encodings_the_kernel_serves():
         ["--archs", "transformer_shaw", "transformer_alibi", "--triton"]))
     assert models == [("transformer", ""), ("transformer_alibi", ""), ("transformer_alibi", "POSENC_TRITON_ATTENTION=on"),
                       ("transformer_shaw", ""), ("transformer_shaw", "POSENC_TRITON_ATTENTION=off")]
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_measuring(tmp_path):
+    """Before, --out under a file was found when the first model's records were saved (its GPU time spent)
+    and ended in FileExistsError's traceback; --add ended the same way."""
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "run.json").write_text(json.dumps(fake_records("r1", 100.0, 50.0)))
+    out = tmp_path / "afile" / "records.json"
+    for words in ([*TINY, "--archs", "transformer_sinusoidal", "--sizes", "1x8"], ["--add", tmp_path / "run.json"]):
+        done = subprocess.run([sys.executable, SCRIPT, *map(str, words), "--out", str(out)], capture_output=True,
+                              text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+            f"gpu_benchmark: cannot write {out}: {tmp_path / 'afile'} is not a folder this user may write in"], done.stderr
+
+
+def test_an_interrupt_ends_the_models_process_too(tmp_path):
+    """Ctrl-C reaches every process of the terminal's group, SIGTERM only this one: before, the model's
+    process went on measuring (and the interpreter waited for it at exit)."""
+    gpu_benchmark = load_script(SCRIPT)
+    killed = []
+
+    class Child:
+        def start(self):
+            pass
+
+        def join(self, timeout=None):
+            if timeout is not None:  # waiting for the model: the interrupt arrives
+                raise KeyboardInterrupt
+
+        def kill(self):
+            killed.append(True)
+
+    context = type("Context", (), {"Process": lambda self, target, args: Child()})()
+    with pytest.raises(KeyboardInterrupt):
+        gpu_benchmark.measure_in_process(context, "transformer", "", gpu_benchmark.parse_args(TINY), 60,
+                                         tmp_path / "cells.jsonl")
+    assert killed == [True]
+
+
+def test_sigterm_ends_a_run_as_ctrl_c_does():
+    """Before, SIGTERM (kill, a job scheduler's stop) ended the run at once, past the removal of its
+    temporary files that an interrupt runs."""
+    assert sigterm_handler_of(SCRIPT) == "posenc_fairseq.cli_signals"

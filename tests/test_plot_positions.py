@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from util import REPO
+from util import REPO, sigterm_handler_of
 
 SCRIPT = REPO / "scripts" / "plot_positions.py"
 LENGTH = 40
@@ -257,3 +257,107 @@ def test_a_second_checkpoint_into_the_same_folder_leaves_none_of_the_firsts_file
     listing = plot(tiny_checkpoint("transformer_alibi"), out)
     written = {line.split(":")[0].rsplit("/", 1)[-1] for line in listing.splitlines() if line.startswith(str(out))}
     assert {path.name for path in out.iterdir()} == written | {"notes.txt", "plot_positions.files"}
+
+
+def copied_checkpoint(tiny_checkpoint, path):
+    """A copy of the tiny T5 checkpoint at `path` (a test that may overwrite it leaves the shared one alone)."""
+    import shutil
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(tiny_checkpoint("transformer_t5"), path)
+    return path, path.read_bytes()
+
+
+def test_an_output_name_that_links_to_the_checkpoint_is_replaced_not_followed(tiny_checkpoint, tmp_path):
+    """Before, open(path, 'w') followed the link: the CSV overwrote the checkpoint."""
+    checkpoint, before = copied_checkpoint(tiny_checkpoint, tmp_path / "ck.pt")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bias_encoder_layer0.csv").symlink_to(checkpoint)
+    plot(checkpoint, out)
+    assert checkpoint.read_bytes() == before
+    assert not (out / "bias_encoder_layer0.csv").is_symlink()
+    assert read(out / "bias_encoder_layer0.csv")[0][0] == "key_minus_query"
+    assert oct((out / "bias_encoder_layer0.csv").stat().st_mode & 0o777) == oct(0o666 & ~current_umask())
+
+
+def current_umask():
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def test_a_checkpoint_this_run_would_replace_or_remove_is_refused_before_any_work(tiny_checkpoint, tmp_path):
+    """Before, a checkpoint inside --out named like an output (or listed by an earlier run's
+    plot_positions.files, which the run removes first) was overwritten or deleted."""
+    out = tmp_path / "out"
+    listed, before = copied_checkpoint(tiny_checkpoint, out / "model.pt")
+    (out / "plot_positions.files").write_text("model.pt\n")
+    named_as_output, _ = copied_checkpoint(tiny_checkpoint, out / "prior_decoder_layer0.csv")
+    (tmp_path / "alias.pt").symlink_to(named_as_output)
+    for checkpoint in (listed, named_as_output, tmp_path / "alias.pt"):
+        done = subprocess.run([sys.executable, str(SCRIPT), str(checkpoint), "--out", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert "under a name this run would replace or remove: give another --out" in done.stderr.strip().splitlines()[-1]
+        assert "Traceback" not in done.stderr
+    assert listed.read_bytes() == before and named_as_output.read_bytes() == before
+    assert sorted(path.name for path in out.iterdir()) == ["model.pt", "plot_positions.files", "prior_decoder_layer0.csv"]
+
+
+# plot_positions.main with the rows of its 3rd CSV raising after 5 rows (a full disk, Ctrl-C)
+FAIL_MIDWAY = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("plot_positions", sys.argv[1])
+script = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(script)
+real, calls = script.Writer.csv, [0]
+def csv(self, name, header, rows, what):
+    calls[0] += 1
+    if calls[0] == 3:
+        def broken(rows=rows):
+            for number, row in enumerate(rows):
+                if number == 5:
+                    raise OSError(28, "No space left on device") if sys.argv[2] == "full" else KeyboardInterrupt
+                yield row
+        rows = broken()
+    return real(self, name, header, rows, what)
+script.Writer.csv = csv
+script.main(sys.argv[3:])
+"""
+
+
+def test_a_run_that_stops_midway_leaves_whole_files_all_named_in_the_manifest(tiny_checkpoint, tmp_path):
+    """Before, the earlier run's manifest went first and the new one came last: a run that stopped midway
+    left a truncated CSV and no manifest, so the next run could not clean up; a full disk ended in a
+    traceback."""
+    checkpoint, _ = copied_checkpoint(tiny_checkpoint, tmp_path / "ck.pt")
+    out = tmp_path / "out"
+    plot(checkpoint, out)
+    (out / "notes.txt").write_text("the user's")
+    for failure in ("full", "interrupt"):
+        done = subprocess.run([sys.executable, "-c", FAIL_MIDWAY, str(SCRIPT), failure, str(checkpoint), "--out", str(out),
+                               "--length", str(LENGTH)], capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", MPLBACKEND="Agg"))
+        assert done.returncode != 0
+        if failure == "full":
+            assert done.stderr.strip().splitlines()[-1] == \
+                f"error: cannot write {out / 'bias_decoder_layer0.csv'}: No space left on device", done.stderr[-2000:]
+            assert "Traceback" not in done.stderr
+        # the manifest names every file there (no temporary file is left), the one it was writing too
+        listed = set((out / "plot_positions.files").read_text().split())
+        there = {path.name for path in out.iterdir()} - {"notes.txt", "plot_positions.files"}
+        assert there <= listed and "bias_encoder_layer0.csv" in there, (failure, there - listed)
+        assert "bias_decoder_layer0.csv" not in there  # not half written
+        for name in there:
+            if name.endswith(".csv"):
+                assert len(read(out / name)[1]) > 5  # whole
+    listing = plot(checkpoint, out)
+    written = {line.split(":")[0].rsplit("/", 1)[-1] for line in listing.splitlines() if line.startswith(str(out))}
+    assert {path.name for path in out.iterdir()} == written | {"notes.txt", "plot_positions.files"}
+
+
+def test_sigterm_ends_a_run_as_ctrl_c_does():
+    """Before, SIGTERM (kill, a job scheduler's stop) ended the run at once, past the clean-up of its
+    temporary files that an interrupt runs."""
+    assert sigterm_handler_of(SCRIPT) == "posenc_fairseq.cli_signals"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from util import QUICK_TRAIN, REPO, TINY_ROBERTA, TINY_TRANSFORMER, run
+from util import QUICK_TRAIN, REPO, TINY_ROBERTA, TINY_TRANSFORMER, run, sigterm_handler_of
 
 SCRIPTS = REPO / "scripts"
 TRAIN = [option for option in QUICK_TRAIN if option != "--cpu"]  # compare.py adds --cpu itself
@@ -24,7 +24,8 @@ def test_compare_two_encodings_on_translation(translation_data, tmp_path):
     table = (tmp_path / "results.md").read_text()
     assert table in out  # printed as well
     lines = table.splitlines()
-    assert lines[0].startswith("| arch | params | train s | valid loss | BLEU (test) | 0-6 words | 7-9 words | >9 words |")
+    assert lines[0].startswith("Commit ") and lines[1] == ""  # what made the table, then the table
+    assert lines[2].startswith("| arch | params | train s | valid loss | BLEU (test) | 0-6 words | 7-9 words | >9 words |")
     rows = [line for line in lines if line.startswith("| transformer_")]
     assert [row.split(" | ")[0] for row in rows] == ["| transformer_alibi", "| transformer_t5"]
     for row in rows:
@@ -115,7 +116,7 @@ def test_compare_reports_an_unexpected_failure_and_runs_the_other_architectures(
     assert status == 1 and trained == ["roberta_t5", "roberta_alibi"]
     table = (tmp_path / "out" / "results.md").read_text()
     assert "| roberta_t5 | failed: KeyError: 'ppl' |" in table
-    assert "| roberta_alibi | 1,000 | 1 | 0.500 | 75.00 |" in table
+    assert "| roberta_alibi | 1,000 | 1 | 0.500 | 75.0 |" in table
     assert "KeyError" in (tmp_path / "out" / "roberta_t5" / "error.log").read_text()
     assert "roberta_t5: KeyError: 'ppl'" in capsys.readouterr().out
 
@@ -189,6 +190,71 @@ def test_compare_interrupted_keeps_what_finished_and_no_earlier_table(compare, m
     assert not any((out / name).exists() for name in ("results.md", "results.csv", "compare.png"))
 
 
+def fake_compare(compare, monkeypatch, tmp_path, outcomes, data=None):
+    """compare.main on --arch `outcomes` (arch -> accuracy, or an exception its evaluation raises) with
+    training and evaluation faked; returns (exit status, the plot's axis titles)."""
+    def evaluate(args, arch, work, checkpoint, env, device):
+        if isinstance(outcomes[arch], Exception):
+            raise outcomes[arch]
+        return {"metric": "accuracy % (valid)", "value": outcomes[arch], "bins": []}
+    monkeypatch.setattr(compare.DEMO, "run", lambda command, log, **kwargs: None)
+    monkeypatch.setattr(compare, "evaluate", evaluate)
+    import matplotlib.figure
+
+    titles, savefig = [], matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda figure, *a, **k: (titles.extend(axis.get_title() for axis in figure.axes),
+                                                 savefig(figure, *a, **k))[1])
+    if data is None:
+        data = tmp_path / "data"
+        data.mkdir()
+    status = compare.main([str(data), "--arch", *outcomes, "--out", str(tmp_path / "out"), "--", "--max-update", "1"])
+    return status, titles
+
+
+def test_compare_says_when_a_rerun_removes_the_earlier_checkpoints(compare, monkeypatch, tmp_path, capsys):
+    """Before, an earlier run's DIR/ARCH/checkpoints went without a word."""
+    earlier = tmp_path / "out" / "roberta_t5" / "checkpoints"
+    earlier.mkdir(parents=True)
+    (earlier / "checkpoint_last.pt").write_text("an earlier run's")
+    assert fake_compare(compare, monkeypatch, tmp_path, {"roberta_t5": 75.0})[0] == 0
+    assert f"roberta_t5: removing an earlier run's checkpoints in {earlier}" in capsys.readouterr().out
+    assert not earlier.exists()
+    assert "A rerun into the same DIR replaces DIR/ARCH" in " ".join(compare.__doc__.split())  # --help says so
+
+
+def test_compare_refuses_data_in_a_folder_a_run_removes(compare, monkeypatch, tmp_path, capsys):
+    """Before, DATA-BIN inside DIR/ARCH/checkpoints was deleted with the earlier run's checkpoints."""
+    for data in (tmp_path / "out" / "roberta_t5" / "checkpoints" / "bin", tmp_path / "out" / "roberta_t5" / "checkpoints"):
+        data.mkdir(parents=True, exist_ok=True)
+        (data / "dict.txt").write_text("the data")
+        with pytest.raises(SystemExit) as exit_info:
+            fake_compare(compare, monkeypatch, tmp_path, {"roberta_alibi": 75.0, "roberta_t5": 75.0}, data=data)
+        assert exit_info.value.code == 2 and (data / "dict.txt").read_text() == "the data"
+        assert "roberta_t5/checkpoints, which a run removes: give another --out" in capsys.readouterr().err
+
+
+def test_compare_records_what_made_the_results_and_names_the_failed_in_the_plot(compare, monkeypatch, tmp_path,
+                                                                              capsys):
+    """Before, results.md and results.csv said nothing of the commit or the command, the plot left a
+    failed architecture out without a word, and an accuracy fairseq logs to 0.1 was shown as 75.00."""
+    from posenc_fairseq.provenance import source_commit
+
+    status, titles = fake_compare(compare, monkeypatch, tmp_path,
+                                  {"roberta_t5": 75.0, "roberta_alibi": compare.DEMO.CommandFailed("fairseq-train failed")})
+    assert status == 1
+    command = f"scripts/compare.py {tmp_path / 'data'} --arch roberta_t5 roberta_alibi --out {tmp_path / 'out'} -- --max-update 1"
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert table.splitlines()[0] == f"Commit {source_commit()}: `{command}`; fairseq-train options `--max-update 1`"
+    with open(tmp_path / "out" / "results.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["arch"] for row in rows] == ["roberta_t5", "roberta_alibi"]
+    assert all(row["commit"] == source_commit() and row["command"] == command and row["train_options"] == "--max-update 1"
+               for row in rows)
+    assert titles[0] == "failed: roberta_alibi"
+    assert "| roberta_t5 | ? | 0 | - | 75.0 |" in table and "accuracy % (valid) = 75.0\n" in capsys.readouterr().out
+
+
 def options_output(capsys, *argv):
     """scripts/options.py run in this process (fairseq is imported already: no start-up cost)."""
     import importlib.util
@@ -249,6 +315,12 @@ def _flags_of(add_args):
     parser = argparse.ArgumentParser(add_help=False)
     add_args(parser)
     return [action.option_strings[0] for action in parser._actions]
+
+
+def test_compare_sigterm_ends_a_run_as_ctrl_c_does():
+    """Before, SIGTERM (kill, a job scheduler's stop) ended compare.py at once: no table of the
+    architectures that had finished, which Ctrl-C writes."""
+    assert sigterm_handler_of(SCRIPTS / "compare.py") == "posenc_fairseq.cli_signals"
 
 
 def test_importing_the_plugin_leaves_logging_alone():
