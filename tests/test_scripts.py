@@ -3,6 +3,7 @@ scripts/options.py (every encoding's options), the demo's layout, and that impor
 leaves logging alone."""
 import argparse
 import csv
+import os
 import re
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from util import QUICK_TRAIN, REPO, TINY_ROBERTA, TINY_TRANSFORMER, run, sigterm_handler_of
+from util import QUICK_TRAIN, REPO, TINY_ROBERTA, TINY_TRANSFORMER, load_script, run, sigterm_handler_of
 
 SCRIPTS = REPO / "scripts"
 TRAIN = [option for option in QUICK_TRAIN if option != "--cpu"]  # compare.py adds --cpu itself
@@ -399,3 +400,25 @@ def test_compare_refuses_cuda_without_a_gpu(compare, translation_data, tmp_path,
         compare.parse_args([str(translation_data), "--arch", "transformer_alibi", "--out", str(tmp_path),
                             "--device", "cuda", "--", "--max-update", "3"])
     assert "--device cuda: torch" in capsys.readouterr().err
+
+
+def test_a_stopped_demo_or_compare_run_stops_its_command(tmp_path):
+    """run_demo.run (also compare.py's) interrupted while its command runs (Ctrl-C, or a SIGTERM that
+    compare.py's handler turns into KeyboardInterrupt, sent to it alone) ends the command too; before,
+    Popen's exit left fairseq-train running."""
+    import time
+
+    demo = load_script(REPO / "examples" / "demo" / "run_demo.py")
+    command = [sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"]
+    started = []
+
+    def stop_at_first_line(line):
+        started.append(int(line))
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        demo.run(command, tmp_path / "log.txt", show=stop_at_first_line)
+    deadline = time.time() + 30
+    while time.time() < deadline and os.path.exists(f"/proc/{started[0]}") and \
+            open(f"/proc/{started[0]}/stat").read().split()[2] != "Z":
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{started[0]}") or open(f"/proc/{started[0]}/stat").read().split()[2] == "Z"

@@ -106,12 +106,18 @@ def run(command, log, show=None, env=None):
     tail = []
     with open(log, "a") as out, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                  text=True, env=env, bufsize=1) as process:
-        for line in process.stdout:
-            out.write(line)
-            tail = (tail + [line])[-40:]
-            shown = show(line) if show is not None else None
-            if shown:
-                print("  " + shown, flush=True)
+        try:
+            for line in process.stdout:
+                out.write(line)
+                tail = (tail + [line])[-40:]
+                shown = show(line) if show is not None else None
+                if shown:
+                    print("  " + shown, flush=True)
+        except BaseException:
+            # stopped (Ctrl-C, or SIGTERM to this process alone: scripts/compare.py's end_on_terminate):
+            # the command stops too (Popen's exit would leave it running)
+            process.terminate()
+            raise
     if process.returncode != 0:
         sys.stderr.write("".join(tail))
         raise CommandFailed(f"{Path(command[0]).name} failed (exit {process.returncode}); full output in {log}")
