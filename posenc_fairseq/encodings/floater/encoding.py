@@ -40,8 +40,10 @@ class PassState:
     __slots__ = ("solved_from", "tables", "group_tables", "gathered", "biases", "needed", "step_positions",
                  "step_biases")
 
-    def __init__(self, solved_from: tuple):
-        self.solved_from = solved_from  # `Floater.solve_input_versions()` when the pass began
+    def __init__(self, solved_from: Optional[tuple] = None):
+        # `Floater.solve_input_versions()` when an encoder's pass began (the one pass a later call, the
+        # decoder's, continues; not made per decoding step, whose pass is its own)
+        self.solved_from = solved_from
         self.tables = PassTables()  # the tables solved in this pass
         self.group_tables = {}  # (group, dtype) -> (table values, b(t) of the group's slots)
         self.gathered = {}  # (group, dtype, shared range or None) -> (table values, positions, biases there)
@@ -305,7 +307,7 @@ class Floater(PositionalEncoding):
         """This forward pass's state (the cache's model-pass scope)."""
         state = self.cache.model_pass.get(self.pass_key)
         if state is None:
-            state = self.cache.model_pass[self.pass_key] = PassState(self.solve_input_versions())
+            state = self.cache.model_pass[self.pass_key] = PassState()
         return state
 
     def kept_value_inputs(self):
@@ -383,14 +385,13 @@ class Floater(PositionalEncoding):
         context = super().begin(role, positions, source_positions, earlier)
         model_pass = self.cache.model_pass
         state = model_pass.get(self.pass_key)
-        if state is not None and earlier == 0:
+        if state is not None and state.solved_from is not None and state.solved_from != self.solve_input_versions():
             # the decoder continuing the encoder's pass (it reads its output): the pass's tables only
             # while the tensors they were solved from stand (no optimizer step or load in between)
-            versions = self.solve_input_versions()
-            if versions != state.solved_from:
-                state = None
+            state = None
         if state is None:  # a new forward pass of the model (the cache's model-pass scope)
-            state = model_pass[self.pass_key] = PassState(self.solve_input_versions())
+            versions = self.solve_input_versions() if role == "encoder" else None
+            state = model_pass[self.pass_key] = PassState(versions)
             if self.training:
                 self._resumable_window = None  # (trained without being told the update count)
             if self.training and self.recompute_every > 1:
