@@ -21,8 +21,16 @@ from typing import Any, Callable, Optional, Sequence
 MAX_PARAMETER_BYTES = 2 ** 30
 
 
-class OptionValueError(ValueError):
-    """An option's value is outside its allowed range; the message names option, value and range."""
+try:  # fairseq-hydra-train: hydra prints its compact exceptions as their message alone, others as a traceback
+    from hydra.errors import CompactHydraException as _OneLineUnderHydra
+except ImportError:  # (fairseq needs hydra; this module alone does not)
+    class _OneLineUnderHydra(Exception):
+        pass
+
+
+class OptionValueError(ValueError, _OneLineUnderHydra):
+    """An option's value is outside its allowed range; the message names option, value and range.
+    (fairseq's other commands print it in one line through compat/option_errors.py.)"""
 
 
 def _number(value: float) -> str:

@@ -4,7 +4,9 @@ order sensitivity, long input, gradients, half precision, LayerDrop pruning, fai
 --context-window batches, conversion from a stock transformer_lm checkpoint, the hub interface and
 2-process DDP."""
 import argparse
+import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -456,3 +458,20 @@ def test_lm_trains_in_two_gloo_processes(masked_lm_data, tmp_path, encoding):
     out = run_distributed(command, world_size=2)
     assert "training on 2 devices" in out and "num_updates 2" in out
     assert (tmp_path / "checkpoint_last.pt").exists()
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("+model.t5_num_bucket=16", "--t5-num-bucket: no encoding has this option (did you mean --t5-num-buckets?)"),
+    ("+model.t5_num_buckets=7", "--t5-num-buckets"),
+    ("+model.input_positions=bogus", "--input-positions bogus: expected one of")])
+def test_hydra_train_refuses_a_bad_encoding_option_in_one_line(masked_lm_data, tmp_path, override, expected):
+    """hydra prints an exception from the job as a filtered traceback (some 30 lines, the message last)
+    unless it is one of its compact exceptions, whose message alone it prints: OptionValueError is one."""
+    (tmp_path / "lm.yaml").write_text(HYDRA_LM.format(user_dir=USER_DIR, data=masked_lm_data, arch="transformer_lm_t5"))
+    done = subprocess.run([str(REPO / ".venv/bin/fairseq-hydra-train"), "--config-dir", str(tmp_path), "--config-name",
+                           "lm", f"checkpoint.save_dir={tmp_path / 'save'}", f"hydra.run.dir={tmp_path / 'hydra'}",
+                           override], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 1 and "Traceback" not in done.stderr and "File \"" not in done.stderr, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert any(line.startswith(expected) for line in lines[-4:]), done.stderr[-3000:]  # (hydra's hint follows it)
