@@ -34,3 +34,16 @@ def test_a_count_defaults_follows_and_refuses(monkeypatch):
         with pytest.raises(ValueError, match=rf"^{graphs.MIN_WORK}='{bad}': expected a whole number >= 0$"):
             graphs.gpu_min_work()
     assert switches.count("POSENC_NOT_SET_ANYWHERE", 7) == 7
+
+
+def test_the_floater_graphs_switch_is_on_at_1_only_and_refuses_other_values(monkeypatch):
+    """Any value but empty or 0 turned the graphs on, 'off' included."""
+    monkeypatch.delenv(graphs.ENABLE, raising=False)
+    assert not graphs.enabled()
+    for value, on in (("", False), ("0", False), ("1", True)):
+        monkeypatch.setenv(graphs.ENABLE, value)
+        assert graphs.enabled() == on
+    for bad in ("off", "true", "on"):
+        monkeypatch.setenv(graphs.ENABLE, bad)
+        with pytest.raises(ValueError, match=rf"^{graphs.ENABLE}='{bad}': expected one of , 0, 1$"):
+            graphs.enabled()

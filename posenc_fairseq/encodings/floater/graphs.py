@@ -26,13 +26,12 @@ On the CPU (no graphs) the same buffers, padding and copies run with the loops c
 of replayed: the fallback, which the CPU tests hold to the eager solve exactly.
 """
 import math
-import os
 from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from ...switches import count
+from ...switches import choice, count
 from .loops import (Memo, _hidden_backward_loops, _hidden_forward_loops, _HiddenRun, kept_recent, kept_reductions,
                     tableau_key)
 from .solver import KEEP_STAGES_BYTES, hidden_gradients, single_thread, without_autocast
@@ -48,8 +47,9 @@ KEPT_GRAPHS = 16  # graphs kept per encoding (least recently used dropped): each
 
 
 def enabled() -> bool:
-    """Whether the fixed-grid hidden-space solves go through the graphs (POSENC_FLOATER_CUDA_GRAPHS=1)."""
-    return os.environ.get(ENABLE, "") not in ("", "0")
+    """Whether the fixed-grid hidden-space solves go through the graphs (POSENC_FLOATER_CUDA_GRAPHS=1;
+    0 or empty: off; any other value is refused, as `off` would otherwise read as on)."""
+    return choice(ENABLE, ("", "0", "1"), "") == "1"
 
 
 def gpu_min_work() -> Optional[int]:
