@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from posenc_fairseq.encodings import ENCODINGS  # noqa: E402
 
 COMMON = [
-    ("--positional-encoding NAME", "set by the architecture (transformer_NAME*, roberta_NAME*)",
+    ("--positional-encoding NAME", "set by the architecture (transformer_NAME*, transformer_lm_NAME*, roberta_NAME*)",
      "position information inside attention: " + ", ".join(sorted(ENCODINGS))),
     ("--input-positions none|sinusoidal|learned|stock", "the encoding's choice (below)",
      "absolute embedding added to the input tokens (fairseq's own modules); 'stock' keeps the base "
@@ -93,7 +93,7 @@ def default_in_help(text: str, choices=None) -> str:
 
 def describe(name: str) -> str:
     cls = ENCODINGS[name]
-    lines = [f"{name}  (architectures transformer_{name}*, roberta_{name}*; "
+    lines = [f"{name}  (architectures transformer_{name}*, transformer_lm_{name}*, roberta_{name}*; "
              f"default --input-positions {cls.default_input_positions})"]
     options = encoding_options(name)
     if not options:
