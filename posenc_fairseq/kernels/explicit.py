@@ -31,9 +31,14 @@ def attend(call, q: Tensor, terms: Optional[Tensor], dropout: Callable[[Tensor],
     """softmax(q k^T + terms) v of the `AttentionCall` `call` (its queries as `q`: with the content
     query where folded), the keys its masks block left out, plus its relative value term; the
     output (B, H, Tq, D) and the probabilities (B, H, Tq, Tk). `terms`: without the blocked
-    entries (`terms.with_finite_mask`); `dropout`: the attention's dropout module."""
-    products = q @ call.k.transpose(-1, -2)
-    probs = softmax(masked_logits(call, products if terms is None else products + terms))
+    entries (`terms.with_finite_mask`); `dropout`: the attention's dropout module. In half precision
+    the logits are float32, as in the fused kernels: a product past fp16's 65504 (FLOATER's biases far
+    beyond the training lengths; `floater/table.bias_limit` counts on it) would be inf, then NaN."""
+    if q.dtype in (torch.float16, torch.bfloat16):
+        products = q.float() @ call.k.float().transpose(-1, -2)  # (+ half terms: float32 by promotion)
+    else:
+        products = q @ call.k.transpose(-1, -2)
+    probs = softmax(masked_logits(call, products if terms is None else products + terms)).to(q.dtype)
     dropped = dropout(probs) if call.dropout_p > 0 else probs
     out = dropped @ call.v
     if call.values is not None:
