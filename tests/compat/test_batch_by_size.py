@@ -63,14 +63,14 @@ def test_the_first_batch_kept_is_logged_once(caplog):
         "kept a last batch of 4 sentence(s) that"]
 
 
-def test_stock_training_sees_every_sentence_unless_switched_off(translation_data):
+def test_stock_training_sees_every_sentence_unless_switched_off(translation_data, tmp_path):
     """Training batches change for stock architectures too: a stock `transformer` under --user-dir
     trains on all 30 sentences of an epoch (one batch more than without the plugin) and says so in
     its log; with POSENC_KEEP_LAST_BATCH=off it repeats the run without --user-dir exactly."""
     def train(*options, env=None):
         out = run(["fairseq-train", translation_data, "--task", "translation", "--arch", "transformer",
                    *TINY_TRANSFORMER, *QUICK_TRAIN, "--train-subset", "valid", "--max-sentences", "8",
-                   "--max-epoch", "1", "--disable-validation", "--no-save", *options], env=env)
+                   "--max-epoch", "1", "--disable-validation", "--no-save", "--save-dir", tmp_path, *options], env=env)
         steps = re.findall(r"train_inner \| epoch 001: .*? (loss=[^,]+), .*?(bsz=[^,]+), (num_updates=[^,]+), "
                            r"lr=[^,]+, (gnorm=[^,]+)", out)
         return steps, "kept a last batch of 6 sentence(s)" in out

@@ -3,6 +3,7 @@ fairseq-train builds --restore-file's model from its command line, so an encodin
 there, or another parameter-free encoding, is refused in one line instead of silently giving the
 weights another encoding. Given values are taken as meant; checkpoints without the entry load."""
 import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -222,7 +223,8 @@ def test_averaged_entries_read_back_and_mixed_ones_are_refused(translation_data)
 def restore(data, checkpoint, *options):
     """fairseq-train --restore-file for one update; the finished process."""
     command = [str(BIN / "fairseq-train"), str(data), "--user-dir", USER_DIR, *TINY_TRANSFORMER, *QUICK_TRAIN,
-               "--max-update", "3", "--no-save", "--restore-file", str(checkpoint), "--reset-optimizer",
+               "--max-update", "3", "--no-save", "--save-dir", tempfile.mkdtemp(), "--restore-file", str(checkpoint),
+               "--reset-optimizer",
                "--reset-dataloader", "--reset-meters", *options]
     return subprocess.run(command, capture_output=True, text=True, env=command_env())
 

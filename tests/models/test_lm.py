@@ -356,7 +356,7 @@ def test_fine_tuning_a_converted_lm_with_the_printed_options_starts_as_stock(sto
     assert printed[:2] == ["--arch", "transformer_lm_t5"] and printed[printed.index("--input-positions") + 1] == "stock"
     assert printed[printed.index("--decoder-embed-dim") + 1] == "32"  # the source's own options too
     train = ["fairseq-train", masked_lm_data, *LM_TASK, *TINY_LM, *QUICK_TRAIN, "--max-update", "1", "--no-save",
-             "--reset-optimizer", "--reset-dataloader", "--reset-meters", "--user-dir", USER_DIR]
+             "--save-dir", tmp_path / "unused", "--reset-optimizer", "--reset-dataloader", "--reset-meters", "--user-dir", USER_DIR]
 
     def first_step(output):
         return re.findall(r"train_inner \| epoch 001: .*?(loss=[^,]+), .*?(gnorm=[^,]+)", output)
