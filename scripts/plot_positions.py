@@ -234,7 +234,7 @@ def plot_logit_bias(model, encoding, writer, length, max_distance):
                        matrix_rows(distances, bias.t()), f"{role} layer {layer}: logit bias per head against j - i")
             figure, axis = plt.subplots(figsize=(5, 3))
             for head in range(heads):
-                axis.plot(distances.tolist(), bias[head].tolist(), label=f"head {head}", lw=1)
+                axis.plot(distances.tolist(), bias[head].tolist(), label=f"head {head}", lw=1, **curve_style(head))
             axis.set(xlabel="key - query (j - i)", ylabel="logit bias",
                      title=f"{encoding.name}: {role} layer {layer}")
             axis.legend(fontsize=6, ncol=2)
@@ -344,8 +344,8 @@ def plot_projected_prior(model, encoding, writer, max_distance):
                        ["key_minus_query"] + [f"head{h}" for h in range(heads)], matrix_rows(seen, norm),
                        f"{role} layer {layer}: |W_r R_(i-j)| per head against j - i")
     figure, axis = plt.subplots(figsize=(5, 3))
-    for (role, layer), (seen, norm) in norms.items():
-        axis.plot(seen.tolist(), norm.mean(dim=1).tolist(), lw=1, label=f"{role} layer {layer}")
+    for index, ((role, layer), (seen, norm)) in enumerate(norms.items()):
+        axis.plot(seen.tolist(), norm.mean(dim=1).tolist(), lw=1, label=f"{role} layer {layer}", **curve_style(index))
     axis.set(xlabel="key - query (j - i)", ylabel="mean over heads of |W_r R|", title=f"{encoding.name}: learned W_r R")
     axis.legend(fontsize=6)
     writer.figure(figure, "projected_norm.png", "norm of the learned W_r R against distance, per layer")
@@ -356,6 +356,14 @@ def floater_slots(encoding):
     """[(role, layer, which)] in table order: encoder, decoder, cross; layer; q, k, v."""
     index = getattr(encoding, "_slot_index", None) or {}
     return [slot for slot, _ in sorted(index.items(), key=lambda item: item[1])]
+
+
+def curve_style(index: int) -> dict:
+    """Colour and line style of the `index`-th curve of a figure: 20 colours, then other line styles
+    (matplotlib's default cycle repeats after 10, so an 18-slot legend named two curves alike)."""
+    import matplotlib
+
+    return {"color": matplotlib.colormaps["tab20"](index % 20), "ls": ("-", "--", ":")[index // 20 % 3]}
 
 
 def plot_floater(model, encoding, writer, length, layers, mark=None):
@@ -377,7 +385,7 @@ def plot_floater(model, encoding, writer, length, layers, mark=None):
              else f"within float16's range ({fp16:.0f}) up to position {length - 1}"))
     figure, axis = plt.subplots(figsize=(5, 3))
     for column, name in enumerate(names):
-        axis.plot(positions.tolist(), norm[:, column].tolist(), lw=1, label=name)
+        axis.plot(positions.tolist(), norm[:, column].tolist(), lw=1, label=name, **curve_style(column))
     if mark:
         axis.axvline(mark, color="grey", ls="--", lw=0.8)
     axis.set(xlabel="position i", ylabel="|b(t_i) - b(0)|", title="FLOATER: norm of the position bias")

@@ -361,3 +361,15 @@ def test_sigterm_ends_a_run_as_ctrl_c_does():
     """Before, SIGTERM (kill, a job scheduler's stop) ended the run at once, past the clean-up of its
     temporary files that an interrupt runs."""
     assert sigterm_handler_of(SCRIPT) == "posenc_fairseq.cli_signals"
+
+
+def test_every_curve_of_a_figure_has_its_own_style():
+    """FLOATER's norms draw one curve per slot (18 for 2+2 layers); matplotlib's default cycle of 10
+    colours named two of them alike in the legend."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plot_positions", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    styles = [module.curve_style(index) for index in range(60)]
+    assert len({(style["color"], style["ls"]) for style in styles}) == 60
