@@ -389,6 +389,8 @@ def plot_floater(model, encoding, writer, length, layers, mark=None):
     if mark:
         axis.axvline(mark, color="grey", ls="--", lw=0.8)
     axis.set(xlabel="position i", ylabel="|b(t_i) - b(0)|", title="FLOATER: norm of the position bias")
+    axis.set_yscale("symlog", linthresh=1.0)  # (growth beyond the training lengths is exponential: straight lines)
+    axis.set_ylim(bottom=0)
     axis.legend(fontsize=5, ncol=3)
     writer.figure(figure, "floater_norms.png", "norm of b(t_i) - b(0) against position, per slot")
     for role, layer, which in slots:
