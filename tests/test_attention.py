@@ -417,20 +417,26 @@ def test_a_float_mask_with_finite_terms_adds_them_also_after_in_place_changes():
             assert (expected - got).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_logits_past_the_dtypes_range_stay_finite_on_the_explicit_path(dtype):
+@pytest.mark.parametrize("autocast", [False, True])
+def test_half_precision_logits_past_the_dtypes_range_stay_finite_on_the_explicit_path(autocast):
     """q.k beyond fp16's 65504 (FLOATER's biases far past the training lengths make such logits): the
     explicit softmax (attention weights asked for) computes the logits in float32, as the fused kernels
-    do, and gives what the fused path gives; before, inf logits, then NaN outputs."""
+    do, also under autocast (which would cast the product back), and gives what the fused path gives;
+    before, inf logits, then NaN outputs."""
+    import contextlib
+
+    dtype = torch.float16
     _, ours = pair("self")
     ours.bind_position(ConstantBias(None, ModelDims(EMBED, HEADS, 1, 1)), "encoder", 0)
     ours = ours.to(dtype)
+    scope = torch.autocast("cpu", dtype=dtype) if autocast else contextlib.nullcontext()
     with torch.no_grad():
         for projection in (ours.q_proj, ours.k_proj):
             projection.weight.mul_(300.0)  # |q|, |k| in the hundreds, q.k/sqrt(d) about 1e5
     x = torch.randn(6, 2, EMBED, generator=torch.Generator().manual_seed(1)).to(dtype)
-    fused, _ = ours(x, x, x, need_weights=False)
-    explicit, weights = ours(x, x, x, need_weights=True)
+    with scope:
+        fused, _ = ours(x, x, x, need_weights=False)
+        explicit, weights = ours(x, x, x, need_weights=True)
     scores = ours.q_proj(x)[:, 0, :4].float() @ ours.k_proj(x)[:, 0, :4].float().T * 0.5  # head 0, row 0
     assert scores.abs().max() > 65504  # (the case: past the dtype's range)
     assert torch.isfinite(explicit).all() and torch.isfinite(weights).all()

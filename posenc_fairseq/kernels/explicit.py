@@ -12,10 +12,20 @@ from .terms import masked_logits
 from ..encodings.distance import dense_values
 
 
+def products(q: Tensor, k: Tensor) -> Tensor:
+    """q k^T, (B, H, Tq, Tk); in half precision computed and returned in float32 (autocast off), as the
+    fused kernels keep their logits: a product past fp16's 65504 (FLOATER's biases far beyond the
+    training lengths; `floater/table.bias_limit` counts on it) would be inf, then NaN."""
+    if q.dtype in (torch.float16, torch.bfloat16):
+        with torch.autocast(q.device.type, enabled=False):
+            return q.float() @ k.float().transpose(-1, -2)
+    return q @ k.transpose(-1, -2)
+
+
 def logits(q: Tensor, k: Tensor, terms: Optional[Tensor]) -> Tensor:
-    """q k^T (+ terms), (B, H, Tq, Tk); `q` already scaled."""
-    products = q @ k.transpose(-1, -2)
-    return products if terms is None else products + terms
+    """q k^T (+ terms), (B, H, Tq, Tk); `q` already scaled; float32 for half-precision inputs (`products`)."""
+    scores = products(q, k)
+    return scores if terms is None else scores + terms
 
 
 def softmax(scores: Tensor) -> Tensor:
@@ -31,19 +41,15 @@ def attend(call, q: Tensor, terms: Optional[Tensor], dropout: Callable[[Tensor],
     """softmax(q k^T + terms) v of the `AttentionCall` `call` (its queries as `q`: with the content
     query where folded), the keys its masks block left out, plus its relative value term; the
     output (B, H, Tq, D) and the probabilities (B, H, Tq, Tk). `terms`: without the blocked
-    entries (`terms.with_finite_mask`); `dropout`: the attention's dropout module. In half precision
-    the logits are float32, as in the fused kernels: a product past fp16's 65504 (FLOATER's biases far
-    beyond the training lengths; `floater/table.bias_limit` counts on it) would be inf, then NaN."""
-    if q.dtype in (torch.float16, torch.bfloat16):
-        products = q.float() @ call.k.float().transpose(-1, -2)  # (+ half terms: float32 by promotion)
-    else:
-        products = q @ call.k.transpose(-1, -2)
-    probs = softmax(masked_logits(call, products if terms is None else products + terms)).to(q.dtype)
+    entries (`terms.with_finite_mask`); `dropout`: the attention's dropout module. The logits of
+    half-precision inputs are float32 (`products`)."""
+    scores = products(q, call.k)
+    probs = softmax(masked_logits(call, scores if terms is None else scores + terms)).to(q.dtype)
     dropped = dropout(probs) if call.dropout_p > 0 else probs
     out = dropped @ call.v
     if call.values is not None:
         target_probs = dropped[..., call.source_keys:] if call.source_keys else dropped
         out = out + dense_values(call.values, target_probs).to(out.dtype)
     if call.term is not None and terms is not None:
-        flush_subnormals_in_backward(out, products)
+        flush_subnormals_in_backward(out, scores)
     return out, probs

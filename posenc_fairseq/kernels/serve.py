@@ -36,7 +36,8 @@ def _serve_piece(call: AttentionCall, plan: Plan, content_query: Optional[Tensor
     q = call.q if content_query is None else call.q + content_query
     kernel = plan.kernel
     if kernel is Kernel.LOGITS:
-        return masked_logits(call, explicit.logits(q, call.k, with_finite_mask(call, terms))), None
+        # (in the model's dtype, as fairseq's before_softmax gives them)
+        return masked_logits(call, explicit.logits(q, call.k, with_finite_mask(call, terms)).to(q.dtype)), None
     if kernel is Kernel.EXPLICIT:  # (fills the blocked logits itself)
         return explicit.attend(call, q, with_finite_mask(call, terms), dropout)
     if plan.causal:

@@ -23,5 +23,5 @@ def attend(call) -> Tensor:
     if (term_logits is not None or masked) and q.device.type == "cpu" and call.dropout_p == 0.0:
         # one query with an additive term or a mask: SDPA's CPU kernel with a float mask costs more
         # than the softmax written out (docs/benchmarks.md)
-        return softmax(masked_logits(call, logits(q, k, with_finite_mask(call, term_logits)))) @ v
+        return softmax(masked_logits(call, logits(q, k, with_finite_mask(call, term_logits)))).to(v.dtype) @ v
     return sdpa.attend_masked(call, q, k, v, term_logits)  # (it adds the mask's finite part once)

@@ -557,31 +557,45 @@ def check_encoding_entries(model, state_dict, loadable: bool = True) -> None:
             module.check_trained_with(saved, loadable)
 
 
-def encoding_weights_mismatch(model, model_state, state_dict, stock_converter: str) -> Optional[str]:
-    """How the checkpoint's positional-encoding weights differ from the model's by name and shape, as one
-    line (None where they agree), for a strict load that fails on them, where torch reports only missing
-    or unexpected keys or a size mismatch: a stock checkpoint not converted (`stock_converter` converts
-    it), or an encoding option that sizes the tables (--t5-num-buckets, --shaw-k, ...) other than the
-    weights were trained with. (Older key names that an encoding renames as it loads differ here too:
-    the message is used only where the load fails.)"""
-    prefixes = tuple(f"{name}." for name, module in model.named_modules()
-                     if name and isinstance(module, PositionalEncoding))
-    entries = [key for key in state_dict if key.endswith(f".{trained_with.KEY}")]
+def encoding_prefixes(model) -> tuple:
+    """The state-dict prefixes of `model`'s encoding modules."""
+    return tuple(f"{name}." for name, module in model.named_modules() if name and isinstance(module, PositionalEncoding))
+
+
+def encoding_weights_fit(model, model_state, state_dict) -> bool:
+    """Whether the checkpoint's encoding weights can be loaded into the model's as they are, as far as
+    known before the load: no weight both hold in other shapes, and not weights on one side only. (Key
+    names alone do not tell: an encoding renames older keys and takes extra state as it loads.)"""
+    prefixes = encoding_prefixes(model)
 
     def weights(state):
         return {key: value for key, value in state.items() if key.startswith(prefixes) and key != STOCK_INPUT_KEPT
                 and not key.endswith(f".{trained_with.KEY}")}
     ours, theirs = weights(model_state), weights(state_dict)
-    if not theirs and ours and not entries:
-        return (f"the checkpoint has none of this model's positional-encoding weights ({sorted(ours)[0]}, ...): "
-                f"a stock fairseq checkpoint is converted first ({stock_converter}, docs/conversion.md)")
-    differences = [f"{key} missing" for key in sorted(set(ours) - set(theirs))]
-    differences += [f"{key} unexpected" for key in sorted(set(theirs) - set(ours))]
-    differences += [f"{key} of shape {tuple(theirs[key].shape)} in the checkpoint, {tuple(ours[key].shape)} here"
-                    for key in sorted(set(ours) & set(theirs))
-                    if torch.is_tensor(ours[key]) and ours[key].shape != theirs[key].shape]
-    if not differences:
+    if bool(ours) != bool(theirs):
+        return False
+    return all(ours[key].shape == theirs[key].shape for key in set(ours) & set(theirs) if torch.is_tensor(ours[key]))
+
+
+def encoding_load_error(model, error: RuntimeError, state_dict, stock_converter: str) -> Optional[str]:
+    """torch's strict-load `error` in one line where every key it names is an encoding's (None where it
+    names another: that error stays torch's): a stock checkpoint not converted (`stock_converter`), or an
+    encoding option that sizes the tables (--t5-num-buckets, --shaw-k, ...) other than the weights had."""
+    prefixes, lines = encoding_prefixes(model), str(error).split("\n")
+    missing = [key for line in lines if "Missing key(s) in state_dict:" in line for key in re.findall(r'"([^"]+)"', line)]
+    unexpected = [key for line in lines if "Unexpected key(s) in state_dict:" in line
+                  for key in re.findall(r'"([^"]+)"', line)]
+    resized = re.findall(r"size mismatch for ([^:]+): copying a param with shape torch\.Size\((\[[^\]]*\])\) from "
+                         r"checkpoint, the shape in current model is torch\.Size\((\[[^\]]*\])\)", str(error))
+    named = missing + unexpected + [key for key, _, _ in resized]
+    if not named or not prefixes or not all(key.startswith(prefixes) for key in named):
         return None
+    entries = [key for key in state_dict if key.endswith(f".{trained_with.KEY}")]
+    if not entries and not any(key.startswith(prefixes) for key in state_dict):
+        return (f"the checkpoint has none of this model's positional-encoding weights ({missing[0]}, ...): a "
+                f"stock fairseq checkpoint is converted first ({stock_converter}, docs/conversion.md)")
+    differences = ([f"{key} missing" for key in missing] + [f"{key} unexpected" for key in unexpected]
+                   + [f"{key} of shape {theirs} in the checkpoint, {ours} here" for key, theirs, ours in resized])
     trained = [trained_with.described(state_dict[key]) for key in entries]
     return (f"the checkpoint's positional-encoding weights do not fit this model's ({'; '.join(differences[:3])}"
             f"{'; ...' if len(differences) > 3 else ''}): build the model with the encoding options the weights "
@@ -593,7 +607,7 @@ class EncodingStateMixin:
     pruning; learned input tables that the model and checkpoint disagree on are refused, and so are
     weights that keep the stock input embedding for a model that dropped it by default, and weights
     trained with another encoding or option value than the model's default (`check_encoding_entries`,
-    unless --allow-encoding-change), and encoding weights of other names or shapes, named where the load fails (`encoding_weights_mismatch`)."""
+    unless --allow-encoding-change), and encoding weights of other names or shapes, named where the load fails (`encoding_load_error`)."""
 
     #: the script that converts the stock checkpoints of this kind of model (named in refusals)
     stock_converter = "scripts/convert_transformer_checkpoint.py"
@@ -605,21 +619,20 @@ class EncodingStateMixin:
         # read the keys as this model names them
         self.upgrade_state_dict(state_dict)
         state_dict = prune_encoding_state_dict(state_dict, cfg)
-        mismatch = None
         if strict:
             model_state = self.state_dict()
             check_stock_input_kept(state_dict, cfg)
             check_learned_input_tables(model_state, state_dict, cfg)
-            mismatch = encoding_weights_mismatch(self, model_state, state_dict, self.stock_converter)
             if not getattr(self, "allow_encoding_change", False):
-                check_encoding_entries(self, state_dict, loadable=mismatch is None)
+                check_encoding_entries(self, state_dict, encoding_weights_fit(self, model_state, state_dict))
         state_dict = {key: value for key, value in state_dict.items() if key != STOCK_INPUT_KEPT}
         try:
             return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
         except RuntimeError as error:  # (torch's missing/unexpected keys or size mismatch)
-            if mismatch is None:
+            told = encoding_load_error(self, error, state_dict, self.stock_converter) if strict else None
+            if told is None:
                 raise
-            raise OptionValueError(mismatch) from error
+            raise OptionValueError(told) from error
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)

@@ -222,11 +222,13 @@ def test_averaged_entries_read_back_and_mixed_ones_are_refused(translation_data)
 
 def restore(data, checkpoint, *options):
     """fairseq-train --restore-file for one update; the finished process."""
+    save_dir = tempfile.TemporaryDirectory()  # (fairseq-train makes its save folder even with --no-save)
     command = [str(BIN / "fairseq-train"), str(data), "--user-dir", USER_DIR, *TINY_TRANSFORMER, *QUICK_TRAIN,
-               "--max-update", "3", "--no-save", "--save-dir", tempfile.mkdtemp(), "--restore-file", str(checkpoint),
+               "--max-update", "3", "--no-save", "--save-dir", save_dir.name, "--restore-file", str(checkpoint),
                "--reset-optimizer",
                "--reset-dataloader", "--reset-meters", *options]
-    return subprocess.run(command, capture_output=True, text=True, env=command_env())
+    with save_dir:
+        return subprocess.run(command, capture_output=True, text=True, env=command_env())
 
 
 def test_fairseq_train_restore_file_without_the_trained_option_is_refused(translation_data, tiny_checkpoint):
@@ -282,8 +284,8 @@ def test_weights_of_other_shapes_are_refused_without_a_way_out_that_cannot_load_
                                                r"--allow-encoding-change cannot load them\)"):
         load_with_config(translation_data, t5_16, "transformer_t5")
     with pytest.raises(OptionValueError, match=r"^the checkpoint's positional-encoding weights do not fit this "
-                                               r"model's \(positional_encoding\.\S+ of shape \(16, 4\) in the "
-                                               r"checkpoint, \(32, 4\) here.*\): build the model with the encoding "
+                                               r"model's \(positional_encoding\.\S+ of shape \[16, 4\] in the "
+                                               r"checkpoint, \[32, 4\] here.*\): build the model with the encoding "
                                                r"options the weights were trained with \(t5 with .*--t5-num-buckets "
                                                r"16.*\)$"):
         load_with_config(translation_data, t5_16, "transformer_t5", "--allow-encoding-change")
@@ -303,3 +305,22 @@ def test_a_stock_checkpoint_into_an_encoding_with_weights_names_the_converter(tr
                                                r"checkpoint\.py, docs/conversion\.md\)$"):
         load_with_config(translation_data, stock, "transformer_t5")
     load_with_config(translation_data, stock, "transformer_alibi", "--input-positions", "stock")
+
+
+def test_weights_that_load_keep_their_way_out_and_other_load_errors_stay_torchs(translation_data):
+    """Only what torch's load itself refuses, and only where every key it names is an encoding's, is told
+    as the encoding's: FLOATER's saved K-window (extra state its load takes) does not make weights of
+    another --floater-delta unloadable, and a wrong embedding size stays torch's own size mismatch (before:
+    both were told as encoding weights that do not fit)."""
+    windowed = model(translation_data, "transformer_floater", "--floater-recompute-every", "4",
+                     "--floater-delta", "0.2").state_dict()
+    with pytest.raises(OptionValueError, match=r"give --floater-delta 0\.2 to keep it, another value to change it, "
+                                               r"or --allow-encoding-change"):
+        load_with_config(translation_data, windowed, "transformer_floater")
+    load_with_config(translation_data, windowed, "transformer_floater", "--allow-encoding-change")
+    load_with_config(translation_data, windowed, "transformer_floater", "--floater-delta", "0.2")
+    wider = dict(windowed)
+    wider["encoder.embed_tokens.weight"] = torch.cat([wider["encoder.embed_tokens.weight"]] * 2)
+    with pytest.raises(RuntimeError, match=r"size mismatch for encoder\.embed_tokens\.weight") as raised:
+        load_with_config(translation_data, wider, "transformer_floater", "--floater-delta", "0.2")
+    assert not isinstance(raised.value, OptionValueError)

@@ -274,8 +274,10 @@ class Floater(PositionalEncoding):
 
     def solve_input_versions(self) -> tuple:
         """(identity, version) of every stored tensor a table is solved from: h's parameters and the
-        projection biases (with their pruned heads' values); any replacement or in-place change
-        (optimizer step, load_state_dict) changes it."""
+        projection biases (with their pruned heads' values); a replacement or an in-place change that
+        torch counts (torch.optim's steps, load_state_dict, in-place ops) changes it. A write through
+        `.data` (fairseq's own optimizers) is not counted by torch: such a change between the encoder's
+        and the decoder's call of one pass goes unseen (a training step never makes one there)."""
         tensors = [*self.dynamics.parameters()]
         for _, _, which, module in self._slots:
             tensors += module.projection_bias_tensors(which)
