@@ -62,9 +62,14 @@ def os_errors(action: str, path: str):
 
 
 def new_file_mode() -> int:
-    """The mode `open(path, 'w')` gives a new file under the current umask."""
-    mask = os.umask(0o022)
-    os.umask(mask)
+    """The mode `open(path, 'w')` gives a new file under the current umask: read from /proc where it
+    can be (setting the umask to read it would, for that moment, change it for every thread)."""
+    try:
+        with open("/proc/self/status") as status:
+            mask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
     return 0o666 & ~mask
 
 
