@@ -40,7 +40,7 @@ class PassState:
     __slots__ = ("solved_from", "tables", "group_tables", "gathered", "biases", "needed", "step_positions",
                  "step_biases")
 
-    def __init__(self, solved_from: Optional[tuple] = None):
+    def __init__(self, solved_from: Optional[list] = None):
         # `Floater.solve_input_versions()` when an encoder's pass began (the one pass a later call, the
         # decoder's, continues; not made per decoding step, whose pass is its own)
         self.solved_from = solved_from
@@ -272,16 +272,22 @@ class Floater(PositionalEncoding):
         """What a table is solved from: h's parameters and every slot's b(0)."""
         return [*self.dynamics.parameters(), *self.initial_parameters()]
 
-    def solve_input_versions(self) -> tuple:
-        """(identity, version) of every stored tensor a table is solved from: h's parameters and the
-        projection biases (with their pruned heads' values); a replacement or an in-place change that
-        torch counts (torch.optim's steps, load_state_dict, in-place ops) changes it. A write through
-        `.data` (fairseq's own optimizers) is not counted by torch: such a change between the encoder's
-        and the decoder's call of one pass goes unseen (a training step never makes one there)."""
+    def solve_input_versions(self) -> list:
+        """[(tensor, version)] of every stored tensor a table is solved from: h's parameters and the
+        projection biases (with their pruned heads' values). A replacement, or an in-place change that
+        torch counts (torch.optim's steps, load_state_dict, in-place ops), makes `same_versions` false. A
+        write through `.data` (fairseq's own optimizers) is not counted by torch: such a change between
+        the encoder's and the decoder's call of one pass goes unseen (a training step never makes one)."""
         tensors = [*self.dynamics.parameters()]
         for _, _, which, module in self._slots:
             tensors += module.projection_bias_tensors(which)
-        return tuple((id(tensor), tensor._version) for tensor in tensors)
+        return [(tensor, tensor._version) for tensor in tensors]
+
+    @staticmethod
+    def same_versions(kept: list, now: list) -> bool:
+        """Whether two `solve_input_versions` are of the same tensors (the objects themselves: an id may
+        be reused once a replaced tensor is freed, and `kept` holds them) at the same versions."""
+        return len(kept) == len(now) and all(a is b and u == v for (a, u), (b, v) in zip(kept, now))
 
     def table_options(self) -> tuple:
         """What a table depends on besides `solve_inputs`: the solver options, h's form and the slots."""
@@ -387,7 +393,8 @@ class Floater(PositionalEncoding):
         context = super().begin(role, positions, source_positions, earlier)
         model_pass = self.cache.model_pass
         state = model_pass.get(self.pass_key)
-        if state is not None and state.solved_from is not None and state.solved_from != self.solve_input_versions():
+        if state is not None and state.solved_from is not None and \
+                not self.same_versions(state.solved_from, self.solve_input_versions()):
             # the decoder continuing the encoder's pass (it reads its output): the pass's tables only
             # while the tensors they were solved from stand (no optimizer step or load in between)
             state = None
