@@ -43,6 +43,7 @@ class ALiBi(PositionalEncoding):
         super()._apply(fn, recurse)
         self.slopes = alibi_slopes(self.slopes.numel()).to(self.slopes)
         return self
+
     def penalty(self, distance: Tensor) -> Tensor:
         """-m_h |d| of key - query distances `distance` (any shape) -> (heads, *distance.shape)."""
         return -self.slopes.view(-1, *[1] * distance.dim()) * distance.abs()
