@@ -24,6 +24,15 @@ need_outside() {  # INPUT FOLDER WHAT-THE-RECIPE-DOES-TO-FOLDER
   esac
 }
 
+# DEVICE: --cpu where CPU is set, else fp16 with the loss scaling of fairseq's RoBERTa fine-tuning recipes
+set_device_options() {
+  if [[ -n "${CPU:-}" ]]; then
+    DEVICE=(--cpu)
+  else
+    DEVICE=(--fp16 --fp16-init-scale 4 --threshold-loss-scale 1 --fp16-scale-window 128)
+  fi
+}
+
 # fairseq-train resumes from SAVE_DIR/checkpoint_last.pt (its way to continue a stopped run), whatever
 # options this run has: said before it starts, so that a rerun with other settings is not taken for a new run
 say_if_resuming() {  # SAVE_DIR

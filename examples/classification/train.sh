@@ -66,11 +66,7 @@ esac
 K_OPTS=()
 [[ -n "$PAPER_K" ]] && K_OPTS=("--$ENCODING-k" "${K:-$PAPER_K}")
 
-if [[ -n "${CPU:-}" ]]; then
-  DEVICE=(--cpu)
-else
-  DEVICE=(--fp16 --fp16-init-scale 4 --threshold-loss-scale 1 --fp16-scale-window 128)
-fi
+set_device_options  # DEVICE
 say_if_resuming "$SAVE_DIR"
 mkdir -p "$SAVE_DIR"
 set -x

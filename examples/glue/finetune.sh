@@ -51,11 +51,7 @@ if [[ "$TASK" == "STS-B" ]]; then
 else
   METRIC=(--best-checkpoint-metric accuracy --maximize-best-checkpoint-metric)
 fi
-if [[ -n "${CPU:-}" ]]; then
-  DEVICE=(--cpu)
-else
-  DEVICE=(--fp16 --fp16-init-scale 4 --threshold-loss-scale 1 --fp16-scale-window 128)
-fi
+set_device_options  # DEVICE
 mkdir -p "$SAVE_DIR"
 set -x
 run_logged "$SAVE_DIR/train.log" "$FAIRSEQ_TRAIN" "$DATA_BIN" --user-dir "$USER_DIR" \

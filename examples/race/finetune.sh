@@ -30,11 +30,7 @@ MAX_UPDATE=${MAX_UPDATE:-0}
 SEED=${SEED:-1}
 USER_DIR=${USER_DIR:-$REPO/posenc_fairseq}
 FAIRSEQ_TRAIN=${FAIRSEQ_TRAIN:-fairseq-train}
-if [[ -n "${CPU:-}" ]]; then
-  DEVICE=(--cpu)
-else
-  DEVICE=(--fp16 --fp16-init-scale 4 --threshold-loss-scale 1 --fp16-scale-window 128)
-fi
+set_device_options  # DEVICE
 mkdir -p "$SAVE_DIR"
 set -x
 run_logged "$SAVE_DIR/train.log" "$FAIRSEQ_TRAIN" "$DATA_BIN" --user-dir "$USER_DIR" --ddp-backend=legacy_ddp \

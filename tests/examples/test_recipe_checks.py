@@ -200,3 +200,18 @@ def test_a_recipe_ends_with_fairseq_trains_status_and_its_whole_log(recipe, made
     assert done.returncode == 3, done.stderr
     assert log.read_text() == "an earlier run\n" + "".join(f"line {i}\n" for i in range(1, 3001)) + "oops\n"
     assert "line 3000\noops\n" in done.stdout
+
+
+@pytest.mark.parametrize("case", ["glue", "race", "classification"])
+@pytest.mark.parametrize("cpu", ["1", ""])
+def test_the_fine_tuning_recipes_pass_the_device_options(case, cpu, made, tmp_path):
+    """CPU=1 trains on the CPU; otherwise fp16 with the loss scaling of fairseq's RoBERTa fine-tuning recipes."""
+    data, checkpoint = made
+    save = tmp_path / "save"
+    arguments = {"glue": ("glue/finetune.sh", "RTE", data, checkpoint, save),
+                 "race": ("race/finetune.sh", data, checkpoint, save),
+                 "classification": ("classification/train.sh", "IMDB", data, save)}[case]
+    done = script(*arguments, CPU=cpu, FAIRSEQ_TRAIN="echo")
+    assert done.returncode == 0, done.stderr
+    fp16 = "--fp16 --fp16-init-scale 4 --threshold-loss-scale 1 --fp16-scale-window 128"
+    assert (" --cpu" in done.stdout, fp16 in done.stdout) == ((True, False) if cpu else (False, True)), done.stdout
