@@ -65,6 +65,11 @@ def load_model(checkpoint: Path, data: Path = None):
         detail = next((line.strip() for line in str(error).splitlines() if "Unsupported" in line), "")
         raise SystemExit(f"error: torch.load cannot read {checkpoint}: not a fairseq checkpoint"
                          + (f" ({detail[:200]})" if detail else ""))
+    except RuntimeError as error:
+        if "PytorchStreamReader" not in str(error):
+            raise
+        raise SystemExit(f"error: torch.load cannot read {checkpoint}: {str(error).splitlines()[0]} "
+                         "(a truncated or damaged file?)")
     model = models[0].float().eval()
     if getattr(model, "positional_encoding", None) is None:
         raise SystemExit(f"error: {checkpoint} is not a model of this package (no positional_encoding); "
@@ -267,6 +272,7 @@ def plot_logit_bias(model, encoding, writer, length, max_distance):
             axes[0][0].legend(fontsize=5)
             figure.suptitle(f"{encoding.name}: prior over keys j, {role} layer {layer}", fontsize=9)
             figure.supxlabel("key position j", fontsize=8)
+            figure.supylabel("prior beta of key j for query i", fontsize=8)
             writer.figure(figure, f"prior_{tag}.png", f"{role} layer {layer}: prior beta per head")
     return made
 
@@ -370,9 +376,17 @@ def plot_floater(model, encoding, writer, length, layers, mark=None):
     plt = _plt()
     with torch.no_grad():
         table = encoding.table(length)[:length].float().cpu()  # (positions, slots, d): b(t_i) - b(0)
+    name = f"FLOATER{' ' + writer.prefix.replace('_', ' ').strip() if writer.prefix else ''}"
+    finite = torch.isfinite(table).flatten(1).all(dim=1)
+    if not bool(finite.all()):  # (drawn up to there: beyond, float32's inf and NaN would fill the pictures)
+        length = int((~finite).nonzero()[0, 0])
+        if length < 2:
+            raise SystemExit(f"error: {name}: the solve leaves float32's range at once: nothing to draw")
+        print(f"{name}: the solve leaves float32's range at position {length}: drawn up to position {length - 1}")
+        table = table[:length]
     slots = floater_slots(encoding)
     positions = torch.arange(length)
-    norm = table.norm(dim=-1)  # (positions, slots)
+    norm = table.double().norm(dim=-1)  # (positions, slots); in float64: squares of finite float32 entries may not be
     peak = table.abs().flatten(1).amax(dim=1)  # largest |entry| per position, against fp16's range
     names = [f"{role}{layer}{which}" for role, layer, which in slots]
     writer.csv("floater_norms.csv", ["position"] + names + ["max_abs"],
@@ -380,7 +394,7 @@ def plot_floater(model, encoding, writer, length, layers, mark=None):
                "|b(t_i) - b(0)| per slot and the largest entry against position")
     fp16 = torch.finfo(torch.float16).max
     beyond = (peak > fp16).nonzero()
-    print(f"FLOATER{' ' + writer.prefix.replace('_', ' ').strip() if writer.prefix else ''}: largest |b(t_i) - b(0)| entry {float(peak.max()):.4g} (position {int(peak.argmax())}); "
+    print(f"{name}: largest |b(t_i) - b(0)| entry {float(peak.max()):.4g} (position {int(peak.argmax())}); "
           + (f"beyond float16's range ({fp16:.0f}) from position {int(beyond[0, 0])}" if len(beyond)
              else f"within float16's range ({fp16:.0f}) up to position {length - 1}"))
     figure, axis = plt.subplots(figsize=(5, 3))

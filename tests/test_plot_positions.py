@@ -221,6 +221,31 @@ def test_floater_matrix_solves_the_ode_of_the_checkpoint(tiny_checkpoint, tmp_pa
     assert "input embedding" in listing
 
 
+def test_floater_biases_beyond_float32s_range_are_drawn_up_to_where_they_leave_it(tiny_checkpoint, tmp_path):
+    """h(b, t) = relu(30 b + 1): b grows as exp(30 t). Before, norms of finite biases past 1.8e19 were
+    written as inf (their squares overflow float32), and a table that leaves float32's range printed a
+    NaN as its largest entry, filled the CSVs with NaN and inf, or ended in matplotlib's traceback."""
+    import posenc_fairseq  # noqa: F401  (safe globals)
+
+    saved = torch.load(tiny_checkpoint("transformer_floater", "--floater-init", "small"), map_location="cpu")
+    state = saved["model"]
+    fc1, fc2 = state["positional_encoding.dynamics.fc1.weight"], state["positional_encoding.dynamics.fc2.weight"]
+    (hidden, width), dim = fc1.shape, fc2.size(0)
+    fc1.copy_(torch.cat([30 * torch.eye(hidden, dim), torch.zeros(hidden, width - dim)], dim=1))
+    fc2.copy_(torch.cat([torch.eye(dim, hidden), torch.zeros(dim, fc2.size(1) - hidden)], dim=1))
+    state["positional_encoding.dynamics.fc1.bias"].fill_(1.0)
+    state["positional_encoding.dynamics.fc2.bias"].zero_()
+    torch.save(saved, tmp_path / "growing.pt")
+    listing = plot(tmp_path / "growing.pt", tmp_path / "out", "--layers", "0")
+    drawn = int(listing.split("the solve leaves float32's range at position ")[1].split(":")[0])
+    assert 20 < drawn < LENGTH and "entry nan" not in listing
+    _, positions, norms = read(tmp_path / "out" / "floater_norms.csv")
+    assert positions.tolist() == list(range(drawn)) and bool(torch.isfinite(norms).all())
+    _, _, q = read(tmp_path / "out" / "floater_encoder_layer0_q.csv")
+    assert q.abs().max() > 1e20  # squares beyond float32's range, norms within
+    torch.testing.assert_close(norms[:, 0], q.norm(dim=-1), atol=0, rtol=1e-6)
+
+
 def test_a_layer_the_model_lacks_or_a_file_that_is_no_checkpoint_ends_in_one_line(tiny_checkpoint, tmp_path):
     """Before, --layers 7 of a 2-layer FLOATER model drew nothing and exited 0, and a file that is not a
     checkpoint ended in torch's traceback advising weights_only=False (KeyError: 105 for one starting
@@ -228,13 +253,16 @@ def test_a_layer_the_model_lacks_or_a_file_that_is_no_checkpoint_ends_in_one_lin
     checkpoint = tiny_checkpoint("transformer_floater", "--floater-init", "small")
     (tmp_path / "notes.pt").write_text("not a checkpoint")
     (tmp_path / "log.pt").write_text("iteration 5 loss 3.2")
+    (tmp_path / "cut.pt").write_bytes(checkpoint.read_bytes()[:1000])
     for arguments, code, message in (
             ([checkpoint, "--layers", "1,7"], 1, "error: --layers 7: "),
             # FLOATER's options of another encoding's model (before: ignored without a word)
             ([tiny_checkpoint("transformer_t5"), "--layers", "0", "--mark-length", "9"], 1,
              "error: --layers and --mark-length: FLOATER's option(s), and "),
             ([tmp_path / "notes.pt"], 2, "notes.pt is not a fairseq checkpoint (not a file written by torch.save)"),
-            ([tmp_path / "log.pt"], 2, "log.pt is not a fairseq checkpoint")):
+            ([tmp_path / "log.pt"], 2, "log.pt is not a fairseq checkpoint"),
+            # a checkpoint cut short (a half-finished copy; before: torch's RuntimeError traceback)
+            ([tmp_path / "cut.pt"], 1, "cut.pt: PytorchStreamReader failed reading zip archive")):
         out = tmp_path / "out"
         done = subprocess.run([sys.executable, str(SCRIPT), *map(str, arguments), "--out", str(out)],
                               capture_output=True, text=True, timeout=300)
