@@ -16,6 +16,7 @@ fairseq: encodings are plain torch and testable in milliseconds.
 import argparse
 import difflib
 import logging
+import threading
 from typing import Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional
 
 import torch
@@ -60,6 +61,23 @@ class PassContext:
         return self.source if role == "cross" else self.positions
 
 
+class ThreadState(threading.local):
+    """What an encoding keeps of the passes in progress, one per thread: its stacks' pass contexts and
+    its cache. Threads that run one model at once (a threaded server, DataParallel's replicas, which
+    share this object) would otherwise start their passes over each other's: a stack's `begin` in one
+    thread replaced the other's positions between its layers. Copies and pickles start empty (fairseq's
+    EMA deep-copies the model)."""
+
+    def __init__(self):
+        # the pass context of each stack ('encoder', 'decoder'): made by its `begin`, read by the
+        # attention layers the stack runs in that pass
+        self.contexts: Dict[str, PassContext] = {}
+        self.cache = EncodingCache()
+
+    def __reduce__(self):
+        return ThreadState, ()
+
+
 def stack_of(role: str) -> str:
     """The stack whose layers serve the attention role: 'encoder' or 'decoder' (self and cross)."""
     return "encoder" if role == "encoder" else "decoder"
@@ -76,15 +94,26 @@ class PositionalEncoding(nn.Module):
     def __init__(self, args: argparse.Namespace, dims: "ModelDims"):
         super().__init__()
         self.dims = dims
-        # the pass context of each stack ('encoder', 'decoder'): made by its `begin`, read by the
-        # attention layers the stack runs in that pass
-        self.contexts: Dict[str, PassContext] = {}
-        self.cache = EncodingCache()
+        self.thread_state = ThreadState()
         # a model's absolute input embedding, which its weights were trained with: `set_position_defaults`
         # records in input_positions_default the choice it made where none was given
         choice = given(args, "input_positions")
         if choice is not None:
             self.record_option("input_positions", choice, was_given=given(args, "input_positions_default") != choice)
+
+    @property
+    def contexts(self) -> Dict[str, PassContext]:
+        """This thread's pass context of each stack ('encoder', 'decoder')."""
+        return self.thread_state.contexts
+
+    @contexts.setter
+    def contexts(self, contexts: Dict[str, PassContext]):
+        self.thread_state.contexts = contexts
+
+    @property
+    def cache(self) -> EncodingCache:
+        """This thread's cache (cache.py)."""
+        return self.thread_state.cache
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser):
@@ -179,31 +208,26 @@ class PositionalEncoding(nn.Module):
 
     def recorded(self, function: Callable) -> Callable:
         """`EncodingCache.recorded`: `function` for non-reentrant activation checkpointing; its
-        recomputation also sees the stacks' contexts (positions) of its forward, not a later pass's."""
-        forward_contexts = []
+        recomputation also sees the stacks' contexts (positions) and the cache of its forward, not a
+        later pass's, in whichever thread it runs (autograd runs a CUDA backward in a thread of its own)."""
+        forward_cache, forward_contexts = self.cache, []
 
         def in_forward_contexts(*args, **kwargs):
-            replay = bool(forward_contexts)
+            replay, state = bool(forward_contexts), self.thread_state
             if replay:
-                current, self.contexts = self.contexts, dict(forward_contexts[0])
+                current = state.cache, state.contexts
+                state.cache, state.contexts = forward_cache, dict(forward_contexts[0])
             try:
                 return function(*args, **kwargs)
             finally:
                 if replay:
-                    self.contexts = current
+                    state.cache, state.contexts = current
                 else:
-                    forward_contexts.append(dict(self.contexts))
-        return self.cache.recorded(in_forward_contexts)
+                    forward_contexts.append(dict(state.contexts))
+        return forward_cache.recorded(in_forward_contexts)
 
     def in_recorded_run(self) -> bool:
         return self.cache.in_recorded_run()
-
-    def __getstate__(self):
-        """Copies (fairseq's EMA deep-copies the model) start without this pass's contexts (the
-        cache copies itself empty)."""
-        state = super().__getstate__()
-        state.update(contexts={})
-        return state
 
     # --- the hooks, called by PositionalAttention -----------------------------------------
     def project(self, role: str, layer: int, which: str, x: Tensor, positions: Optional[AnyPositions]) -> Tensor:

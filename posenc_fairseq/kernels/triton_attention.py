@@ -40,6 +40,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from ..encodings.distance import varying_columns, vectors_per_column, window
 from ..encodings.positions import take_runs
@@ -190,6 +191,7 @@ class TritonAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out: Tensor):
         q, qr, k, v, bias, vectors, values, padding, keys, fill, seed, out, m, l = ctx.saved_tensors  # noqa: E741
         kernels = _kernels()

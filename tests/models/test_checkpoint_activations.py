@@ -1,6 +1,8 @@
 """fairseq's --checkpoint-activations / --offload-activations (each layer runs under no_grad and is
 recomputed during backward) give the same gradients as the plain model, for every encoding: terms
 shared across layers (memoized biases, FLOATER's table) must reach their parameters."""
+import threading
+
 import pytest
 import torch
 
@@ -14,12 +16,12 @@ CASES = [(name, []) for name in sorted(ENCODINGS)] + [("floater", ["--floater-re
 
 
 def gradients_of_steps(data, encoding, extra, state=None, wrap=None, steps=2, device="cpu", batch=None,
-                       between=None):
+                       between=None, backward=torch.Tensor.backward):
     """The model's parameter gradients of each of `steps` forward/backward passes of one loss (the same
     batch, gradients cleared between, no update) on `device`; `state`: load these parameters (else
     perturb the encoding's away from identity); `wrap`: run the model through `wrap(model)` (DDP);
     `batch`: (src, src_lengths, prev), else a small random one; `between(forward, task)`: run
-    between each forward and its backward."""
+    between each forward and its backward; `backward(loss)`: how the loss is differentiated."""
     torch.manual_seed(0)
     model, task, _ = build_model(data, f"transformer_{encoding}", [*TINY_TRANSFORMER, *NO_DROPOUT, *extra])
     if state is None:
@@ -38,15 +40,16 @@ def gradients_of_steps(data, encoding, extra, state=None, wrap=None, steps=2, de
         logits, _ = forward(src, src_lengths, prev)
         if between is not None:
             between(forward, task)
-        logits.float().log_softmax(-1)[..., 5].sum().backward()
+        backward(logits.float().log_softmax(-1)[..., 5].sum())
         per_step.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
     return model, per_step
 
 
-def gradients(data, encoding, extra, state=None, wrap=None, device="cpu", batch=None, between=None):
+def gradients(data, encoding, extra, state=None, wrap=None, device="cpu", batch=None, between=None,
+              backward=torch.Tensor.backward):
     """The model's parameter gradients of one loss (`gradients_of_steps`' first step)."""
     model, per_step = gradients_of_steps(data, encoding, extra, state, wrap, steps=1, device=device, batch=batch,
-                                         between=between)
+                                         between=between, backward=backward)
     return model, per_step[0]
 
 
@@ -114,3 +117,29 @@ def test_activation_checkpointing_of_long_inputs(translation_data, device, monke
     for extra in ([], ["--checkpoint-activations"]):
         _, blocked = gradients(translation_data, encoding, extra, state, device=device)
         assert_same_gradients(blocked, whole, extra)
+
+
+@pytest.mark.parametrize("encoding,extra", BETWEEN_CASES + [("floater", ["--floater-recompute-every", "3"])],
+                         ids=[n for n, _ in BETWEEN_CASES] + ["floater-K3"])
+def test_a_backward_in_another_thread_recomputes_its_forward(translation_data, encoding, extra):
+    """Autograd runs a CUDA backward in a thread of its own, and an encoding keeps its passes per thread:
+    a checkpointed layer's recomputation there still replays its forward's pass (its terms, positions and
+    FLOATER's table), here with the backward called from another thread."""
+    def in_another_thread(loss):
+        errors = []
+
+        def backward():
+            try:
+                loss.backward()
+            except Exception as error:  # (reported by the test, not lost in the thread)
+                errors.append(error)
+        thread = threading.Thread(target=backward)
+        thread.start()
+        thread.join()
+        assert not errors, errors
+
+    plain_model, plain = gradients(translation_data, encoding, extra)
+    state = {k: v for k, v in plain_model.state_dict().items() if "window_" not in k}
+    _, checkpointed = gradients(translation_data, encoding, [*extra, "--checkpoint-activations"], state,
+                                backward=in_another_thread)
+    assert_same_gradients(checkpointed, plain, encoding)

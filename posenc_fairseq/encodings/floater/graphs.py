@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from ...switches import choice, count
 from .loops import (Memo, _hidden_backward_loops, _hidden_forward_loops, _HiddenRun, kept_recent, kept_reductions,
@@ -256,6 +257,7 @@ class ChunkedSolve(torch.autograd.Function):
         return states
 
     @staticmethod
+    @once_differentiable  # (a hand-written discrete adjoint: differentiating it again would be silently wrong)
     @without_autocast
     def backward(ctx, grad_states: Tensor):
         states, w1, c1, w2, c2 = ctx.saved_tensors
@@ -286,6 +288,7 @@ class GraphedSolve(torch.autograd.Function):
         return states
 
     @staticmethod
+    @once_differentiable  # (a hand-written discrete adjoint: differentiating it again would be silently wrong)
     @without_autocast
     def backward(ctx, grad_states: Tensor):
         states, w1, c1, w2, c2, relus = ctx.saved_tensors

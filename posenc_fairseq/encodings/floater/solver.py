@@ -18,6 +18,7 @@ from typing import List, NamedTuple, Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from ..option_types import OptionValueError
 from .dynamics import Dynamics
@@ -202,6 +203,7 @@ class FixedGridSolve(torch.autograd.Function):
         return states
 
     @staticmethod
+    @once_differentiable  # (a hand-written discrete adjoint: differentiating it again would be silently wrong)
     @without_autocast
     def backward(ctx, grad_states: Tensor):
         with single_thread(grad_states):
@@ -298,6 +300,7 @@ class HiddenSpaceSolve(torch.autograd.Function):
         return states
 
     @staticmethod
+    @once_differentiable  # (a hand-written discrete adjoint: differentiating it again would be silently wrong)
     @without_autocast
     def backward(ctx, grad_states: Tensor):
         states, w1, c1, w2, c2, *kept = ctx.saved_tensors

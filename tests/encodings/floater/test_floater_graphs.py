@@ -14,6 +14,7 @@ from posenc_fairseq.encodings.floater import graphs, solver
 from posenc_fairseq.encodings.floater.solver import TABLEAUS, HiddenSpaceSolve
 
 from floater_util import floater_model, perturb
+from test_floater_solver import assert_second_derivative_refused
 
 
 @pytest.fixture(autouse=True)
@@ -110,6 +111,15 @@ def test_a_solve_whose_stages_are_not_kept_replays_chunks_equal_to_the_eager_sol
     assert len(chunk_graphs) == 1 and next(iter(chunk_graphs)).intervals == 8
     assert kept_graphs(cache) == {}  # no graph per length bucket
     assert_captured_solve_runs_without_host_waits(device, (rk4, 0, 11, 0.1, 3, memo), tensors)
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["graphed", "chunked"])
+def test_a_second_derivative_of_the_graphed_solve_is_refused(cache, kept, monkeypatch):
+    if not kept:
+        for module in (solver, graphs):
+            monkeypatch.setattr(module, "KEEP_STAGES_BYTES", 0)
+    assert_second_derivative_refused(lambda *settings: graphs.graphed_solve(*settings[:5], cache.constant,
+                                                                            *settings[6:]))
 
 
 def assert_captured_solve_runs_without_host_waits(device, settings, tensors):

@@ -53,6 +53,27 @@ def test_fast_solve_gradients_match_finite_differences(solve):
     torch.autograd.gradcheck(lambda y, *w: solve.apply(TABLEAUS["rk4"], 0, 4, 0.3, 2, computed_now, y, *w), (y0, *weights))
 
 
+def assert_second_derivative_refused(solve):
+    """A gradient of the solve's gradient (create_graph=True) is refused: its backward is a hand-written
+    discrete adjoint, whose own graph (where recorded at all) would give a wrong second derivative."""
+    weights = [w.detach().requires_grad_() for w in random_dynamics(3, 3, torch.float64, seed=2)]
+    y0 = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    states = solve(TABLEAUS["rk4"], 0, 2, 0.3, 1, computed_now, y0, *weights)
+    gradient, = torch.autograd.grad((states ** 2).sum(), weights[0], create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        (gradient ** 2).sum().backward()
+
+
+@pytest.mark.parametrize("loops", ["compiled", "python"])
+@pytest.mark.parametrize("solve", [FixedGridSolve, HiddenSpaceSolve])
+def test_a_second_derivative_of_the_solve_is_refused(solve, loops, monkeypatch):
+    """(The compiled loops ran their backward without a graph, so a second derivative came out wrong,
+    silently: 0.22 where finite differences give 5.65.)"""
+    if loops == "python":
+        monkeypatch.setattr(solver, "floater_solve", None)
+    assert_second_derivative_refused(solve.apply)
+
+
 @pytest.mark.parametrize("hidden,expected", [(6, HiddenSpaceSolve), (16, HiddenSpaceSolve), (17, FixedGridSolve)])
 def test_the_solve_in_hidden_space_where_it_is_cheaper(hidden, expected, monkeypatch):
     """fixed_grid_solve takes the hidden-space form up to twice the state's width (one hidden x
