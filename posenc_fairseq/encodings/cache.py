@@ -16,7 +16,8 @@ each kept in a scope that says how long it stays valid.
   move no version counter). Emptied too when autocast is not as it was (`autocast_state`): values
   computed under it keep its rounding in float32 tensors, which a check of dtypes would not see. The
   steps of one decode use it unchecked, as fairseq's incremental state uses the keys and values it
-  cached at the earlier steps. Entries are named by a `TermKey` as well; each holds what else it was
+  cached at the earlier steps (parameters changed during a decode: its later steps keep the values of
+  its start until another pass of the same thread that starts a decode or runs whole checks them). Entries are named by a `TermKey` as well; each holds what else it was
   computed from (options, dtype) and is recomputed when that differs.
 - model pass (`model_pass`): values of one forward pass of the model, which may span both stacks:
   it starts with the encoder's `begin`, and a decoder call continues it where it reads that
