@@ -1,7 +1,16 @@
-# What the recipes' shell scripts check before fairseq runs, and how they run it (sourced:
-# `source "$HERE/../recipe_checks.sh"`). A missing folder or checkpoint is one error line, not a traceback
-# deep in fairseq (nor, for a checkpoint to fine-tune, a silent training from scratch: fairseq-train only
-# logs "No existing checkpoint found"). A recipe stopped by a signal stops its fairseq-train too.
+# What the recipes' shell scripts check before fairseq runs, and how they run it (sourced right after
+# `set -euo pipefail`: `source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"`, then `help_if_asked "$@"`).
+# A missing folder or checkpoint is one error line, not a traceback deep in fairseq (nor, for a checkpoint to
+# fine-tune, a silent training from scratch: fairseq-train only logs "No existing checkpoint found"). A recipe
+# stopped by a signal stops its fairseq-train too.
+
+# -h or --help as the first argument: the script's opening comment (what it does, its usage and
+# environment), then exit; before, `--help` was taken for the first argument (a data folder, an OUT_DIR)
+help_if_asked() {  # "$@"
+  case "${1:-}" in
+    -h|--help) sed -n '2,/^set -/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
+  esac
+}
 
 recipe_error() {
   echo "$(basename "$0"): error: $*" >&2

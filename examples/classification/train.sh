@@ -14,13 +14,14 @@
 #   default the paper's per task) SEED=1 CPU=1 (CPU, no fp16)
 #   USER_DIR (default: this repository's posenc_fairseq).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+help_if_asked "$@"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 TASK=${1:?usage: train.sh TASK DATA_BIN SAVE_DIR [options]}
 DATA_BIN=${2:?usage}
 SAVE_DIR=${3:?usage}
 shift 3
-source "$HERE/../recipe_checks.sh"
 need_folder "$DATA_BIN" DATA_BIN
 
 # table 4:      classes  warm-up  updates  eval interval

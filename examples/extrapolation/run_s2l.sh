@@ -14,6 +14,8 @@
 # Note: a learned absolute table (transformer_learned) cannot represent positions beyond its size;
 # it is trained with --max-source-positions large enough for the test split, as in the paper.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+help_if_asked "$@"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 TRANSLATION="$HERE/../translation"
 PYTHON=${PYTHON:-python}
@@ -26,7 +28,6 @@ TGT=${TGT:-de}
 THRESHOLD=${THRESHOLD:-80}
 BINS=${BINS:-80,100,120,140}
 VOCAB_SIZE=${VOCAB_SIZE:-32000}
-source "$HERE/../recipe_checks.sh"
 need_outside "$RAW" "$WORK/data" "removes and remakes"
 mkdir -p "$WORK"
 

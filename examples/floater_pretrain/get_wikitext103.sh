@@ -3,10 +3,13 @@
 # examples/roberta/README.pretraining.md does.
 #   examples/floater_pretrain/get_wikitext103.sh OUT_DIR      -> OUT_DIR/wikitext-103-bin
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+help_if_asked "$@"
 OUT=${1:?usage: get_wikitext103.sh OUT_DIR}
 PYTHON=${PYTHON:-python}
 WORKERS=${WORKERS:-16}
-mkdir -p "$OUT" && cd "$OUT"
+mkdir -p -- "$OUT"
+cd -- "$OUT"
 wget -N https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-raw-v1.zip
 unzip -o wikitext-103-raw-v1.zip
 mkdir -p gpt2_bpe

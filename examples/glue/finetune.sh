@@ -10,6 +10,8 @@
 #   NUM_CLASSES, MAX_EPOCH=10, MAX_POSITIONS=512, MAX_TOKENS=4400, SEED=1, CPU=1 (CPU, no fp16),
 #   USER_DIR (default: this repository's posenc_fairseq).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+help_if_asked "$@"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 TASK=${1:?usage: finetune.sh TASK DATA_BIN ROBERTA_CHECKPOINT SAVE_DIR [options]}
@@ -17,7 +19,6 @@ DATA_BIN=${2:?usage}
 ROBERTA=${3:?usage}
 SAVE_DIR=${4:?usage}
 shift 4
-source "$HERE/../recipe_checks.sh"
 need_folder "$DATA_BIN" DATA_BIN
 need_checkpoint "$ROBERTA" ROBERTA_CHECKPOINT
 

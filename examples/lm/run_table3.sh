@@ -8,6 +8,8 @@
 # Environment: ENCODINGS="t5 shaw lfhc xl gcdf" (the paper's five), MEMORY="150 640", BLOCK=150,
 #   EVAL_ARGS (extra evaluate.py options, e.g. "--batch-size 4"), and everything train.sh reads.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+help_if_asked "$@"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON=${PYTHON:-python}
 DATA_BIN=${1:?usage: run_table3.sh DATA_BIN WORK_DIR [fairseq-train options]}

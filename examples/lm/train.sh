@@ -19,12 +19,13 @@
 # Head dimension 410/10 = 41 is odd: rotary leaves the last dimension of each head unrotated
 # (EMBED_DIM=400 rotates them all).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+help_if_asked "$@"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 DATA_BIN=${1:?usage: train.sh DATA_BIN SAVE_DIR [fairseq-train options]}
 SAVE_DIR=${2:?usage: train.sh DATA_BIN SAVE_DIR [fairseq-train options]}
 shift 2
-source "$HERE/../recipe_checks.sh"
 need_folder "$DATA_BIN" DATA_BIN
 FAIRSEQ_TRAIN=${FAIRSEQ_TRAIN:-fairseq-train}
 USER_DIR=${USER_DIR:-$REPO/posenc_fairseq}

@@ -9,13 +9,14 @@
 #   (the README's 2 GPUs x 8 = 16 sequences per update; use UPDATE_FREQ=16 on one GPU), NUM_CLASSES=4,
 #   MAX_OPTION_LENGTH=128, MAX_POSITIONS=512, MAX_UPDATE=0 (no limit), SEED=1, CPU=1 (CPU, no fp16).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+help_if_asked "$@"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 DATA_BIN=${1:?usage: finetune.sh DATA_BIN ROBERTA_CHECKPOINT SAVE_DIR [options]}
 ROBERTA=${2:?usage}
 SAVE_DIR=${3:?usage}
 shift 3
-source "$HERE/../recipe_checks.sh"
 need_folder "$DATA_BIN" DATA_BIN
 need_checkpoint "$ROBERTA" ROBERTA_CHECKPOINT
 ARCH=${ARCH:-roberta_floater_large}

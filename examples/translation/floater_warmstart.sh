@@ -21,6 +21,8 @@
 # remove that folder to train it anew) and redoes the conversion, the FLOATER step (WORK_DIR/floater is
 # emptied first: its epoch checkpoints from an earlier run would otherwise be averaged) and the scoring.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+help_if_asked "$@"
 if [[ -n "${CONVERT_ARGS:-}" ]]; then
   echo "CONVERT_ARGS is now ENCODING_ARGS: the encoding options, given to the conversion and to training" >&2; exit 2
 fi
@@ -30,7 +32,6 @@ PYTHON=${PYTHON:-python}
 DATA_BIN=${1:?usage: floater_warmstart.sh DATA_BIN WORK_DIR [fairseq-train options]}
 WORK=${2:?usage: floater_warmstart.sh DATA_BIN WORK_DIR [fairseq-train options]}
 shift 2
-source "$HERE/../recipe_checks.sh"
 need_folder "$DATA_BIN" DATA_BIN
 [[ -n "${SKIP_STOCK:-}" ]] && need_checkpoint "${STOCK_CHECKPOINT:-}" "STOCK_CHECKPOINT, with SKIP_STOCK"
 STOCK_ARCH=${STOCK_ARCH:-transformer}

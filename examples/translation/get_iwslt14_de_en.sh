@@ -5,8 +5,11 @@
 # sentencepiece instead.
 #   examples/translation/get_iwslt14_de_en.sh OUT_DIR   -> OUT_DIR/{train,valid,test}.{de,en}
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+help_if_asked "$@"
 OUT=${1:?usage: get_iwslt14_de_en.sh OUT_DIR}
-mkdir -p "$OUT" && cd "$OUT"
+mkdir -p -- "$OUT"
+cd -- "$OUT"
 wget -N http://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz
 tar zxf de-en.tgz
 for l in de en; do

@@ -5,8 +5,11 @@
 # tokenisation and BPE: prepare.py applies sentencepiece instead.
 #   examples/translation/get_wmt14_en_de.sh OUT_DIR   -> OUT_DIR/{train,valid,test}.{en,de}
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+help_if_asked "$@"
 OUT=${1:?usage: get_wmt14_en_de.sh OUT_DIR}
-mkdir -p "$OUT/orig" && cd "$OUT"
+mkdir -p -- "$OUT/orig"
+cd -- "$OUT"
 for url in http://statmt.org/wmt13/training-parallel-europarl-v7.tgz \
            http://statmt.org/wmt13/training-parallel-commoncrawl.tgz \
            http://data.statmt.org/wmt17/translation-task/training-parallel-nc-v12.tgz; do

@@ -14,12 +14,13 @@
 #   pass --encoder-ffn-embed-dim 1024 --decoder-ffn-embed-dim 1024 --encoder-attention-heads 4
 #   --decoder-attention-heads 4 (see README).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+help_if_asked "$@"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 DATA_BIN=${1:?usage: train.sh DATA_BIN SAVE_DIR [fairseq-train options]}
 SAVE_DIR=${2:?usage: train.sh DATA_BIN SAVE_DIR [fairseq-train options]}
 shift 2
-source "$HERE/../recipe_checks.sh"
 need_folder "$DATA_BIN" DATA_BIN
 [[ -n "${RESTORE:-}" ]] && need_checkpoint "$RESTORE" RESTORE
 FAIRSEQ_TRAIN=${FAIRSEQ_TRAIN:-fairseq-train}

@@ -215,3 +215,14 @@ def test_the_fine_tuning_recipes_pass_the_device_options(case, cpu, made, tmp_pa
     assert done.returncode == 0, done.stderr
     fp16 = "--fp16 --fp16-init-scale 4 --threshold-loss-scale 1 --fp16-scale-window 128"
     assert (" --cpu" in done.stdout, fp16 in done.stdout) == ((True, False) if cpu else (False, True)), done.stdout
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.glob("*/*.sh")))
+def test_help_prints_the_scripts_usage_and_does_nothing_else(path, tmp_path):
+    """Before, `--help` was the first argument: a data folder that does not exist, or an OUT_DIR, where
+    get_wmt14_en_de.sh's failed `mkdir -p --help/orig && cd` let it download WMT14 into the current folder."""
+    done = subprocess.run([str(EXAMPLES / path), "--help"], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={**os.environ, "FAIRSEQ_TRAIN": "false", "PYTHON": "false", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert f"examples/{path}" in done.stdout or path.split("/")[-1] in done.stdout, done.stdout
+    assert not done.stdout.startswith(("#", "!")) and not list(tmp_path.iterdir())
