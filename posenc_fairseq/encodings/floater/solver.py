@@ -14,6 +14,8 @@ with a float64 time grid, whatever the model's dtype.
 """
 import contextlib
 import functools
+import importlib
+import logging
 from typing import List, NamedTuple, Optional
 
 import torch
@@ -23,6 +25,8 @@ from torch.autograd.function import once_differentiable
 from ..option_types import OptionValueError
 from .dynamics import Dynamics
 from .loops import Memo, _HiddenRun, _Run, _hidden_backward_loops, _hidden_forward_loops, computed_now
+
+logger = logging.getLogger(__name__)
 
 FIXED_GRID = ("rk4", "midpoint", "euler")
 METHODS = (*FIXED_GRID, "dopri5")
@@ -35,10 +39,22 @@ KEEP_STAGES_BYTES = 256 * 2**20  # a solve keeps its stages for backward up to t
 PARALLEL_MIN_WORK = 2**20
 PARALLEL_MIN_ROWS = 4
 
-try:  # HiddenSpaceSolve's loops compiled (csrc/floater_solve.cpp, built by setup.py)
-    from ... import _floater_solve as floater_solve
-except ImportError:  # not built: the same loops in Python
-    floater_solve = None
+def compiled_loops(load=lambda: importlib.import_module("..._floater_solve", __package__)):
+    """HiddenSpaceSolve's loops compiled (csrc/floater_solve.cpp, built by setup.py), or None: the same
+    loops in Python. Not built is said nowhere (an install may leave it out); built but unloadable (for
+    another torch, whose symbols it lacks) is said once, with how to rebuild it."""
+    try:
+        return load()
+    except ModuleNotFoundError:
+        return None
+    except ImportError as error:
+        logger.warning("posenc_fairseq: FLOATER's compiled solve loops do not load (%s); the same loops run in "
+                       "Python, slower. Rebuild them for this torch: pip install --no-build-isolation --no-deps -e "
+                       "<this repository>", str(error).splitlines()[0][:300])
+        return None
+
+
+floater_solve = compiled_loops()
 
 
 class SolverOptions(NamedTuple):

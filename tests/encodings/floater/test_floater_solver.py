@@ -92,6 +92,23 @@ def test_the_compiled_loops_are_built():
     assert solver.floater_solve is not None
 
 
+def test_compiled_loops_that_do_not_load_are_said_once_not_built_ones_never(caplog):
+    """Built for another torch (its symbols missing), the extension fell back to the Python loops without a
+    word; not built at all (an install may leave it out), it still does."""
+    def built_for_another_torch():
+        raise ImportError("_floater_solve.so: undefined symbol: _ZN3c1017RegisterOperators")
+
+    def not_built():
+        raise ModuleNotFoundError("No module named 'posenc_fairseq._floater_solve'")
+
+    with caplog.at_level("WARNING", logger=solver.__name__):
+        assert solver.compiled_loops(not_built) is None and not caplog.records
+        assert solver.compiled_loops(built_for_another_torch) is None
+    [record] = caplog.records
+    assert "undefined symbol" in record.getMessage() and "pip install --no-build-isolation" in record.getMessage()
+    assert solver.compiled_loops() is solver.floater_solve is not None  # (this install's: built, loads)
+
+
 @pytest.mark.parametrize("keep_stages", [True, False], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("parts", [1, 2, 3])
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
