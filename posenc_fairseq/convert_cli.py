@@ -1,4 +1,5 @@
-"""File handling and command line of scripts/convert_{transformer,roberta,transformer_lm}_checkpoint.py; the
+"""File handling and command line of scripts/convert_{transformer,roberta,transformer_lm}_checkpoint.py, and
+of `python -m posenc_fairseq.convert_cli KIND ...` (the same, where only the package is installed); the
 conversion itself is posenc_fairseq.convert (pure functions on the checkpoint dict).
 
 File safety: SRC is only read; DST is never an existing file unless --force is given, and never
@@ -16,16 +17,17 @@ import shlex
 import stat
 import sys
 import tempfile
+from typing import Optional
 
 
-def build_parser(kind: str) -> argparse.ArgumentParser:
+def build_parser(kind: str, prog: Optional[str] = None) -> argparse.ArgumentParser:
     from .encodings import ENCODINGS
 
     stock = {"transformer": "transformer (any size variant)",
              "transformer_lm": "transformer_lm language model (any size variant)",
              }.get(kind, "RoBERTa (model.pt; base, large, with or without classification heads)")
     parser = argparse.ArgumentParser(
-        prog=f"convert_{kind}_checkpoint.py",
+        prog=prog or f"convert_{kind}_checkpoint.py",
         description=f"Convert a stock fairseq {stock} checkpoint into a posenc_fairseq one whose outputs "
                     "equal the source's (the encoding starts as the identity). Further options of the "
                     "encoding (e.g. --floater-method rk4) are passed through to the converted model.")
@@ -255,7 +257,7 @@ def remove_created(paths):
                 os.remove(path)
 
 
-def main(kind: str, argv=None):
+def main(kind: str, argv=None, prog: Optional[str] = None):
     from .convert import (ConversionError, _arch as converted_architecture, check_encoding, command_line,
                           convert_checkpoint, source_model_options, split_overrides)
 
@@ -265,7 +267,7 @@ def main(kind: str, argv=None):
         overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
     except ConversionError as error:
         fail(str(error))
-    args, unknown = build_parser(kind).parse_known_args(rest)
+    args, unknown = build_parser(kind, prog).parse_known_args(rest)
     created = []
     try:
         check_encoding(args.encoding)
@@ -313,15 +315,26 @@ def main(kind: str, argv=None):
     return 0
 
 
-#: the scripts that run `main`, each passing its kind of checkpoint
-SCRIPTS = tuple(f"scripts/convert_{kind}_checkpoint.py" for kind in ("transformer", "roberta", "transformer_lm"))
+#: the kinds of checkpoint, each with its script (scripts/convert_KIND_checkpoint.py) that runs `main`
+KINDS = ("transformer", "roberta", "transformer_lm")
+
+
+def module_main(argv) -> int:
+    """`python -m posenc_fairseq.convert_cli KIND SRC DST [options]`: a script's conversion where only the
+    package is installed (a wheel has no scripts/)."""
+    usage = (f"python -m posenc_fairseq.convert_cli {{{','.join(KINDS)}}} SRC DST [options] (KIND --help for "
+             "its options; the same as scripts/convert_KIND_checkpoint.py SRC DST [options])")
+    if argv and argv[0] in KINDS:
+        from .cli_signals import end_on_terminate
+
+        end_on_terminate()
+        return main(argv[0], argv[1:], prog=f"python -m posenc_fairseq.convert_cli {argv[0]}")
+    if argv in (["-h"], ["--help"]):
+        print(f"usage: {usage}")
+        return 0
+    fail(f"the kind of checkpoint comes first ({', '.join(KINDS)}), not {argv[0]!r}: {usage}" if argv else
+         f"the kind of checkpoint comes first: {usage}")
 
 
 if __name__ == "__main__":
-    # `python -m posenc_fairseq.convert_cli` cannot tell which kind of checkpoint to convert (the conversion
-    # differs per kind): point to the scripts rather than silently doing nothing
-    pointer = f"run {', '.join(SCRIPTS[:-1])} or {SCRIPTS[-1]} (SRC DST [options]; --help for each)"
-    if sys.argv[1:] in (["-h"], ["--help"]):
-        print(f"python -m posenc_fairseq.convert_cli converts nothing itself: {pointer}")
-        sys.exit(0)
-    fail(f"python -m posenc_fairseq.convert_cli needs the kind of checkpoint: {pointer}")
+    sys.exit(module_main(sys.argv[1:]))

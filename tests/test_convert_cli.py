@@ -327,18 +327,38 @@ def test_scripts_refuse_and_succeed(work):
     assert convert.model_namespace(torch.load(work / "new" / "model.pt", map_location="cpu")).t5_num_buckets == 64
 
 
+def module(*arguments, cwd):
+    return subprocess.run([sys.executable, "-m", "posenc_fairseq.convert_cli", *map(str, arguments)],
+                          capture_output=True, text=True, timeout=300, cwd=cwd,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+
+
 @pytest.mark.parametrize("arguments", [["src/transformer.pt", "new/model.pt"], []])
-def test_running_the_module_names_the_scripts(work, arguments):
+def test_running_the_module_without_a_kind_asks_for_one(work, arguments):
     """Before, `python -m posenc_fairseq.convert_cli SRC DST` (it has no kind) printed nothing and exited 0."""
     before = snapshot(work)
-    done = subprocess.run([sys.executable, "-m", "posenc_fairseq.convert_cli", *arguments], capture_output=True,
-                          text=True, timeout=300, cwd=work, env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    assert_refused(done.returncode, done.stderr, "needs the kind of checkpoint")
-    assert all(f"scripts/convert_{kind}_checkpoint.py" in done.stderr for kind in ("transformer", "roberta", "transformer_lm"))
+    done = module(*arguments, cwd=work)
+    assert_refused(done.returncode, done.stderr, "the kind of checkpoint comes first")
+    assert "{transformer,roberta,transformer_lm} SRC DST" in done.stderr
     assert done.stdout == "" and snapshot(work) == before
-    done = subprocess.run([sys.executable, "-m", "posenc_fairseq.convert_cli", "--help"], capture_output=True,
-                          text=True, timeout=300, cwd=work, env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    assert done.returncode == 0 and "scripts/convert_roberta_checkpoint.py" in done.stdout, done.stderr
+    done = module("--help", cwd=work)
+    assert done.returncode == 0 and "scripts/convert_KIND_checkpoint.py" in done.stdout, done.stderr
+
+
+def test_the_module_converts_as_the_script_does(work):
+    """Where only the package is installed (a wheel has no scripts/), the module is the converter: the same
+    checkpoint and the same printed lines as scripts/convert_transformer_checkpoint.py."""
+    by_script = script("transformer", "src/transformer.pt", "script/model.pt", "--encoding", "t5", "--t5-num-buckets",
+                       "16", cwd=work)
+    by_module = module("transformer", "src/transformer.pt", "module/model.pt", "--encoding", "t5", "--t5-num-buckets",
+                       "16", cwd=work)
+    assert by_script.returncode == by_module.returncode == 0, by_module.stderr
+    assert by_module.stdout == by_script.stdout.replace("script/", "module/")
+    converted = [torch.load(work / folder / "model.pt", map_location="cpu") for folder in ("script", "module")]
+    assert converted[0]["model"].keys() == converted[1]["model"].keys()
+    assert all(torch.equal(converted[0]["model"][key], converted[1]["model"][key]) for key in converted[0]["model"])
+    done = module("transformer", "--help", cwd=work)
+    assert done.returncode == 0 and done.stdout.startswith("usage: python -m posenc_fairseq.convert_cli transformer")
 
 
 # --- the pure function on what fairseq's own loader returns ------------------------------------------
