@@ -8,6 +8,7 @@
 #   .gpu/source_commit  this tree's commit (`-dirty` where it differs), which the copy's records name
 # About 16 MiB; /.gpu/ is added to .git/info/exclude, so it never travels unless carried.
 set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1  # (its paths are the repository's, wherever it is run from)
 PYTHON_VERSION=${GPU_PYTHON_VERSION:-3.12}
 site_packages=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 rm -rf .gpu

@@ -16,6 +16,7 @@
 # left after the later steps' (the benchmark keeps at least BENCH_MIN_S, 120), and the benchmark writes each
 # model's records as it is done, so a step cut short still leaves what it finished under $OUT.
 set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1  # (its paths are the repository's, wherever it is run from)
 OUT=${OUT:-docs/data/gpu_session}
 SESSION_S=${SESSION_S:-570}
 mkdir -p "$OUT"

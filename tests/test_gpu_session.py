@@ -29,10 +29,13 @@ def session(tmp_path):
         (bin_folder / name).write_text(STUB)
         (bin_folder / name).chmod(0o755)
 
-    def run(**env):
+    def run(elsewhere=None, **env):
+        """The session from the copy's root, or run by its path from the folder `elsewhere`."""
         calls = tmp_path / "calls.txt"
         calls.unlink(missing_ok=True)
-        done = subprocess.run(["bash", "scripts/gpu_session.sh"], cwd=copy, capture_output=True, text=True, timeout=60,
+        command, folder = (["bash", "scripts/gpu_session.sh"], copy) if elsewhere is None else \
+            (["bash", str(copy / "scripts" / "gpu_session.sh")], elsewhere)
+        done = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=60,
                               env={**os.environ, "PATH": f"{bin_folder}:{os.environ['PATH']}", "CALLS": str(calls),
                                    "OUT": str(tmp_path / "out"), **env})
         assert done.returncode == 0, done.stderr
@@ -72,3 +75,13 @@ def test_every_step_fits_in_the_device_call(session):
 def test_the_records_name_the_carried_commit(session):
     _, calls = session(CHECK_T_S="0")
     assert call_of(calls, "gpu_benchmark.py").startswith("POSENC_SOURCE_COMMIT=0123456789ab-dirty ")
+
+
+def test_run_from_another_folder_it_works_in_the_repository(session, tmp_path):
+    """Before, its relative paths (docs/data/gpu_session, setup.py, .gpu) were taken in the current folder."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    _, calls = session(elsewhere=elsewhere, CHECK_T_S="0", OUT="docs/data/gpu_session")
+    assert call_of(calls, "gpu_benchmark.py").startswith("POSENC_SOURCE_COMMIT=0123456789ab-dirty ")
+    assert (tmp_path / "copy" / "docs" / "data" / "gpu_session" / "gpu.txt").exists()
+    assert not list(elsewhere.iterdir())
