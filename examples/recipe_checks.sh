@@ -1,5 +1,6 @@
 # What the recipes' shell scripts check before fairseq runs, and how they run it (sourced right after
-# `set -euo pipefail`: `source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"`, then `help_if_asked "$@"`).
+# `set -euo pipefail`: `source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../recipe_checks.sh"`, then
+# `help_if_asked "$@"`; realpath: a script run through a link finds it too).
 # A missing folder or checkpoint is one error line, not a traceback deep in fairseq (nor, for a checkpoint to
 # fine-tune, a silent training from scratch: fairseq-train only logs "No existing checkpoint found"). A recipe
 # stopped by a signal stops its fairseq-train too.

@@ -329,7 +329,7 @@ def module_main(argv) -> int:
 
         end_on_terminate()
         return main(argv[0], argv[1:], prog=f"python -m posenc_fairseq.convert_cli {argv[0]}")
-    if argv in (["-h"], ["--help"]):
+    if argv and argv[0] in ("-h", "--help"):
         print(f"usage: {usage}")
         return 0
     fail(f"the kind of checkpoint comes first ({', '.join(KINDS)}), not {argv[0]!r}: {usage}" if argv else

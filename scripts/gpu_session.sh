@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a GPU session's checks, in order of what only a GPU shows, each with its own
-# time limit, its results under $OUT (else docs/data/gpu_session/). From the repository root, .gpu carried
+# time limit, its results under $OUT (else docs/data/gpu_session/; a relative OUT is the repository's, wherever
+# the script is run from). From the repository root, .gpu carried
 # (scripts/gpu_carry.sh prepares it):
 #
 #   bash scripts/gpu_session.sh                 # about 8 minutes on one H100/H200

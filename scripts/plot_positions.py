@@ -383,7 +383,7 @@ def plot_floater(model, encoding, writer, length, layers, mark=None):
         if length < 2:
             raise SystemExit(f"error: {name}: the solve leaves float32's range at once: nothing to draw")
         print(f"{name}: the solve leaves float32's range at position {length}: drawn up to position {length - 1}")
-        table = table[:length]
+        table, mark = table[:length], mark if mark is not None and mark < length else None
     slots = floater_slots(encoding)
     positions = torch.arange(length)
     norm = table.double().norm(dim=-1)  # (positions, slots); in float64: squares of finite float32 entries may not be

@@ -341,8 +341,9 @@ def test_running_the_module_without_a_kind_asks_for_one(work, arguments):
     assert_refused(done.returncode, done.stderr, "the kind of checkpoint comes first")
     assert "{transformer,roberta,transformer_lm} SRC DST" in done.stderr
     assert done.stdout == "" and snapshot(work) == before
-    done = module("--help", cwd=work)
-    assert done.returncode == 0 and "scripts/convert_KIND_checkpoint.py" in done.stdout, done.stderr
+    for asked in (["--help"], ["-h", "transformer"]):
+        done = module(*asked, cwd=work)
+        assert done.returncode == 0 and "scripts/convert_KIND_checkpoint.py" in done.stdout, done.stderr
 
 
 def test_the_module_converts_as_the_script_does(work):

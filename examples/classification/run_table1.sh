@@ -9,7 +9,7 @@
 # TASKS="IMDB SST-2 SNLI QNLI QQP MNLI", EVAL_ARGS (extra evaluate.py options), and everything
 # train.sh reads (CPU, MAX_UPDATE, ...).
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../recipe_checks.sh"
 help_if_asked "$@"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON=${PYTHON:-python}

@@ -14,7 +14,7 @@
 #   default the paper's per task) SEED=1 CPU=1 (CPU, no fp16)
 #   USER_DIR (default: this repository's posenc_fairseq).
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../recipe_checks.sh"
 help_if_asked "$@"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"

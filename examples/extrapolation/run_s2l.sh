@@ -14,7 +14,7 @@
 # Note: a learned absolute table (transformer_learned) cannot represent positions beyond its size;
 # it is trained with --max-source-positions large enough for the test split, as in the paper.
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../recipe_checks.sh"
 help_if_asked "$@"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 TRANSLATION="$HERE/../translation"

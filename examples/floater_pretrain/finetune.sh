@@ -10,7 +10,7 @@
 # fairseq-train builds the model from its own options. All other environment variables are those of
 # examples/glue/finetune.sh / examples/race/finetune.sh.
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../recipe_checks.sh"
 help_if_asked "$@"
 if [[ -n "${CONVERT_ARGS:-}" ]]; then
   echo "CONVERT_ARGS is now ENCODING_ARGS: the encoding options, given to the conversion and to training" >&2; exit 2

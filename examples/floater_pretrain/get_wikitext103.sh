@@ -3,7 +3,7 @@
 # examples/roberta/README.pretraining.md does.
 #   examples/floater_pretrain/get_wikitext103.sh OUT_DIR      -> OUT_DIR/wikitext-103-bin
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../recipe_checks.sh"
 help_if_asked "$@"
 OUT=${1:?usage: get_wikitext103.sh OUT_DIR}
 PYTHON=${PYTHON:-python}

@@ -18,7 +18,7 @@
 #   TOTAL_NUM_UPDATES=800 (about one epoch of WikiText-103 at 256 x 512 tokens), MAX_EPOCH=1,
 #   TOKENS_PER_SAMPLE=512, BATCH_SIZE=16, UPDATE_FREQ=16, MAX_UPDATE=0 (no limit), CPU=1.
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../recipe_checks.sh"
 help_if_asked "$@"
 if [[ -n "${CONVERT_ARGS:-}" ]]; then
   echo "CONVERT_ARGS is now ENCODING_ARGS: the encoding options, given to the conversion and to training" >&2; exit 2

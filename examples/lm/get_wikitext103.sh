@@ -3,7 +3,7 @@
 # examples/language_model/prepare-wikitext-103.sh + README do.
 #   examples/lm/get_wikitext103.sh OUT_DIR      -> OUT_DIR/wikitext-103 (raw), OUT_DIR/wikitext-103-bin
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../recipe_checks.sh"
 help_if_asked "$@"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT=${1:?usage: get_wikitext103.sh OUT_DIR}

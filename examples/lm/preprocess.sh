@@ -4,7 +4,7 @@
 # examples/language_model README does for WikiText-103 (vocabulary 267,735 words).
 #   examples/lm/preprocess.sh RAW_DIR OUT_BIN        (environment: WORKERS=20)
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../recipe_checks.sh"
 help_if_asked "$@"
 RAW=${1:?usage: preprocess.sh RAW_DIR OUT_BIN}
 OUT=${2:?usage: preprocess.sh RAW_DIR OUT_BIN}

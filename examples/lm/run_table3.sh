@@ -8,7 +8,7 @@
 # Environment: ENCODINGS="t5 shaw lfhc xl gcdf" (the paper's five), MEMORY="150 640", BLOCK=150,
 #   EVAL_ARGS (extra evaluate.py options, e.g. "--batch-size 4"), and everything train.sh reads.
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../recipe_checks.sh"
 help_if_asked "$@"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON=${PYTHON:-python}

@@ -19,7 +19,7 @@
 # Head dimension 410/10 = 41 is odd: rotary leaves the last dimension of each head unrotated
 # (EMBED_DIM=400 rotates them all).
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../recipe_checks.sh"
 help_if_asked "$@"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"

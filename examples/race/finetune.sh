@@ -9,7 +9,7 @@
 #   (the README's 2 GPUs x 8 = 16 sequences per update; use UPDATE_FREQ=16 on one GPU), NUM_CLASSES=4,
 #   MAX_OPTION_LENGTH=128, MAX_POSITIONS=512, MAX_UPDATE=0 (no limit), SEED=1, CPU=1 (CPU, no fp16).
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../recipe_checks.sh"
 help_if_asked "$@"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"

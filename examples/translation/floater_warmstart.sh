@@ -21,7 +21,7 @@
 # remove that folder to train it anew) and redoes the conversion, the FLOATER step (WORK_DIR/floater is
 # emptied first: its epoch checkpoints from an earlier run would otherwise be averaged) and the scoring.
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../recipe_checks.sh"
 help_if_asked "$@"
 if [[ -n "${CONVERT_ARGS:-}" ]]; then
   echo "CONVERT_ARGS is now ENCODING_ARGS: the encoding options, given to the conversion and to training" >&2; exit 2

@@ -5,7 +5,7 @@
 # sentencepiece instead.
 #   examples/translation/get_iwslt14_de_en.sh OUT_DIR   -> OUT_DIR/{train,valid,test}.{de,en}
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../recipe_checks.sh"
 help_if_asked "$@"
 OUT=${1:?usage: get_iwslt14_de_en.sh OUT_DIR}
 mkdir -p -- "$OUT"

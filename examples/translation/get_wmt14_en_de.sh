@@ -5,7 +5,7 @@
 # tokenisation and BPE: prepare.py applies sentencepiece instead.
 #   examples/translation/get_wmt14_en_de.sh OUT_DIR   -> OUT_DIR/{train,valid,test}.{en,de}
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../recipe_checks.sh"
 help_if_asked "$@"
 OUT=${1:?usage: get_wmt14_en_de.sh OUT_DIR}
 mkdir -p -- "$OUT/orig"

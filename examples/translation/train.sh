@@ -14,7 +14,7 @@
 #   pass --encoder-ffn-embed-dim 1024 --decoder-ffn-embed-dim 1024 --encoder-attention-heads 4
 #   --decoder-attention-heads 4 (see README).
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../recipe_checks.sh"
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../recipe_checks.sh"
 help_if_asked "$@"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"

@@ -65,8 +65,10 @@ class ThreadState(threading.local):
     """What an encoding keeps of the passes in progress, one per thread: its stacks' pass contexts and
     its cache. Threads that run one model at once (a threaded server, DataParallel's replicas, which
     share this object) would otherwise start their passes over each other's: a stack's `begin` in one
-    thread replaced the other's positions between its layers. Copies and pickles start empty (fairseq's
-    EMA deep-copies the model)."""
+    thread replaced the other's positions between its layers. The kept values are per thread too, so a
+    thread's first pass computes them anew (FLOATER solves its table again): a server should reuse its
+    threads (a pool), not start one per request. Copies and pickles start empty (fairseq's EMA
+    deep-copies the model)."""
 
     def __init__(self):
         # the pass context of each stack ('encoder', 'decoder'): made by its `begin`, read by the
@@ -100,6 +102,12 @@ class PositionalEncoding(nn.Module):
         choice = given(args, "input_positions")
         if choice is not None:
             self.record_option("input_positions", choice, was_given=given(args, "input_positions_default") != choice)
+
+    def __setstate__(self, state):
+        # a whole model pickled before ThreadState held its contexts and cache as attributes
+        state = {key: value for key, value in state.items() if key not in ("contexts", "cache")}
+        state.setdefault("thread_state", ThreadState())
+        super().__setstate__(state)
 
     @property
     def contexts(self) -> Dict[str, PassContext]:

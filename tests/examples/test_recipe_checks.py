@@ -226,3 +226,11 @@ def test_help_prints_the_scripts_usage_and_does_nothing_else(path, tmp_path):
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert f"examples/{path}" in done.stdout or path.split("/")[-1] in done.stdout, done.stdout
     assert not done.stdout.startswith(("#", "!")) and not list(tmp_path.iterdir())
+
+
+def test_a_script_run_through_a_link_finds_its_checks(tmp_path):
+    """(recipe_checks.sh is found beside the script's real path: get_wmt14_en_de.sh was self-contained before
+    it sourced it, and a link to it elsewhere must still run.)"""
+    (tmp_path / "get").symlink_to(EXAMPLES / "translation" / "get_wmt14_en_de.sh")
+    done = subprocess.run(["./get", "--help"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0 and "OUT_DIR/{train,valid,test}.{en,de}" in done.stdout, done.stderr

@@ -84,3 +84,22 @@ def test_beam_search_with_one_model_in_two_threads(translation_data, switch_ofte
             assert [tokens for tokens, _ in translation] == [tokens for tokens, _ in expected]
             for (_, scores), (_, expected_scores) in zip(translation, expected):
                 assert torch.equal(scores, expected_scores)
+
+
+def test_a_model_pickled_before_the_state_was_per_thread_runs(translation_data):
+    """A whole model saved by torch.save before ThreadState holds `cache` and `contexts` in its encoding's
+    attributes: loaded, its encoding gets a state of its own (before: AttributeError 'contexts')."""
+    import copy
+
+    from posenc_fairseq.encodings.cache import EncodingCache
+
+    model, task = model_in_eval(translation_data, "floater")
+    batch = random_batch(task.source_dictionary, batch=2, src_len=9, tgt_len=7, seed=1)
+    encoding = model.positional_encoding
+    old = {key: value for key, value in encoding.__dict__.items() if key != "thread_state"}
+    old.update(cache=EncodingCache(), contexts={})
+    encoding.__dict__.clear()
+    encoding.__setstate__(copy.copy(old))
+    assert "cache" not in encoding.__dict__ and "contexts" not in encoding.__dict__
+    with torch.no_grad():
+        assert torch.equal(model(*batch)[0], copy.deepcopy(model)(*batch)[0])

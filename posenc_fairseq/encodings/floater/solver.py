@@ -14,8 +14,10 @@ with a float64 time grid, whatever the model's dtype.
 """
 import contextlib
 import functools
+import glob
 import importlib
 import logging
+import os
 from typing import List, NamedTuple, Optional
 
 import torch
@@ -38,14 +40,22 @@ KEEP_STAGES_BYTES = 256 * 2**20  # a solve keeps its stages for backward up to t
 # (a stage's product is then long enough that running parts side by side gains more than a thread costs)
 PARALLEL_MIN_WORK = 2**20
 PARALLEL_MIN_ROWS = 4
+PACKAGE_FOLDER = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-def compiled_loops(load=lambda: importlib.import_module("..._floater_solve", __package__)):
-    """HiddenSpaceSolve's loops compiled (csrc/floater_solve.cpp, built by setup.py), or None: the same
-    loops in Python. Not built is said nowhere (an install may leave it out); built but unloadable (for
-    another torch, whose symbols it lacks) is said once, with how to rebuild it."""
+
+def compiled_loops(load=lambda: importlib.import_module("..._floater_solve", __package__), folder=PACKAGE_FOLDER):
+    """HiddenSpaceSolve's loops compiled (csrc/floater_solve.cpp, built by setup.py into the package's
+    `folder`), or None: the same loops in Python. Not built is said nowhere (an install may leave it out);
+    built but unloadable (for another torch, whose symbols it lacks, or another Python) is said, with how
+    to rebuild it."""
     try:
         return load()
     except ModuleNotFoundError:
+        built = glob.glob(os.path.join(folder, "_floater_solve*"))
+        if built:  # (built for another Python: its file name's tag does not match this interpreter's)
+            logger.warning("posenc_fairseq: FLOATER's compiled solve loops were built for another Python (%s); the "
+                           "same loops run in Python, slower. Rebuild them: pip install --no-build-isolation "
+                           "--no-deps -e <this repository>", ", ".join(os.path.basename(path) for path in built))
         return None
     except ImportError as error:
         logger.warning("posenc_fairseq: FLOATER's compiled solve loops do not load (%s); the same loops run in "

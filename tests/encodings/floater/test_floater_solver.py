@@ -64,8 +64,8 @@ def assert_second_derivative_refused(solve):
         (gradient ** 2).sum().backward()
 
 
-@pytest.mark.parametrize("loops", ["compiled", "python"])
-@pytest.mark.parametrize("solve", [FixedGridSolve, HiddenSpaceSolve])
+@pytest.mark.parametrize("solve,loops", [(FixedGridSolve, "python"), (HiddenSpaceSolve, "compiled"),
+                                         (HiddenSpaceSolve, "python")])
 def test_a_second_derivative_of_the_solve_is_refused(solve, loops, monkeypatch):
     """(The compiled loops ran their backward without a graph, so a second derivative came out wrong,
     silently: 0.22 where finite differences give 5.65.)"""
@@ -92,20 +92,27 @@ def test_the_compiled_loops_are_built():
     assert solver.floater_solve is not None
 
 
-def test_compiled_loops_that_do_not_load_are_said_once_not_built_ones_never(caplog):
-    """Built for another torch (its symbols missing), the extension fell back to the Python loops without a
-    word; not built at all (an install may leave it out), it still does."""
+def test_compiled_loops_that_do_not_load_are_said_not_built_ones_never(caplog, tmp_path):
+    """Built for another torch (its symbols missing) or another Python (its file not found by import), the
+    extension fell back to the Python loops without a word; not built at all (an install may leave it
+    out), it still does."""
     def built_for_another_torch():
         raise ImportError("_floater_solve.so: undefined symbol: _ZN3c1017RegisterOperators")
 
-    def not_built():
+    def not_found():
         raise ModuleNotFoundError("No module named 'posenc_fairseq._floater_solve'")
 
+    other_python = tmp_path / "other"
+    other_python.mkdir()
+    (other_python / "_floater_solve.cpython-310-x86_64-linux-gnu.so").write_bytes(b"")
     with caplog.at_level("WARNING", logger=solver.__name__):
-        assert solver.compiled_loops(not_built) is None and not caplog.records
+        assert solver.compiled_loops(not_found, folder=tmp_path) is None and not caplog.records
         assert solver.compiled_loops(built_for_another_torch) is None
-    [record] = caplog.records
-    assert "undefined symbol" in record.getMessage() and "pip install --no-build-isolation" in record.getMessage()
+        assert solver.compiled_loops(not_found, folder=other_python) is None
+    torch_record, python_record = caplog.records
+    assert "undefined symbol" in torch_record.getMessage()
+    assert "another Python (_floater_solve.cpython-310-x86_64-linux-gnu.so)" in python_record.getMessage()
+    assert all("pip install --no-build-isolation" in record.getMessage() for record in caplog.records)
     assert solver.compiled_loops() is solver.floater_solve is not None  # (this install's: built, loads)
 
 
