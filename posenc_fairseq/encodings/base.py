@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from . import trained_with
-from .cache import EncodingCache, TermKey
+from .cache import EncodingCache, KeptValues, TermKey
 from ..kernels import flex, triton_attention
 from .distance import DistanceTerm
 from .option_types import OptionValueError, flag_name, given, option
@@ -65,19 +65,18 @@ class ThreadState(threading.local):
     """What an encoding keeps of the passes in progress, one per thread: its stacks' pass contexts and
     its cache. Threads that run one model at once (a threaded server, DataParallel's replicas, which
     share this object) would otherwise start their passes over each other's: a stack's `begin` in one
-    thread replaced the other's positions between its layers. The kept values are per thread too, so a
-    thread's first pass computes them anew (FLOATER solves its table again): a server should reuse its
-    threads (a pool), not start one per request. Copies and pickles start empty (fairseq's EMA
-    deep-copies the model)."""
+    thread replaced the other's positions between its layers. The caches share their inference scope
+    (`kept`, cache.py): a thread's first pass reads what the others computed (FLOATER's table), as one
+    thread's later passes do. Copies and pickles start empty (fairseq's EMA deep-copies the model)."""
 
-    def __init__(self):
+    def __init__(self, kept: KeptValues):
         # the pass context of each stack ('encoder', 'decoder'): made by its `begin`, read by the
         # attention layers the stack runs in that pass
         self.contexts: Dict[str, PassContext] = {}
-        self.cache = EncodingCache()
+        self.cache = EncodingCache(kept)
 
     def __reduce__(self):
-        return ThreadState, ()
+        return ThreadState, (KeptValues(),)
 
 
 def stack_of(role: str) -> str:
@@ -96,7 +95,7 @@ class PositionalEncoding(nn.Module):
     def __init__(self, args: argparse.Namespace, dims: "ModelDims"):
         super().__init__()
         self.dims = dims
-        self.thread_state = ThreadState()
+        self.thread_state = ThreadState(KeptValues())
         # a model's absolute input embedding, which its weights were trained with: `set_position_defaults`
         # records in input_positions_default the choice it made where none was given
         choice = given(args, "input_positions")
@@ -106,7 +105,7 @@ class PositionalEncoding(nn.Module):
     def __setstate__(self, state):
         # a whole model pickled before ThreadState held its contexts and cache as attributes
         state = {key: value for key, value in state.items() if key not in ("contexts", "cache")}
-        state.setdefault("thread_state", ThreadState())
+        state.setdefault("thread_state", ThreadState(KeptValues()))
         super().__setstate__(state)
 
     @property

@@ -11,8 +11,8 @@ each kept in a scope that says how long it stays valid.
   and passes while gradients are off and the encoding is in eval mode (`use_kept_values`). The
   scope is checked against the tensors the encoding's kept values are computed from
   (`kept_value_inputs`: its parameters; FLOATER's also the attention biases b(0)) by value (and dtype, device, shape) once per
-  pass that starts a decode or runs whole (`begin` with no earlier step), and emptied when any
-  differs: this sees every change, fairseq's optimizers' writes through p.data included (which
+  pass that starts a decode or runs whole (`begin` with no earlier step), and replaced by an empty
+  one when any differs: this sees every change, fairseq's optimizers' writes through p.data included (which
   move no version counter). Emptied too when autocast is not as it was (`autocast_state`): values
   computed under it keep its rounding in float32 tensors, which a check of dtypes would not see. The
   steps of one decode use it unchecked, as fairseq's incremental state uses the keys and values it
@@ -28,9 +28,13 @@ each kept in a scope that says how long it stays valid.
   earlier step) through its later steps.
 - constants (`constant`): values of their key alone (no parameter), e.g. rotary's frequencies.
 
-Copies (fairseq's EMA deep-copies the model) and pickles start empty: entries may hold autograd
-graphs that cannot be copied.
+Each thread has its own cache (encodings/base.py, `ThreadState`); the inference scope's values are
+shared by them (`KeptValues`): a thread checks them at its passes' start as above and then reads the
+values it checked, which another thread's check that finds the parameters changed replaces, not
+empties. Copies (fairseq's EMA deep-copies the model) and pickles start empty: entries may hold
+autograd graphs that cannot be copied.
 """
+import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Hashable, Iterable, List, NamedTuple, Optional, Tuple
 
@@ -48,20 +52,34 @@ class TermKey(NamedTuple):
     computed_from: tuple  # the rest that tells values apart: table or layer, distances, dtype, ...
 
 
-class EncodingCache:
-    """See the module docstring. Plain attributes: written once per decoding step, where
-    nn.Module's __setattr__ would cost."""
+class KeptValues:
+    """The inference scope of one encoding, shared by its threads' caches: the values, and the copies
+    of the tensors and the autocast state they were computed with."""
 
     def __init__(self):
+        self.values: Dict[TermKey, Any] = {}
+        self.parameter_copies: Optional[List[Tensor]] = None
+        self.autocast: Optional[tuple] = None  # `autocast_state` when `values` were computed
+        self.lock = threading.Lock()  # (one thread checks and replaces at a time)
+
+    def __reduce__(self):  # copies and pickles start empty
+        return KeptValues, ()
+
+
+class EncodingCache:
+    """See the module docstring. Plain attributes: written once per decoding step, where
+    nn.Module's __setattr__ would cost. `kept`: the inference scope shared with the encoding's other
+    threads' caches."""
+
+    def __init__(self, kept: Optional[KeptValues] = None):
         self.pass_values: Dict[str, Dict[Tuple[TermKey, bool], Any]] = {}  # role -> (key, grad mode) -> value
         self.model_pass: Dict[TermKey, Any] = {}
         self.decode_values: Dict[TermKey, Any] = {}
         self.last_stack: Optional[str] = None  # the stack of the last `begin`
-        self.inference_values: Dict[TermKey, Any] = {}
+        self.kept = kept if kept is not None else KeptValues()
+        self.inference_values: Dict[TermKey, Any] = self.kept.values  # those this thread checked last
         self.constants: Dict[Hashable, Any] = {}
         self.inference_checked = False  # this pass has checked `inference_values` against the parameters
-        self.parameter_copies: Optional[List[Tensor]] = None
-        self.inference_autocast: Optional[tuple] = None  # `autocast_state` when `inference_values` were computed
         self.run: Optional[_RunRecord] = None  # the `recorded` run in progress
 
     def __reduce__(self):  # copies and pickles start empty
@@ -87,9 +105,12 @@ class EncodingCache:
             self.pass_values.pop(role, None)
 
     def clear(self):
-        """Forget every value but the constants (what they were computed from changed shape)."""
+        """Forget every value but the constants (what they were computed from changed shape), the other
+        threads' kept values too (at their next check)."""
         self.pass_values, self.model_pass, self.decode_values, self.inference_values = {}, {}, {}, {}
-        self.parameter_copies, self.inference_checked, self.inference_autocast = None, False, None
+        self.inference_checked = False
+        with self.kept.lock:
+            self.kept.values, self.kept.parameter_copies, self.kept.autocast = {}, None, None
 
     # --- pass scope -----------------------------------------------------------------------------
     def memoize(self, key: TermKey, compute: Callable[[], Any]) -> Any:
@@ -163,12 +184,14 @@ class EncodingCache:
         the autocast state, and emptied when any differs."""
         if not self.inference_checked:
             self.inference_checked = True
-            autocast = autocast_state()
-            if autocast != self.inference_autocast or not same_values(self.parameter_copies,
-                                                                      module.kept_value_inputs()):
-                self.inference_values.clear()
-                self.parameter_copies = value_copies(module.kept_value_inputs())
-                self.inference_autocast = autocast
+            kept, autocast = self.kept, autocast_state()
+            with kept.lock:
+                if autocast != kept.autocast or not same_values(kept.parameter_copies, module.kept_value_inputs()):
+                    # replaced, not emptied: another thread's decode goes on reading the values it checked
+                    kept.values = {}
+                    kept.parameter_copies = value_copies(module.kept_value_inputs())
+                    kept.autocast = autocast
+                self.inference_values = kept.values
         return self.inference_values
 
     def inference_value(self, module: nn.Module, key: TermKey, depends_on: tuple, compute: Callable[[], Any]) -> Any:
