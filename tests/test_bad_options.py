@@ -19,8 +19,8 @@ import torch
 import posenc_fairseq  # noqa: F401
 from posenc_fairseq.encodings import ENCODINGS, ModelDims, build_encoding
 from posenc_fairseq.encodings.option_types import (MAX_PARAMETER_BYTES, OptionValueError, check_size,
-                                                   even_int_in_range, float_in_range, int_in_range, option,
-                                                   option_pair, positive_float, probability)
+                                                   even_int_in_range, flag, flag_name, float_in_range, int_in_range,
+                                                   option, option_pair, positive_float, probability)
 from position_terms import logits_between
 from util import USER_DIR, encoding_options
 
@@ -251,6 +251,25 @@ def test_namespace_zero_is_judged_not_replaced_by_the_default():
     assert build_encoding("shaw", encoding_options(), DIMS).k == 16
 
 
+@pytest.mark.parametrize("name,dest,read", [
+    ("floater", "floater_autonomous", lambda encoding: encoding.autonomous),
+    ("floater", "floater_first_block_only", lambda encoding: encoding.first_block_only),
+    ("floater", "floater_adjoint", lambda encoding: encoding.adjoint),
+    ("floater", "floater_freeze_dynamics", lambda encoding: encoding.freeze_dynamics),
+    ("shaw", "shaw_values", lambda encoding: encoding.values),
+    ("t5", "scalar_bias_share_layers", lambda encoding: encoding.share_layers),
+])
+def test_on_off_options_in_a_config_are_read_by_meaning_not_truthiness(name, dest, read):
+    """A string such as --model-overrides "{'floater_autonomous': 'false'}" gives: 'false' is off (a
+    non-empty string, it was once read as on), 'maybe' is refused naming the option."""
+    extra = {"scalar_bias_layers": "all"} if dest == "scalar_bias_share_layers" else {}
+    for given_value, meaning in (("false", False), ("off", False), ("true", True), ("on", True), (False, False)):
+        torch.manual_seed(0)
+        assert read(build_encoding(name, encoding_options(**{dest: given_value}, **extra), DIMS)) is meaning
+    with pytest.raises(OptionValueError, match="^" + flag_name(dest) + " maybe: expected on/off"):
+        build_encoding(name, encoding_options(**{dest: "maybe"}, **extra), DIMS)
+
+
 def test_every_encoding_option_has_a_checked_type():
     """No option of these encodings takes a bare int/float (which accepts 0, nan, -1 ...)."""
     prefixes = ("--t5-", "--scalar-bias-", "--at5-", "--shaw-", "--lfhc-", "--gcdf-", "--rotary-", "--xl-", "--alibi-")
@@ -271,6 +290,7 @@ def test_every_encoding_option_has_a_checked_type():
     (float_in_range(0.0, 1.0, high_open=True), ["0", "0.5", 0], ["1", "-0.1", "nan", "inf"]),
     (positive_float, ["1e-9", 3], ["0", "-1", "nan", "-inf", False]),
     (probability, ["0", "0.999"], ["1", "1.5"]),
+    (flag, [True, False, "on", "OFF", "true", "False", "yes", "0", 1, 0], ["maybe", "", "2", 2, 0.5, None]),
 ])
 def test_checkers(checker, good, bad):
     for value in good:

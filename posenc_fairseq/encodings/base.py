@@ -63,9 +63,9 @@ class PassContext:
 
 class ThreadState(threading.local):
     """What an encoding keeps of the passes in progress, one per thread: its stacks' pass contexts and
-    its cache. Threads that run one model at once (a threaded server, DataParallel's replicas, which
-    share this object) would otherwise start their passes over each other's: a stack's `begin` in one
-    thread replaced the other's positions between its layers. The caches share their inference scope
+    its cache: threads that run one model at once (a threaded server, DataParallel's replicas, which
+    share this object) each see their own passes, and a stack's `begin` in one thread leaves another's
+    positions alone. The caches share their inference scope
     (`kept`, cache.py): a thread's first pass reads what the others computed (FLOATER's table), as one
     thread's later passes do. Copies and pickles start empty (fairseq's EMA deep-copies the model)."""
 
@@ -374,11 +374,6 @@ def refuse_unknown_options(args) -> None:
             hint = f" (did you mean {flag_name(close[0])}?)" if close else ""
             raise OptionValueError(f"{flag_name(name)}: no encoding has this option{hint}; a name given to "
                                    "--model-overrides, from_pretrained or arg_overrides must be one")
-
-
-def layers_with_bias(option: str, role: str, layer: int) -> bool:
-    """The `--*-layers first|all` choice shared by the scalar-bias encodings."""
-    return option == "all" or layer == 0
 
 
 # Baselines whose position information is only the absolute input embedding (fairseq's own).

@@ -151,6 +151,24 @@ class one_of:
         return value
 
 
+def flag(value) -> bool:
+    """An on/off option: a bool, or one of on/off, true/false, yes/no, 1/0 (any case; e.g. a
+    --model-overrides string); anything else is refused rather than read by truthiness ('false'
+    is not True)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (str, int)):
+        text = str(value).strip().lower()
+        if text in ("on", "true", "yes", "1"):
+            return True
+        if text in ("off", "false", "no", "0"):
+            return False
+    raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected on/off (true/false)")
+
+
+flag.__name__ = "on/off"
+
+
 def flag_name(dest: str) -> str:
     """'shaw_k' -> '--shaw-k'."""
     return "--" + dest.replace("_", "-")

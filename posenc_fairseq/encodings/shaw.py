@@ -23,14 +23,13 @@ between them): the query meets the rows once, (B, H, Tq, #rows), repeated per ru
 by w^V. Never an (n, n, d_head) tensor; on long inputs a block of queries at a time. Nothing on
 cross-attention; nothing sized to a maximum length, so a large k costs parameters only.
 """
-import argparse
 
 import torch
 from torch import Tensor, nn
 
 from .base import PositionalEncoding, register_encoding
 from .distance import DistanceTerm
-from .option_types import Checker, check_size, checked, one_of
+from .option_types import Checker, check_size, checked, flag, one_of
 from .cache import range_values, use_kept_values
 from .positions import row_runs, tensor_of
 
@@ -39,16 +38,6 @@ SELF_ROLES = ("encoder", "decoder")
 MAX_K = 2 ** 16
 k_type = Checker(int, 1, MAX_K, name="k")
 ROUNDINGS = ("floor", "trunc")
-
-
-def switch(value) -> bool:
-    if isinstance(value, bool):
-        return value
-    if str(value).lower() in ("on", "true", "yes", "1"):
-        return True
-    if str(value).lower() in ("off", "false", "no", "0"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected on/off, got {value!r}")
 
 
 def shaw_buckets(relative: Tensor, k: int) -> Tensor:
@@ -67,15 +56,13 @@ class Shaw(PositionalEncoding):
     default_input_positions = "none"  # Shaw et al.: no sinusoidal input encoding in addition
     option_prefix = "shaw"
     default_values = True  # Shaw et al.'s full model has the value term
-    #: PositionalAttention may call the hooks one block of queries at a time (long inputs)
-    query_blocks = True
 
     def __init__(self, args, dims):
         super().__init__(args, dims)
         prefix = self.option_prefix.replace("-", "_")
         self.k = self.defining_option(args, f"{prefix}_k", k_type, 16)
         values = getattr(args, f"{prefix}_values", None)
-        self.values = self.default_values if values is None else checked(f"{prefix}_values", values, switch)
+        self.values = self.default_values if values is None else checked(f"{prefix}_values", values, flag)
         tables = (2 if self.values else 1) * (dims.encoder_layers + dims.decoder_layers)
         check_size(f"--{self.option_prefix}-k {self.k}", tables * (2 * self.k + 1) * dims.head_dim,
                    f"the {self.name} relative embedding tables")
@@ -106,7 +93,7 @@ class Shaw(PositionalEncoding):
         else:
             values_help = f"{cls.name}: also add a^V_ij to the values (default off: Qu et al.'s eqs. 5 and 9 have " \
                           "the key term only; on is an extension, Shaw et al.'s value term)"
-        parser.add_argument(f"--{p}-values", type=switch, metavar="on|off", help=values_help)
+        parser.add_argument(f"--{p}-values", type=flag, metavar="on|off", help=values_help)
 
     # --- rows ----------------------------------------------------------------------------------
     def bucket_of(self, query_positions: Tensor, key_positions: Tensor, layer: int) -> Tensor:

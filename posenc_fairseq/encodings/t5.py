@@ -34,9 +34,9 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .base import PositionalEncoding, layers_with_bias, register_encoding
+from .base import PositionalEncoding, register_encoding
 from .distance import DistanceTerm, bias_between
-from .option_types import OptionValueError, check_size, even_int_in_range, int_in_range, one_of, option
+from .option_types import OptionValueError, check_size, even_int_in_range, flag, int_in_range, one_of, option
 from .cache import range_values, use_kept_values
 
 #: parse-time bounds; beyond them a table would be absurdly large (build time checks the exact size)
@@ -109,7 +109,7 @@ class ScalarBias(PositionalEncoding):
     def __init__(self, args, dims):
         super().__init__(args, dims)
         self.bias_layers = self.defining_option(args, "scalar_bias_layers", bias_layers_type, "first")
-        self.share_layers = bool(getattr(args, "scalar_bias_share_layers", False))
+        self.share_layers = option(args, "scalar_bias_share_layers", flag, False)
         if self.bias_layers == "first":
             self.not_read(args, "scalar_bias_share_layers", "it shares the tables of --scalar-bias-layers all")
 
@@ -123,7 +123,7 @@ class ScalarBias(PositionalEncoding):
 
     def has_bias(self, role: str, layer: int) -> bool:
         return role in ("encoder", "decoder") and layer < self.dims.layers(role) and \
-            layers_with_bias(self.bias_layers, role, layer)
+            (self.bias_layers == "all" or layer == 0)
 
     def table_key(self, role: str, layer: int) -> str:
         """Name of the parameter set (role, layer) uses: one per stack when only the first layer

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from ..base import ROLES, PositionalEncoding, register_encoding, stack_of
-from ..option_types import OptionValueError, float_in_range, given, int_in_range, one_of, option, positive_int
+from ..option_types import OptionValueError, flag, float_in_range, given, int_in_range, one_of, option, positive_int
 from ..positions import AnyPositions, Positions, bounds, is_shared_range, tensor_of
 from . import solver
 from .dynamics import Dynamics
@@ -131,13 +131,13 @@ class Floater(PositionalEncoding):
             raise OptionValueError(f"--floater-step-size {self.step_size:g}: {self.substeps} solver steps per position "
                                    f"(--floater-delta {self.delta:g}); at most {MAX_STEPS_PER_POSITION} are allowed")
         self.tolerance = floater("tolerance", TOLERANCE, 1e-6, defines=self.method not in FIXED_GRID)
-        self.adjoint = bool(floater("adjoint", bool, False, defines=False))
-        self.first_block_only = bool(floater("first_block_only", bool, False))
+        self.adjoint = floater("adjoint", flag, False, defines=False)
+        self.first_block_only = floater("first_block_only", flag, False)
         self.recompute_every = floater("recompute_every", positive_int, 1, defines=False)
         hidden = floater("hidden", HIDDEN, dim)
         self.init = floater("init", one_of(*INITS), "zero", defines=False)
-        self.freeze_dynamics = bool(floater("freeze_dynamics", bool, False, defines=False))
-        self.train_dynamics_only = bool(floater("train_dynamics_only", bool, False, defines=False))
+        self.freeze_dynamics = floater("freeze_dynamics", flag, False, defines=False)
+        self.train_dynamics_only = floater("train_dynamics_only", flag, False, defines=False)
         if self.freeze_dynamics and self.train_dynamics_only:
             raise OptionValueError("--floater-freeze-dynamics and --floater-train-dynamics-only exclude each other")
         self.dynamics_lr_scale = floater("dynamics_lr_scale", LR_SCALE, 1.0, defines=False)
@@ -147,7 +147,7 @@ class Floater(PositionalEncoding):
         if self.dynamics_lr_scale != 1.0 and isinstance(optimizer, str) and optimizer != "composite":
             raise OptionValueError(f"--floater-dynamics-lr-scale needs fairseq's composite optimizer (got --optimizer "
                                    f"{optimizer}); see docs/floater.md")
-        self.autonomous = bool(floater("autonomous", bool, False))
+        self.autonomous = floater("autonomous", flag, False)
         if self.autonomous and self.recompute_every > 1:  # (a window's snapshot holds the raw time columns)
             raise OptionValueError("--floater-autonomous with --floater-recompute-every > 1 is not supported")
         max_speed, decay = floater("max_speed", MAX_SPEED, None), floater("decay", DECAY, 0.0)
@@ -184,40 +184,39 @@ class Floater(PositionalEncoding):
 
     @staticmethod
     def add_args(parser):
-        group = parser
-        group.add_argument("--floater-delta", type=DELTA, metavar="D", help="time between tokens, t_i = i*D (default 0.1)")
-        group.add_argument("--floater-method", choices=METHODS, help="ODE solver (default rk4)")
-        group.add_argument("--floater-step-size", type=STEP_SIZE, metavar="S",
+        parser.add_argument("--floater-delta", type=DELTA, metavar="D", help="time between tokens, t_i = i*D (default 0.1)")
+        parser.add_argument("--floater-method", choices=METHODS, help="ODE solver (default rk4)")
+        parser.add_argument("--floater-step-size", type=STEP_SIZE, metavar="S",
                            help=f"fixed-grid solver step (default delta/5; rounded so it divides delta; "
                                 f"at most {MAX_STEPS_PER_POSITION} steps per position)")
-        group.add_argument("--floater-tolerance", type=TOLERANCE, metavar="TOL", help="rtol = atol of dopri5 (default 1e-6)")
-        group.add_argument("--floater-adjoint", action="store_true", default=None,
+        parser.add_argument("--floater-tolerance", type=TOLERANCE, metavar="TOL", help="rtol = atol of dopri5 (default 1e-6)")
+        parser.add_argument("--floater-adjoint", action="store_true", default=None,
                            help="gradients by torchdiffeq's continuous adjoint (odeint_adjoint)")
-        group.add_argument("--floater-hidden", type=HIDDEN, metavar="H", help="hidden width of h (default: embed dim)")
-        group.add_argument("--floater-init", choices=INITS,
+        parser.add_argument("--floater-hidden", type=HIDDEN, metavar="H", help="hidden width of h (default: embed dim)")
+        parser.add_argument("--floater-init", choices=INITS,
                            help="last layer of h: zero (exactly the stock model, default) or small random")
-        group.add_argument("--floater-autonomous", action="store_true", default=None,
+        parser.add_argument("--floater-autonomous", action="store_true", default=None,
                            help="h(b) without the time input (the paper's h also sees tau); see docs/floater.md")
-        group.add_argument("--floater-max-speed", type=MAX_SPEED, metavar="S",
+        parser.add_argument("--floater-max-speed", type=MAX_SPEED, metavar="S",
                            help="db/dt = S tanh(h/S): every coordinate of b moves at most S per unit of time "
                                 "(default: unbounded, the paper's h); see docs/floater.md")
-        group.add_argument("--floater-decay", type=DECAY, metavar="L",
+        parser.add_argument("--floater-decay", type=DECAY, metavar="L",
                            help="db/dt multiplied by exp(-L t): with --floater-max-speed S, |b(t) - b(0)| <= S/L "
                                 "at every position (default 0: none)")
-        group.add_argument("--floater-stop-position", type=positive_int, metavar="N",
+        parser.add_argument("--floater-stop-position", type=positive_int, metavar="N",
                            help="the flow stops halfway between positions N-1 and N: positions >= N share one bias "
                                 "(e.g. N = the longest training input in tokens, </s> included; default: never)")
-        group.add_argument("--floater-first-block-only", action="store_true", default=None,
+        parser.add_argument("--floater-first-block-only", action="store_true", default=None,
                            help="FLOATER biases only in layer 0 of each stack (paper's 'input block only')")
-        group.add_argument("--floater-recompute-every", type=positive_int, metavar="K",
+        parser.add_argument("--floater-recompute-every", type=positive_int, metavar="K",
                            help="solve the ODE with gradient every K updates, reuse the table in between (default 1)")
-        group.add_argument("--floater-freeze-dynamics", action="store_true", default=None,
+        parser.add_argument("--floater-freeze-dynamics", action="store_true", default=None,
                            help="do not train the dynamics network h")
-        group.add_argument("--floater-train-dynamics-only", action="store_true", default=None,
+        parser.add_argument("--floater-train-dynamics-only", action="store_true", default=None,
                            help="train only h: every other parameter of the model as built (including the b(0) "
                                 "projection biases) is frozen; a head the task adds later (sentence_prediction's "
                                 "classification head) trains")
-        group.add_argument("--floater-dynamics-lr-scale", type=LR_SCALE, metavar="X",
+        parser.add_argument("--floater-dynamics-lr-scale", type=LR_SCALE, metavar="X",
                            help="learning rate of h = X * the others' (needs fairseq's composite optimizer; default 1)")
 
     @classmethod
