@@ -44,7 +44,6 @@ from .encodings.positions import AnyPositions, PaddedPositions, is_shared_range,
 from .kernels.masks import blocks_future
 from .kernels.plan import AttentionCall, Kernel, plan
 from .kernels.serve import serve
-from .kernels.terms import all_heads
 
 
 def use_positional_attention(module: torch.nn.Module):
@@ -57,6 +56,16 @@ def use_positional_attention(module: torch.nn.Module):
         if type(submodule) is MultiheadAttention:
             submodule.__class__ = PositionalAttention
             submodule.position_binding = None
+
+
+
+def all_heads(x: Tensor, dim: int, kept: Tensor, heads: int) -> Tensor:
+    """After head pruning: `x` with the `kept` heads along `dim` put back among zeros for the
+    pruned ones, `heads` in all, in the original head order the encoding's per-head terms are
+    indexed by."""
+    shape = list(x.shape)
+    shape[dim] = heads
+    return x.new_zeros(shape).index_copy(dim, kept, x)
 
 
 class PositionBinding:

@@ -71,7 +71,8 @@ def _model_configs(state: dict) -> list:
     return found
 
 
-def _arch(state: dict) -> Optional[str]:
+def architecture_of(state: dict) -> Optional[str]:
+    """The --arch a checkpoint's state was trained with (None where it names none)."""
     if isinstance(state.get("args"), argparse.Namespace):
         return getattr(state["args"], "arch", None)
     cfg = state.get("cfg")
@@ -137,7 +138,7 @@ def source_kind(state) -> Tuple[Optional[str], str]:
         return None, "not a fairseq checkpoint (no 'model' state dict)"
     if not _model_configs(state):
         return None, "not a fairseq checkpoint (no 'cfg' or 'args' model configuration)"
-    arch = _arch(state)
+    arch = architecture_of(state)
     model_class = ARCH_MODEL_REGISTRY.get(arch)
     if model_class is None:
         return None, f"a checkpoint of the unknown architecture {arch!r}"
@@ -309,12 +310,11 @@ def build_from_state(state: dict, kind: str):
         if len(source) == len(target):
             target = source
         task = _Task(source, target)
-    elif kind == "transformer_lm":
-        task = _Task(_dictionary(_lm_vocabulary(weights)),
-                     max_positions=getattr(args, "tokens_per_sample", None) or 512)
     else:
-        task = _Task(_dictionary(_embedding_rows(weights, "sentence_encoder.embed_tokens.weight")),
-                     max_positions=getattr(args, "tokens_per_sample", None) or 512)
+        rows = (_lm_vocabulary(weights) if kind == "transformer_lm"
+                else _embedding_rows(weights, "sentence_encoder.embed_tokens.weight"))
+        tokens_per_sample = getattr(args, "tokens_per_sample", None)
+        task = _Task(_dictionary(rows), max_positions=512 if tokens_per_sample is None else tokens_per_sample)
     ARCH_CONFIG_REGISTRY[args.arch](args)
     model = ARCH_MODEL_REGISTRY[args.arch].build_model(args, task)
     return model, args, task
@@ -332,7 +332,8 @@ def load_from_state(state: dict, kind: str, strict: bool = True):
 def random_inputs(kind: str, task, args, seed: int = 0, batch: int = 3, length: int = 12):
     generator = torch.Generator().manual_seed(seed)
     source = task.source_dictionary
-    limit = getattr(args, "max_source_positions", None) or getattr(args, "max_positions", None) or 512
+    limit = next((value for value in (getattr(args, "max_source_positions", None), getattr(args, "max_positions", None))
+                  if value is not None), 512)
     length = max(3, min(length, int(limit) - 2))
     low = source.nspecial
     tokens = torch.randint(low, len(source), (batch, length), generator=generator)
@@ -418,7 +419,7 @@ def convert_checkpoint(state: dict, kind: str, encoding: str = "floater", overri
     (see `parse_overrides`). Raises ConversionError for a source that is not a stock fairseq
     checkpoint of `kind`, an unknown encoding or option, or outputs differing by > tolerance."""
     options = _model_options(state, kind, encoding, overrides)
-    new_arch = converted_arch(kind, _arch(state), encoding)
+    new_arch = converted_arch(kind, architecture_of(state), encoding)
     converted = _with_model_options(state, new_arch, options)
     model = _add_identity_encoding(converted, state, kind, new_arch)
 

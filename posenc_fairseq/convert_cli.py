@@ -258,8 +258,8 @@ def remove_created(paths):
 
 
 def main(kind: str, argv=None, prog: Optional[str] = None):
-    from .convert import (ConversionError, _arch as converted_architecture, check_encoding, command_line,
-                          convert_checkpoint, source_model_options, split_overrides)
+    from .convert import (ConversionError, architecture_of, check_encoding, command_line, convert_checkpoint,
+                          source_model_options, split_overrides)
 
     # the encoding's options first, wherever they stand: argparse cannot tell that an option it does not
     # know takes a value, so `--t5-num-buckets 64 SRC DST` would read 64 as SRC
@@ -304,7 +304,7 @@ def main(kind: str, argv=None, prog: Optional[str] = None):
     init = overrides.get("floater_init")  # applied after the check (convert_checkpoint)
     equal = ("outputs equal to the source" if init in (None, "zero") else
              f"outputs equal to the source before --floater-init {init} moved the dynamics off zero")
-    architecture = converted_architecture(converted)
+    architecture = architecture_of(converted)
     print(f"wrote {args.dst} (architecture {architecture}, {equal})")
     # fairseq-train builds a model for --restore-file / --finetune-from-model from its command line
     options = {key: value for key, value in {"input_positions": "stock", **overrides}.items() if key != "positional_encoding"}
@@ -315,7 +315,8 @@ def main(kind: str, argv=None, prog: Optional[str] = None):
     return 0
 
 
-#: the kinds of checkpoint, each with its script (scripts/convert_KIND_checkpoint.py) that runs `main`
+#: convert.KINDS, the kinds of checkpoint, each with its script (scripts/convert_KIND_checkpoint.py) that
+#: runs `main`; written out here so that --help and usage errors need not import torch (a test keeps the two equal)
 KINDS = ("transformer", "roberta", "transformer_lm")
 
 

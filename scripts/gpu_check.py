@@ -548,8 +548,7 @@ def check_flex(models, budget):
                 model.eval()  # FlexAttention's eager CPU path: forward only
             if cuda:
                 torch._dynamo.reset()  # each encoding compiles afresh, as in a training run of its own
-                if getattr(flex_attention, "_compiled", None) is False:  # (before FlexAttention became opt-in)
-                    flex_attention._compiled = None
+                flex_attention.compiled_flex_attention.cache_clear()
             before = dynamo_counts()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")

@@ -335,7 +335,7 @@ def module(*arguments, cwd):
 
 @pytest.mark.parametrize("arguments", [["src/transformer.pt", "new/model.pt"], []])
 def test_running_the_module_without_a_kind_asks_for_one(work, arguments):
-    """Before, `python -m posenc_fairseq.convert_cli SRC DST` (it has no kind) printed nothing and exited 0."""
+    """`python -m posenc_fairseq.convert_cli SRC DST` (it has no kind) is refused, not a silent exit 0."""
     before = snapshot(work)
     done = module(*arguments, cwd=work)
     assert_refused(done.returncode, done.stderr, "the kind of checkpoint comes first")
@@ -344,6 +344,10 @@ def test_running_the_module_without_a_kind_asks_for_one(work, arguments):
     for asked in (["--help"], ["-h", "transformer"]):
         done = module(*asked, cwd=work)
         assert done.returncode == 0 and "scripts/convert_KIND_checkpoint.py" in done.stdout, done.stderr
+
+
+def test_the_command_line_knows_the_kinds_conversion_knows():
+    assert convert_cli.KINDS == convert.KINDS
 
 
 def test_the_module_converts_as_the_script_does(work):

@@ -1,7 +1,7 @@
 """scripts/gpu_session.sh's plan, with `python3` and `nvidia-smi` replaced by stubs that record their calls:
-every step's limit is cut so that the whole call ends inside the device's 600 s (before, its limits added
-up to 800 s with the defaults, and a kill at 600 s lost the benchmark's results), and the records name the
-commit that gpu_carry.sh recorded, not the copy's own git."""
+every step's limit is cut so that the whole call ends inside the device's 600 s (a kill at 600 s would lose
+the benchmark's results), and the records name the commit that gpu_carry.sh recorded, not the copy's own
+git."""
 import os
 import re
 import subprocess

@@ -82,8 +82,8 @@ class HeadMLPs(nn.Module):
         self.activation = ACTIVATIONS[activation]
         self.dropout = nn.Dropout(dropout)
         for name in self.PARAMETERS:
-            # nn.Linear's default initialisation, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), per layer, drawn in
-            # the same order as before the rescaling (same seed, same MLP), then stored divided by the scale
+            # nn.Linear's default initialisation, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), per layer, drawn
+            # for the MLP as it computes (a seed gives the MLP of the unscaled layout), stored divided by the scale
             raw = nn.Parameter(torch.empty(shapes[name]))
             nn.init.uniform_(raw, -1 / math.sqrt(fan_ins[name]), 1 / math.sqrt(fan_ins[name]))
             with torch.no_grad():

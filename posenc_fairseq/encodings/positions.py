@@ -21,7 +21,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..block_size import BLOCK_ELEMENTS
+from ..block_size import BLOCK_ELEMENTS, rows_per_block
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +123,7 @@ def _shift_chunks(query: Tensor, n: int, keys: int):
     Tq - r1 .. Tq - 1 - r0 + Tk - 1 of `rel` (its distances, ascending: m + Tk - 1 of them, fewer
     where N stops first); `width` = m + Tk - 1 lays them out for `relative_shift`."""
     batch, heads, queries = query.shape[:3]
-    step = max(16, BLOCK_ELEMENTS // max(1, batch * heads * (n + keys)))
+    step = rows_per_block(BLOCK_ELEMENTS, batch * heads * (n + keys), 16)
     for start in range(0, queries, step):
         stop = min(start + step, queries)
         low = queries - stop

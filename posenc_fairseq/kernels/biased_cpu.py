@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..block_size import BLOCK_ELEMENTS
+from ..block_size import BLOCK_ELEMENTS, rows_per_block
 
 #: the backward's blocks: the rows whose (B, H, rows, Tk) probabilities hold BLOCK_ELEMENTS, at least this many
 MIN_BLOCK_ROWS = 16
@@ -49,7 +49,7 @@ def serves_call(q: Tensor, dropout_p: float, logits: int, grad_enabled: bool) ->
 
 
 def _block_rows(q: Tensor, keys: int) -> int:
-    return max(MIN_BLOCK_ROWS, BLOCK_ELEMENTS // max(1, q.size(0) * q.size(1) * keys))
+    return rows_per_block(BLOCK_ELEMENTS, q.size(0) * q.size(1) * keys, MIN_BLOCK_ROWS)
 
 
 def _flash(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, causal: bool) -> Tuple[Tensor, Tensor]:

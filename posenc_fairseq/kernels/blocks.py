@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from ..block_size import BLOCK_ELEMENTS
+from ..block_size import BLOCK_ELEMENTS, rows_per_block
 from ..encodings.distance import window
 from .terms import blocked_entries
 
@@ -27,10 +27,10 @@ FUSED_BLOCK_FACTOR = 4
 def query_block_size(batch_heads: int, keys: int, fused: bool = False) -> int:
     """Queries per block for encodings with relative terms (Shaw, LFHC, XL, GCDF): QUERY_BLOCK, or
     more where a block of logits would stay under BLOCK_ELEMENTS (short keys, small batch),
-    so that short inputs run in one piece as before; `fused`: FUSED_BLOCK_FACTOR times as many
+    so that short inputs run in one piece; `fused`: FUSED_BLOCK_FACTOR times as many
     elements."""
     elements = BLOCK_ELEMENTS * (FUSED_BLOCK_FACTOR if fused else 1)
-    return max(QUERY_BLOCK, elements // max(1, batch_heads * keys))
+    return rows_per_block(elements, batch_heads * keys, QUERY_BLOCK)
 
 
 def every_query_sees_a_key(call) -> bool:

@@ -14,9 +14,9 @@ starts a forward pass (its value travels in the pass context and the `AttentionC
     "off" (default)   never
     "on"              where no gradient is needed (inference, validation): on CUDA compiled with
                       `torch.compile(flex_attention)` (once, lazily), elsewhere in eager mode
-    "train"           also with gradients on CUDA. Experimental: in the H100 run of
-                      scripts/gpu_check.py its gradients differed from the reference paths (AT5,
-                      GCDF; docs/gpu_check.md). For measuring, not for training
+    "train"           also with gradients on CUDA. Experimental: on a GPU its gradients differed
+                      from the reference paths for AT5 and GCDF (scripts/gpu_check.py,
+                      docs/gpu_check.md). For measuring, not for training
 Off by default: the default paths are the tested ones, and this one becomes a default only after a
 GPU run has shown it equal to them (forward and backward, varying shapes, every precision) and
 faster (`scripts/gpu_check.py --device cuda`, docs/gpu_check.md).
@@ -33,6 +33,7 @@ the padded keys get a finite fill (a fully masked row gives uniform weights as o
 path, not NaN or zeros), its finite entries are added. No BlockMask: masked blocks (the causal upper triangle)
 are computed and then filled rather than skipped.
 """
+import functools
 import warnings
 from typing import Optional
 
@@ -49,8 +50,10 @@ SWITCH = "POSENC_FLEX_ATTENTION"
 #: FlexAttention's CUDA kernel needs a head dimension of at least this
 MIN_CUDA_HEAD_DIM = 16
 
-#: torch.compile(flex_attention), made at the first CUDA call
-_compiled = None
+@functools.lru_cache(maxsize=None)
+def compiled_flex_attention():
+    """torch.compile(flex_attention), made at the first CUDA call."""
+    return torch.compile(flex_attention)
 
 
 def mode() -> str:
@@ -73,15 +76,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, distance: Optional[DistanceLogits], 
     """softmax(q.k + distance term + attn_mask) v, (B, H, Tq, D), q already scaled; blocked
     entries (attn_mask -inf or True, padded keys) at `fill`. `attn_mask` (Tq, Tk): these queries'
     rows; `key_padding_mask` (B, Tk), True (non-zero) at padding."""
-    global _compiled
     # FlexAttention scales the scores by log2(e) before exp2: finfo.min would overflow to -inf, and a
     # fully masked row would give zeros instead of the explicit path's uniform weights
     score_mod = _score_mod(q, distance, attn_mask, key_padding_mask, fill / 2)
     if q.is_cuda:
-        if _compiled is None:
-            _compiled = torch.compile(flex_attention)
         try:
-            return _compiled(q, k, v, score_mod=score_mod, scale=1.0)
+            return compiled_flex_attention()(q, k, v, score_mod=score_mod, scale=1.0)
         except torch._dynamo.exc.TorchDynamoException as error:  # compilation only, not CUDA faults
             raise RuntimeError(f"posenc_fairseq: torch.compile(flex_attention) failed ({type(error).__name__}); "
                                "unset POSENC_FLEX_ATTENTION (off is the default) to use the default attention "

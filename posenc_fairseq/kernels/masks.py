@@ -15,6 +15,16 @@ def blocked_fill_value(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
 
 
+def blocked_by(attn_mask: Tensor) -> Tensor:
+    """Where `attn_mask` blocks a key: True in a boolean mask, -inf in a float one."""
+    return attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
+
+
+def future_entries(queries: int, keys: int, device) -> Tensor:
+    """(queries, keys) True at every key after its query, the queries being the last of the keys."""
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).triu(keys - queries + 1)
+
+
 def blocks_future(attn_mask: Optional[Tensor], queries: int, keys: int, made_by_stack: bool = False) -> bool:
     """Whether the 2-D `attn_mask` (queries, keys) blocks (-inf or True) every key after its query,
     the queries being the last `queries` of the keys: fairseq's future mask. `made_by_stack`: it is
@@ -23,9 +33,7 @@ def blocks_future(attn_mask: Optional[Tensor], queries: int, keys: int, made_by_
         return False
     if made_by_stack:
         return True
-    blocked = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
-    future = torch.ones(queries, keys, dtype=torch.bool, device=attn_mask.device).triu(keys - queries + 1)
-    return bool(blocked[future].all())
+    return bool(blocked_by(attn_mask)[future_entries(queries, keys, attn_mask.device)].all())
 
 
 def only_blocks(attn_mask: Tensor, made_by_stack: bool = False) -> bool:
@@ -43,6 +51,5 @@ def is_future_mask(attn_mask: Optional[Tensor], made_by_stack: bool = False) -> 
         return False
     if made_by_stack:
         return True
-    blocked = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
-    future = torch.ones_like(blocked, dtype=torch.bool).triu(1)
-    return torch.equal(blocked, future) and (attn_mask.dtype == torch.bool or only_blocks(attn_mask))
+    future = future_entries(attn_mask.size(0), attn_mask.size(1), attn_mask.device)
+    return torch.equal(blocked_by(attn_mask), future) and (attn_mask.dtype == torch.bool or only_blocks(attn_mask))

@@ -9,16 +9,7 @@ from torch import Tensor
 
 from ..encodings.cache import TermKey
 from ..encodings.distance import dense_logits
-from .masks import blocked_fill_value, only_blocks
-
-
-def all_heads(x: Tensor, dim: int, kept: Tensor, heads: int) -> Tensor:
-    """After head pruning: `x` with the `kept` heads along `dim` put back among zeros for the
-    pruned ones, `heads` in all, in the original head order the encoding's per-head terms are
-    indexed by."""
-    shape = list(x.shape)
-    shape[dim] = heads
-    return x.new_zeros(shape).index_copy(dim, kept, x)
+from .masks import blocked_by, blocked_fill_value, only_blocks
 
 
 def position_terms(call, content_folded: bool) -> Optional[Tensor]:
@@ -109,7 +100,7 @@ def blocked_entries(call) -> Optional[Tensor]:
     attn_mask, key_padding_mask = call.attn_mask, call.key_padding_mask
     blocked = None
     if attn_mask is not None:
-        blocked = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
+        blocked = blocked_by(attn_mask)
     if key_padding_mask is not None:
         padding = key_padding_mask.view(key_padding_mask.size(0), 1, 1, -1)
         if padding.dtype != torch.bool:

@@ -18,10 +18,10 @@ Where it is used: the environment variable POSENC_TRITON_ATTENTION, read when a 
 pass (`mode()`; its value travels in the pass context and the `AttentionCall`):
     "auto" (default)  on CUDA (compute capability 8.0 or later, `triton` importable; fp32, fp16, bf16),
                       the calls whose terms depend on the query: Shaw, LFHC, XL, GCDF. Their other paths build the terms
-                      per block of queries and recompute the blocks in backward; on one H200 in bf16 the
-                      kernel trained them 2.3-15x faster (docs/benchmarks.md). The bias-only encodings
-                      (T5, T5-NoB, AT5, AT5-NoB, ALiBi) keep SDPA's fused kernels with a dense bias, which
-                      were as fast or faster at 16 x 512 there.
+                      per block of queries and recompute the blocks in backward, and the kernel trained
+                      them faster on a GPU (docs/benchmarks.md). The bias-only encodings (T5, T5-NoB,
+                      AT5, AT5-NoB, ALiBi) keep SDPA's fused kernels with a dense bias, measured as fast
+                      or faster there.
     "on"              on CUDA, every call it serves, in training and inference; on CPU the other paths
                       serve, except where Triton's interpreter is on (TRITON_INTERPRET=1: the exactness
                       tests), for which `mode()` gives "interpreted"; without the `triton` package it is

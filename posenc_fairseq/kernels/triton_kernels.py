@@ -657,8 +657,8 @@ def settings(dtype: torch.dtype, head_dims: int, on_cuda: bool, vectors: bool) -
     """The kernels' compile-time settings for inputs of `dtype` with `head_dims` per head, with or
     without `vectors`. Tiles: 16 in the interpreter (the smallest tl.dot); on CUDA 64 for a bias
     alone in fp16/bf16 with heads of at most 64 dims, else 32: with vectors, float32 or wider heads,
-    64 x 64 tiles need 130-270 KB of shared memory (sm_90, tests/kernels/compile_triton.py), more than
-    an A100 or H100 gives one block. Float32 products in IEEE arithmetic, as torch's default matmul
+    64 x 64 tiles need more shared memory than an A100 or H100 gives one block
+    (tests/kernels/compile_triton.py; docs/triton_attention.md). Float32 products in IEEE arithmetic, as torch's default matmul
     (no TF32; the choice applies to float32 operands only)."""
     head_block = max(16, triton.next_power_of_2(head_dims))
     small = vectors or head_block > 64 or dtype not in (torch.float16, torch.bfloat16)

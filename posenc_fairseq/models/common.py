@@ -174,7 +174,7 @@ def reads_token_positions(encoding) -> bool:
     """Whether `encoding` (each part of a `PerStackEncoding`) reads the target token positions of a
     call: through its projection hooks (rotary, FLOATER) or its own `begin`. The relative hooks get
     the positions from the attention instead."""
-    return any(hook_use(part)[0] or overrides(type(part), ("begin",)) for part in encoding_parts(encoding))
+    return any(hook_use(part).projects or overrides(type(part), ("begin",)) for part in encoding_parts(encoding))
 
 
 class EncodingOfStack:

@@ -42,8 +42,9 @@ class PositionalRobertaModel(EncodingStateMixin, RobertaModel):
     def build_model(cls, args, task):
         # as RobertaModel.build_model, with our encoder
         stock.base_architecture(args)
-        if not getattr(args, "max_positions", None):
-            args.max_positions = getattr(args, "tokens_per_sample", None) or task.max_positions()
+        if getattr(args, "max_positions", None) is None:
+            tokens_per_sample = getattr(args, "tokens_per_sample", None)
+            args.max_positions = task.max_positions() if tokens_per_sample is None else tokens_per_sample
         if not isinstance(args.max_positions, int):  # (stock fails later on the sum of a tuple and an int)
             raise OptionValueError(f"--arch {args.arch}: RoBERTa reads one sequence, but --task {args.task} gives "
                                    f"pairs (max positions {args.max_positions}): use a single-sequence task "

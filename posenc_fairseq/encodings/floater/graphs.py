@@ -1,5 +1,5 @@
 """FLOATER's hidden-space solve (`solver.HiddenSpaceSolve`) replayed from CUDA graphs: the solve off the
-launch path (docs/floater.md, "CUDA graphs"; its CUDA tests passed on an H200); off unless
+launch path (docs/floater.md, "CUDA graphs"); off unless
 POSENC_FLOATER_CUDA_GRAPHS=1.
 
 On CUDA the eager loops launch a few kernels per Runge-Kutta stage, about 10k tiny launches per solve
