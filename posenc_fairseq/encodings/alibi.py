@@ -16,16 +16,16 @@ from .distance import DistanceTerm
 
 def alibi_slopes(heads: int) -> Tensor:
     """m_h = 2^(-8h/n) for n heads (h = 1..n) when n is a power of two; otherwise the slopes of the
-    nearest lower power of two followed by every other slope of the next one (the paper's recipe)."""
+    nearest lower power of two followed by every other slope of the next one (the paper's recipe).
+    In float64, from which a model's dtype is rounded once."""
 
     def power_of_two(n):
-        start = 2 ** (-8.0 / n)
-        return [start ** (h + 1) for h in range(n)]
+        return [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
 
     if math.log2(heads).is_integer():
-        return torch.tensor(power_of_two(heads))
+        return torch.tensor(power_of_two(heads), dtype=torch.float64)
     lower = 2 ** math.floor(math.log2(heads))
-    return torch.tensor(power_of_two(lower) + power_of_two(2 * lower)[0::2][: heads - lower])
+    return torch.tensor(power_of_two(lower) + power_of_two(2 * lower)[0::2][: heads - lower], dtype=torch.float64)
 
 
 @register_encoding("alibi")
@@ -35,11 +35,12 @@ class ALiBi(PositionalEncoding):
 
     def __init__(self, args, dims):
         super().__init__(args, dims)
-        self.register_buffer("slopes", alibi_slopes(dims.heads), persistent=False)
+        self.register_buffer("slopes", alibi_slopes(dims.heads).to(torch.get_default_dtype()), persistent=False)
 
     def _apply(self, fn, recurse=True):
         """Module.to/half/float/...: the slopes made anew in the dtype and device they are moved to, so
-        that a round trip through a lower precision (.half() then .float()) leaves no rounding in them."""
+        that a round trip through a lower precision (.half() then .float()) leaves no rounding in them, and
+        a float64 model has them in float64."""
         super()._apply(fn, recurse)
         self.slopes = alibi_slopes(self.slopes.numel()).to(self.slopes)
         return self

@@ -13,10 +13,10 @@ from position_terms import logits_between
 
 def test_slopes_are_the_papers_geometric_sequences():
     # 8 heads: 1/2, 1/4, ..., 1/256 (paper section 3)
-    assert torch.allclose(alibi_slopes(8), torch.tensor([2.0 ** -(h + 1) for h in range(8)]))
+    assert torch.allclose(alibi_slopes(8), torch.tensor([2.0 ** -(h + 1) for h in range(8)], dtype=torch.float64))
     # 6 heads: the 4-head slopes, then every other of the 8-head ones
     expected = [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3]
-    assert torch.allclose(alibi_slopes(6), torch.tensor(expected))
+    assert torch.allclose(alibi_slopes(6), torch.tensor(expected, dtype=torch.float64))
 
 
 def test_bias_equals_naive_loop_including_offset_queries():
@@ -70,5 +70,19 @@ def test_slopes_after_a_round_trip_through_half_precision_are_exact(low):
     encoding = ALiBi(None, ModelDims(48, 12, 2, 2))
     assert torch.equal(encoding.to(low).slopes, alibi_slopes(12).to(low))
     assert not torch.equal(alibi_slopes(12).to(low).float(), alibi_slopes(12))
-    assert torch.equal(encoding.float().slopes, alibi_slopes(12)) and encoding.slopes.dtype == torch.float32
-    assert torch.equal(encoding.double().slopes, alibi_slopes(12).double())
+    assert torch.equal(encoding.float().slopes, alibi_slopes(12).float()) and encoding.slopes.dtype == torch.float32
+    assert torch.equal(encoding.double().slopes, alibi_slopes(12))
+
+
+@pytest.mark.parametrize("heads", [12, 16])
+def test_a_float64_model_has_the_slopes_to_float64_precision(heads):
+    """The slopes of Press et al.'s get_slopes (its code, in float64) for 16 heads; for 12, the slopes
+    of 8 heads and every other one of 16. Computed in float32 and then widened they were 2e-8 off."""
+    def power_of_two(n):  # get_slopes_power_of_2 of the ALiBi repository
+        start = 2 ** (-2 ** -(math.log2(n) - 3))
+        ratio = start
+        return [start * ratio ** i for i in range(n)]
+    expected = power_of_two(16) if heads == 16 else power_of_two(8) + power_of_two(16)[0::2][:4]
+    slopes = ALiBi(None, ModelDims(4 * heads, heads, 2, 2)).double().slopes
+    assert slopes.dtype == torch.float64
+    assert torch.allclose(slopes, torch.tensor(expected, dtype=torch.float64), rtol=1e-14, atol=0)
