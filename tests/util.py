@@ -166,6 +166,30 @@ def bound_attention(encoding, role, layer, embed, heads, dtype=torch.float64):
     return module.to(dtype).eval()
 
 
+def attention_call(name, argv, role, length=11, batch=3, embed=16, heads=4):
+    """A bound self-attention (float32, eval) and a call on a padded batch whose last row is all
+    padding (fully masked rows), causal with one finite mask entry in the decoder."""
+    from posenc_fairseq.encodings import ModelDims
+
+    enc = perturbed_encoding(name, *argv, dims=ModelDims(embed, heads, 2, 2)).float()
+    module = bound_attention(enc, role, 0, embed, heads, torch.float32)
+    torch.manual_seed(3)
+    x = torch.randn(length, batch, embed)
+    padding = torch.zeros(batch, length, dtype=torch.bool)
+    padding[0, -3:] = True
+    padding[-1, :] = True
+    mask = None
+    if role == "decoder":
+        mask = torch.triu(torch.full((length, length), float("-inf")), 1)
+        mask[5, 2] = 0.7
+
+    def call(need_weights=False):
+        enc.begin(role)
+        return module(x, x, x, key_padding_mask=padding, attn_mask=mask, need_weights=need_weights)[0]
+
+    return module, call
+
+
 def assert_attention_runs_on(encoding, role_layers, length=2000, embed=32, heads=4):
     """A bound attention of `encoding` on one `length`-token sequence (causal in the decoder):
     no table sized to a maximum length, finite output."""

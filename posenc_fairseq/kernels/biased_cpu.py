@@ -19,7 +19,7 @@ softmax of the filled logits does) and, like the explicit path, no gradient to q
 
 Chosen by plan.py on CPU in float32 without attention dropout (the kernel has none), for
 calls of at least MIN_LOGITS logits; otherwise the explicit softmax serves (tests:
-`tests/test_biased_attention.py`, against autograd of the explicit formula). Under fairseq's future
+`tests/kernels/test_biased_cpu.py`, against autograd of the explicit formula). Under fairseq's future
 mask (`future_blocked`) the forward sets the kernel's causal flag and each backward block leaves out
 the keys after its last query.
 """

@@ -84,10 +84,10 @@ def test_long_uneven_batches_over_many_tiles(translation_data, kernel_device, mo
 def test_pruned_heads(kernel_device, monkeypatch, counted):
     """After head pruning the kept heads' bias rows serve the kernel (encoder self-attention over a
     padded batch whose last sentence is all padding)."""
-    from test_flex_attention import attention_call
+    from util import attention_call
 
     if kernel_device.type != "cpu":
-        pytest.skip("the bound attention of test_flex_attention is built on the CPU")
+        pytest.skip("util.attention_call builds the bound attention on the CPU")
     module, call = attention_call("t5", [], "encoder")
     module._adaptive_prune_heads([(0, module.head_dim), (2 * module.head_dim, 3 * module.head_dim)])
     monkeypatch.setenv(fused.SWITCH, "off")

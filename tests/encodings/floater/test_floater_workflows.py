@@ -147,7 +147,7 @@ def test_training_that_counts_again_from_zero_starts_its_own_window(translation_
 
 
 def test_loading_with_other_options_solves_for_those_options(translation_data, tiny_checkpoint):
-    path = tiny_checkpoint("transformer_floater", "--floater-init", "small")  # (shared with test_plot_positions.py)
+    path = tiny_checkpoint("transformer_floater", "--floater-init", "small")  # (shared with scripts/test_plot_positions.py)
     model, task = load(path)
     for overrides in ({"floater_delta": 0.2}, {"floater_first_block_only": True}, {"floater_method": "midpoint"}):
         overridden, _ = load(path, overrides)

@@ -11,9 +11,10 @@ from posenc_fairseq.encodings import ModelDims
 from posenc_fairseq.encodings.base import hook_use
 from posenc_fairseq.encodings.distance import flex_table
 from position_terms import logits_between
-from util import TINY_TRANSFORMER, bound_attention, build_model, perturbed_encoding, random_batch
+from util import TINY_TRANSFORMER, attention_call, build_model, perturbed_encoding, random_batch
 
-EMBED, HEADS = 16, 4
+EMBED, HEADS = 16, 4  # (util.attention_call's defaults)
+
 #: the encodings with a distance term, with options that give them one (Shaw: key term only)
 DISTANCE = [("t5", []), ("t5", ["--scalar-bias-layers", "all"]), ("t5_nob", []), ("at5", []), ("at5_nob", []),
             ("alibi", []), ("shaw", ["--shaw-values", "off"]), ("lfhc", []), ("xl", []), ("gcdf", [])]
@@ -82,28 +83,6 @@ def test_model_full_pass_and_decoding_steps_equal_the_explicit_path(translation_
     # (`distance.step_terms`)
     assert calls == per_stack
     assert (got - expected).abs().max() <= 1e-5
-
-
-def attention_call(name, argv, role, length=11, batch=3):
-    """A bound self-attention (float32, eval) and a call on a padded batch whose last row is all
-    padding (fully masked rows), causal with one finite mask entry in the decoder."""
-    enc = perturbed_encoding(name, *argv, dims=ModelDims(EMBED, HEADS, 2, 2)).float()
-    module = bound_attention(enc, role, 0, EMBED, HEADS, torch.float32)
-    torch.manual_seed(3)
-    x = torch.randn(length, batch, EMBED)
-    padding = torch.zeros(batch, length, dtype=torch.bool)
-    padding[0, -3:] = True
-    padding[-1, :] = True
-    mask = None
-    if role == "decoder":
-        mask = torch.triu(torch.full((length, length), float("-inf")), 1)
-        mask[5, 2] = 0.7
-
-    def call(need_weights=False):
-        enc.begin(role)
-        return module(x, x, x, key_padding_mask=padding, attn_mask=mask, need_weights=need_weights)[0]
-
-    return module, call
 
 
 @pytest.mark.parametrize("role", ["encoder", "decoder"])
