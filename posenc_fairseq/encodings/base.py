@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from . import trained_with
 from .cache import EncodingCache, KeptValues, TermKey
-from ..kernels import flex, triton_attention
+from ..switches import flex_attention_mode, triton_attention_mode
 from .distance import DistanceTerm
 from .option_types import OptionValueError, flag_name, given, option
 from .positions import AnyPositions
@@ -189,8 +189,8 @@ class PositionalEncoding(nn.Module):
         self.cache.begin(role, earlier, reads_encoder=role == "decoder" and source_positions is not None)
         if source_positions is None and previous is not None:
             source_positions = previous.source
-        context = self.contexts[role] = PassContext(role, positions, source_positions, earlier, flex.mode(),
-                                                    triton_attention.mode())
+        context = self.contexts[role] = PassContext(role, positions, source_positions, earlier,
+                                                    flex_attention_mode(), triton_attention_mode())
         return context
 
     def end(self, role: str):

@@ -42,23 +42,18 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
 from ..encodings.distance import DistanceLogits
-from ..switches import choice
+from ..switches import FLEX_ATTENTION, FLEX_ATTENTION_MODES, flex_attention_mode
 
-MODES = ("off", "on", "train")
-#: the environment variable that selects where FlexAttention serves (`mode`)
-SWITCH = "POSENC_FLEX_ATTENTION"
+#: the switch (switches.py): its variable, values, reader (`mode()`, read when a stack starts a pass)
+SWITCH, MODES, mode = FLEX_ATTENTION, FLEX_ATTENTION_MODES, flex_attention_mode
 #: FlexAttention's CUDA kernel needs a head dimension of at least this
 MIN_CUDA_HEAD_DIM = 16
+
 
 @functools.lru_cache(maxsize=None)
 def compiled_flex_attention():
     """torch.compile(flex_attention), made at the first CUDA call."""
     return torch.compile(flex_attention)
-
-
-def mode() -> str:
-    """POSENC_FLEX_ATTENTION now ("off" where unset); an unknown value is refused."""
-    return choice(SWITCH, MODES, "off")
 
 
 def available(q: Tensor, flex_mode: str, grad_enabled: bool) -> bool:

@@ -35,7 +35,6 @@ over all Tk keys (dropped as any other): its block of queries skips no tile (`se
 """
 import importlib
 import importlib.util
-import os
 from typing import Optional
 
 import torch
@@ -44,26 +43,11 @@ from torch.autograd.function import once_differentiable
 
 from ..encodings.distance import varying_columns, vectors_per_column, window
 from ..encodings.positions import take_runs
-from ..switches import choice
+from ..switches import INTERPRETED, TRITON_ATTENTION, TRITON_ATTENTION_MODES, triton_attention_mode
 from .masks import is_future_mask
 
-MODES = ("auto", "off", "on")
-#: `mode()` where the switch is on and Triton runs kernels in its CPU interpreter: CPU tensors too
-INTERPRETED = "interpreted"
-#: the environment variable that selects the fused kernel (`mode`)
-SWITCH = "POSENC_TRITON_ATTENTION"
-
-
-def mode() -> str:
-    """POSENC_TRITON_ATTENTION now ("auto" where unset; "interpreted" for "on" under Triton's
-    interpreter); an unknown value is refused."""
-    value = choice(SWITCH, MODES, "auto")
-    return INTERPRETED if value == "on" and interpreted() else value
-
-
-def interpreted() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+#: the switch (switches.py): its variable, values, reader (`mode()`, read when a stack starts a pass)
+SWITCH, MODES, mode = TRITON_ATTENTION, TRITON_ATTENTION_MODES, triton_attention_mode
 
 
 def available(q: Tensor, triton_mode: str, query_dependent: bool) -> bool:
