@@ -221,7 +221,7 @@ def key_distances(role: str, max_distance: int):
 
 
 def plot_logit_bias(model, encoding, writer, length, max_distance):
-    from posenc_fairseq.encodings.t5 import prior_distribution
+    from posenc_fairseq.encodings.prior import prior_distribution
 
     plt = _plt()
     heads = encoding.dims.heads

@@ -351,7 +351,7 @@ def test_bad_combination_ends_fairseq_train_with_one_line(translation_data, tmp_
 
 
 # --- an option of another encoding: fairseq accepts it (every model has every encoding's options) --------
-def test_an_option_of_another_encoding_is_named_when_the_model_is_built(translation_data, caplog):
+def test_an_option_of_another_encoding_is_named_when_the_model_is_built(translation_data, masked_lm_data, caplog):
     """Before, `--arch transformer_t5 --floater-method rk4` trained without a word, the option without effect.
     A warning, not a refusal: checkpoints trained so must still load."""
     from util import TINY_TRANSFORMER, build_model
@@ -370,6 +370,14 @@ def test_an_option_of_another_encoding_is_named_when_the_model_is_built(translat
     assert warnings_of("transformer_floater", "--floater-method", "rk4") == []
     assert warnings_of("transformer_at5_nob", "--scalar-bias-layers", "all", "--at5-dropout", "0.1") == []
     assert warnings_of("transformer_t5") == []
+    # the language models too (decoder-only; they warned of nothing before)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="posenc_fairseq"):
+        build_model(masked_lm_data, "transformer_lm_t5", ["--decoder-layers", "1", "--decoder-embed-dim", "16",
+                                                           "--decoder-attention-heads", "2", "--shaw-k", "4"],
+                    task="language_modeling")
+    assert [record.getMessage() for record in caplog.records if record.name.startswith("posenc_fairseq")] == [
+        "--shaw-k is an option of shaw; this model's encoding, t5, does not read it: it has no effect"]
 
 
 # --- a misspelt option in a config: --model-overrides, hub keywords, arg_overrides set any name ---------
@@ -412,6 +420,14 @@ def test_a_misspelt_general_option_or_an_unknown_encoding_in_a_config_is_refused
     build_encoding("t5", {"input_positions": "learned", "allow_encoding_change": True}, DIMS)
     with pytest.raises(OptionValueError, match=r"^--positional-encoding bogus: expected one of alibi, at5, "):
         set_position_defaults(argparse.Namespace(positional_encoding="bogus"), "t5")
+    # an empty name is refused too, not replaced by the architecture's encoding; None is the architecture's
+    with pytest.raises(OptionValueError, match=r"^--positional-encoding : expected one of alibi, "):
+        set_position_defaults(argparse.Namespace(positional_encoding=""), "t5")
+    defaults = argparse.Namespace(positional_encoding=None)
+    set_position_defaults(defaults, "t5")
+    assert defaults.positional_encoding == "t5"
+    with pytest.raises(OptionValueError, match=r"^--positional-encoding bogus: expected one of alibi, "):
+        build_encoding("bogus", encoding_options(), DIMS)
     # the general options named in encodings/base.py are those the models add
     parser = argparse.ArgumentParser()
     add_position_args(parser)

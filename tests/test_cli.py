@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from util import BIN, QUICK_TRAIN, REPO, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, built_once, run
+from util import BIN, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, built_once, run
 
 
 @pytest.fixture(scope="module")

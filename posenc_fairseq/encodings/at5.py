@@ -28,8 +28,8 @@ Scalar-Embedding-of-Relative-Positions, soft_t5_attention_nob.py): a learned sca
 head and relative position, initialised U(0, 1), fed as sigmoid(s_h(d)) to one MLP per head
 (both directions); positions clipped to +-floor(L) (their table spans the maximum length).
 
-Layers, sharing and the prior: as T5 (see t5.py: `--scalar-bias-layers`,
-`--scalar-bias-share-layers`, `prior_distribution`).
+Layers and sharing: as T5 (see t5.py: `--scalar-bias-layers`, `--scalar-bias-share-layers`); the
+prior: prior.py.
 """
 import math
 
@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from .base import register_encoding
 from .option_types import (Checker, OptionValueError, check_size, float_in_range, int_in_range, one_of, option,
                            option_pair, ordered_pair, probability)
-from .t5 import ScalarBias, _add_once, add_scalar_bias_args, prior_distribution  # noqa: F401
+from .t5 import ScalarBias, _add_once, add_scalar_bias_args
 
 ACTIVATIONS = {"sigmoid": torch.sigmoid, "relu": F.relu, "tanh": torch.tanh, "gelu": F.gelu}
 NOB_INPUTS = ("distance", "learned")

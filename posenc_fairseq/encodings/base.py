@@ -334,11 +334,18 @@ def register_encoding(name: str):
     return wrap
 
 
-def build_encoding(name: str, args, dims: ModelDims) -> PositionalEncoding:
+def encoding_class(name: str) -> type:
+    """The encoding registered as `name` (--positional-encoding); another name is refused. (argparse
+    checks the command line; a stored config, an override or code building a model, here.)"""
     if name not in ENCODINGS:
-        raise ValueError(f"unknown positional encoding {name!r}; choose one of {sorted(ENCODINGS)}")
+        raise OptionValueError(f"--positional-encoding {name}: expected one of {', '.join(sorted(ENCODINGS))}")
+    return ENCODINGS[name]
+
+
+def build_encoding(name: str, args, dims: ModelDims) -> PositionalEncoding:
+    cls = encoding_class(name)
     refuse_unknown_options(args)
-    return ENCODINGS[name](args, dims)
+    return cls(args, dims)
 
 
 def encoding_option_names() -> FrozenSet[str]:

@@ -301,6 +301,16 @@ def equal_values(copy: Tensor, tensor: Tensor) -> bool:
     return torch.equal(copy, tensor)
 
 
+class KeptRange(NamedTuple):
+    """`range_values`' entry: the values of distances low..high, computed from `depends_on`, and
+    what `derive` made of slices of them, per (low, high)."""
+    depends_on: tuple
+    low: int
+    high: int
+    values: Tensor
+    derived: dict
+
+
 def range_values(cache: Dict, key, depends_on: tuple, low: int, high: int,
                  compute: Callable[[int, int], Tensor], dim: int,
                  derive: Optional[Callable[[Tensor], Any]] = None) -> Any:
@@ -311,21 +321,20 @@ def range_values(cache: Dict, key, depends_on: tuple, low: int, high: int,
     so a decoding step that needs one more distance than the last recomputes only O(log n) times in
     n steps. `derive`: what is made of the slice instead, kept with the kept range per (low, high)
     (the next decode's steps find it made); one `key` takes one kind of `derive` (it is not keyed)."""
-    entry: Optional[tuple] = cache.get(key)
-    if entry is None or entry[0] != depends_on:
+    entry: Optional[KeptRange] = cache.get(key)
+    if entry is None or entry.depends_on != depends_on:
         kept_low, kept_high = low - KEPT_MARGIN, high + KEPT_MARGIN
-    elif low < entry[1] or high > entry[2]:
-        size = entry[2] - entry[1] + 1
-        kept_low = min(low, entry[1] - size) if low < entry[1] else entry[1]
-        kept_high = max(high, entry[2] + size) if high > entry[2] else entry[2]
+    elif low < entry.low or high > entry.high:
+        size = entry.high - entry.low + 1
+        kept_low = min(low, entry.low - size) if low < entry.low else entry.low
+        kept_high = max(high, entry.high + size) if high > entry.high else entry.high
     else:
-        kept_low, kept_high = entry[1], entry[2]
-    if entry is None or (entry[0], entry[1], entry[2]) != (depends_on, kept_low, kept_high):
-        entry = (depends_on, kept_low, kept_high, compute(kept_low, kept_high), {})
-        cache[key] = entry
+        kept_low, kept_high = entry.low, entry.high
+    if entry is None or (entry.depends_on, entry.low, entry.high) != (depends_on, kept_low, kept_high):
+        entry = cache[key] = KeptRange(depends_on, kept_low, kept_high, compute(kept_low, kept_high), {})
     if derive is None:
-        return entry[3].narrow(dim, low - entry[1], high - low + 1)
-    derived = entry[4].get((low, high))
+        return entry.values.narrow(dim, low - entry.low, high - low + 1)
+    derived = entry.derived.get((low, high))
     if derived is None:
-        derived = entry[4][low, high] = derive(entry[3].narrow(dim, low - entry[1], high - low + 1))
+        derived = entry.derived[low, high] = derive(entry.values.narrow(dim, low - entry.low, high - low + 1))
     return derived

@@ -17,11 +17,9 @@ import torch
 from torch import Tensor
 
 from .cache import TermKey
-from .positions import (AnyPositions, bounds, per_distance, relative_shift, shifted_product, sum_by_distance_runs,
-                        take_runs, tensor_of, toeplitz)
+from .positions import (AnyPositions, Runs, bounds, per_distance, relative_shift, shifted_product,
+                        sum_by_distance_runs, take_runs, tensor_of, toeplitz)
 
-#: pieces (first row, count, step) of `positions.row_runs`: the row of each column
-Runs = Tuple[Tuple[int, int, int], ...]
 
 
 class DistanceTerm(NamedTuple):

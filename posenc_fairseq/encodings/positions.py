@@ -16,12 +16,16 @@ values per distance over the pairs, `sum_by_distance_runs` sums the pairs per di
 `row_runs` / `take_runs` handle table rows shared by runs of distances (Shaw, LFHC).
 """
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from ..block_size import BLOCK_ELEMENTS, rows_per_block
+
+
+#: pieces (first row, count, step) of `row_runs`: the row of each column
+Runs = Sequence[Tuple[int, int, int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,17 +114,18 @@ def relative_shift(per_distance: Tensor, keys: int) -> Tensor:
                                    per_distance.storage_offset() + queries - 1)
 
 
-def per_distance(query: Tensor, rel: Tensor) -> Tensor:
-    """(B, H, Tq, N) query_i . rel_c of `query` (B, H, Tq, D) and `rel` (H, N, D)."""
-    if query.size(0) == 1:  # (bmm keeps rel as the view it is; matmul's broadcast copies it per call)
-        return torch.bmm(query[0], rel.transpose(-1, -2))[None]
-    return query @ rel.transpose(-1, -2)[None]
+def per_distance(query: Tensor, vectors: Tensor) -> Tensor:
+    """(B, H, Tq, N) query_i . r_c of `query` (B, H, Tq, D) and `vectors` (H, N, D), one vector r_c per
+    distance c."""
+    if query.size(0) == 1:  # (bmm keeps vectors as the view it is; matmul's broadcast copies it per call)
+        return torch.bmm(query[0], vectors.transpose(-1, -2))[None]
+    return query @ vectors.transpose(-1, -2)[None]
 
 
 def _shift_chunks(query: Tensor, n: int, keys: int):
     """Chunks of `shifted_product`'s queries: (rows, first column, last column + 1, width). A chunk
     of m queries r0..r1-1 reads the columns c = j - i + Tq - 1 of its pairs,
-    Tq - r1 .. Tq - 1 - r0 + Tk - 1 of `rel` (its distances, ascending: m + Tk - 1 of them, fewer
+    Tq - r1 .. Tq - 1 - r0 + Tk - 1 of `vectors` (its distances, ascending: m + Tk - 1 of them, fewer
     where N stops first); `width` = m + Tk - 1 lays them out for `relative_shift`."""
     batch, heads, queries = query.shape[:3]
     step = rows_per_block(BLOCK_ELEMENTS, batch * heads * (n + keys), 16)
@@ -134,30 +139,30 @@ class _ShiftedProduct(torch.autograd.Function):
     """See `shifted_product`."""
 
     @staticmethod
-    def forward(ctx, query: Tensor, rel: Tensor, keys: int) -> Tensor:
+    def forward(ctx, query: Tensor, vectors: Tensor, keys: int) -> Tensor:
         batch, heads, queries, _ = query.shape
         out = query.new_empty(batch, heads, queries, keys)
-        for rows, low, high, width in _shift_chunks(query, rel.size(1), keys):
-            chunk = per_distance(query[:, :, rows], rel[:, low:high])  # (B, H, m, high - low)
+        for rows, low, high, width in _shift_chunks(query, vectors.size(1), keys):
+            chunk = per_distance(query[:, :, rows], vectors[:, low:high])  # (B, H, m, high - low)
             if high - low < width:  # columns past N (pairs the future mask blocks): zeros
                 chunk = torch.nn.functional.pad(chunk, (0, width - (high - low)))
             out[:, :, rows] = relative_shift(chunk, keys)
-        ctx.save_for_backward(query, rel)
+        ctx.save_for_backward(query, vectors)
         ctx.keys = keys
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
-        query, rel = ctx.saved_tensors
+        query, vectors = ctx.saved_tensors
         keys = ctx.keys
         grad_query = torch.empty_like(query) if ctx.needs_input_grad[0] else None
-        # rel's gradient is a sum over the chunks and the batch: in float32 for fp16/bf16 (a
+        # the vectors' gradient is a sum over the chunks and the batch: in float32 for fp16/bf16 (a
         # half-precision running sum stops growing once it is 2^8 (bf16) or 2^11 times a term)
-        accumulate = torch.promote_types(rel.dtype, torch.float32)
-        grad_rel = rel.new_zeros(rel.shape, dtype=accumulate) if ctx.needs_input_grad[1] else None
+        accumulate = torch.promote_types(vectors.dtype, torch.float32)
+        grad_vectors = vectors.new_zeros(vectors.shape, dtype=accumulate) if ctx.needs_input_grad[1] else None
         buffer = None  # one chunk's gradient per distance, reused by the chunks of its size
-        for rows, low, high, width in _shift_chunks(query, rel.size(1), keys):
+        for rows, low, high, width in _shift_chunks(query, vectors.size(1), keys):
             count = rows.stop - rows.start
             if buffer is None or buffer.shape[2:] != (count, width):
                 buffer = grad.new_empty(grad.size(0), grad.size(1), count, width)
@@ -165,26 +170,26 @@ class _ShiftedProduct(torch.autograd.Function):
             relative_shift(buffer, keys).copy_(grad[:, :, rows])  # each pair's gradient at its distance
             grad_distance = buffer[..., : high - low]
             if grad_query is not None:
-                grad_query[:, :, rows] = grad_distance @ rel[:, low:high][None]
-            if grad_rel is not None:
+                grad_query[:, :, rows] = grad_distance @ vectors[:, low:high][None]
+            if grad_vectors is not None:
                 # (summed over the batch without a copy; in half precision, one copy per chunk in float32)
                 grad_distance, rows_query = grad_distance.to(accumulate), query[:, :, rows].to(accumulate)
                 for batch in range(query.size(0)):
-                    grad_rel[:, low:high].baddbmm_(grad_distance[batch].transpose(-1, -2), rows_query[batch])
-        return grad_query, grad_rel.to(rel.dtype) if grad_rel is not None else None, None
+                    grad_vectors[:, low:high].baddbmm_(grad_distance[batch].transpose(-1, -2), rows_query[batch])
+        return grad_query, grad_vectors.to(vectors.dtype) if grad_vectors is not None else None, None
 
 
-def shifted_product(query: Tensor, rel: Tensor, keys: int) -> Tensor:
-    """`relative_shift(per_distance(query, rel), keys)`: (B, H, Tq, Tk) query_i . rel_c(i, j),
-    c(i, j) = j - i + Tq - 1 (`rel` over the key - query distances in ascending order: each pair's
+def shifted_product(query: Tensor, vectors: Tensor, keys: int) -> Tensor:
+    """`relative_shift(per_distance(query, vectors), keys)`: (B, H, Tq, Tk) query_i . r_c(i, j),
+    c(i, j) = j - i + Tq - 1 (`vectors` over the key - query distances in ascending order: each pair's
     distance), computed a chunk of queries at a time against only the columns the chunk reads. No
     (B, H, Tq, N) product exists (at long lengths allocating it costs more than computing it:
     docs/benchmarks.md), and the columns no row of a chunk reads are not computed. Where
     N < Tq + Tk - 1 (under the future mask N = Tk + 1) a pair past column N - 1 reads zero, a finite
     value the mask replaces."""
-    assert rel.size(1) == query.size(2) + keys - 1 or keys < rel.size(1) < query.size(2) + keys - 1, \
-        (query.shape, rel.shape, keys)
-    return _ShiftedProduct.apply(query, rel, keys)
+    assert vectors.size(1) == query.size(2) + keys - 1 or keys < vectors.size(1) < query.size(2) + keys - 1, \
+        (query.shape, vectors.shape, keys)
+    return _ShiftedProduct.apply(query, vectors, keys)
 
 
 class _Toeplitz(torch.autograd.Function):
@@ -219,7 +224,7 @@ class _SumRuns(torch.autograd.Function):
     """See `sum_by_distance_runs`."""
 
     @staticmethod
-    def forward(ctx, probs: Tensor, runs: List[Tuple[int, int, int]], rows: int) -> Tensor:
+    def forward(ctx, probs: Tensor, runs: Runs, rows: int) -> Tensor:
         batch, heads, queries, keys = probs.shape
         skewed = probs.new_zeros(batch, heads, queries, queries + keys - 1)  # column c: distance low + c
         relative_shift(skewed, keys).copy_(probs)
@@ -243,7 +248,7 @@ class _SumRuns(torch.autograd.Function):
         return relative_shift(take_runs(grad, ctx.runs), ctx.keys).contiguous(), None, None
 
 
-def sum_by_distance_runs(probs: Tensor, runs: List[Tuple[int, int, int]], rows: int) -> Tensor:
+def sum_by_distance_runs(probs: Tensor, runs: Runs, rows: int) -> Tensor:
     """(B, H, Tq, rows): for each query, the sum of its `probs` (B, H, Tq, Tk) over the keys whose
     distance falls in each row, for consecutive positions and `runs` (`row_runs`) giving the row of
     each key - query distance low..high (the columns `relative_shift` reads): what scatter_add with
@@ -253,7 +258,7 @@ def sum_by_distance_runs(probs: Tensor, runs: List[Tuple[int, int, int]], rows: 
     return _SumRuns.apply(probs, runs, rows)
 
 
-def row_runs(rows: List[int]) -> List[Tuple[int, int, int]]:
+def row_runs(rows: List[int]) -> Runs:
     """`rows` (a Python list of table rows, one per column) as pieces (first, count, step): step
     +1 or -1 is a slice of `count` consecutive rows from `first`, step 0 is row `first` repeated
     `count` times. Clipped relative buckets (Shaw, LFHC) give few pieces: the two clipped ends and
@@ -270,7 +275,7 @@ def row_runs(rows: List[int]) -> List[Tuple[int, int, int]]:
     return [tuple(piece) for piece in pieces]
 
 
-def take_runs(values: Tensor, runs: List[Tuple[int, int, int]]) -> Tensor:
+def take_runs(values: Tensor, runs: Runs) -> Tensor:
     """values[..., rows] for the rows that `row_runs` describes: slices and expanded single rows
     joined by one cat, i.e. no index tensor, and a backward pass of copies and sums (index_select
     along the last dimension, and its index_add backward, cost more on CPU: docs/benchmarks.md)."""

@@ -20,8 +20,7 @@ The bias is computed once per forward over the distinct distances and gathered i
 the last position) reads its bias as a slice of the per-distance values, which inference keeps
 across steps (positions.py): no per-step bucketing, no gather, no device synchronisation.
 
-Also here: `prior_distribution`, the prior beta of paper eq. 6 (softmax over keys of the bias),
-for every encoding with a token-independent logit bias (T5, T5-NoB, AT5, AT5-NoB, ALiBi).
+The prior beta of paper eq. 6 (softmax over keys of the bias): `prior.prior_distribution`.
 
 Options are checked where they are parsed and again where the encoding is built (see
 option_types.py): `--t5-num-buckets` must be even (eq. 14 splits the buckets between the two
@@ -35,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionalEncoding, register_encoding
-from .distance import DistanceTerm, bias_between
+from .distance import DistanceTerm
 from .option_types import OptionValueError, check_size, even_int_in_range, flag, int_in_range, one_of, option
 from .cache import range_values, use_kept_values
 
@@ -269,40 +268,3 @@ class T5NoBuckets(_TableBias):
         if bidirectional:
             return distances.clamp(-self.max_distance, self.max_distance) + self.max_distance
         return (-distances).clamp(0, self.max_distance)
-
-
-def _device_and_dtype(encoding: nn.Module):
-    for tensor in list(encoding.parameters()) + list(encoding.buffers()):
-        if tensor.is_floating_point():
-            return tensor.device, tensor.dtype
-    return torch.device("cpu"), torch.get_default_dtype()
-
-
-def prior_distribution(encoding: PositionalEncoding, role: str, layer: int, query_position: int,
-                       key_positions, head: int) -> Tensor:
-    """The prior beta over the keys of one head (paper eq. 6): softmax over `key_positions` of the
-    encoding's token-independent logit bias for query position i = `query_position`.
-
-    Works for every encoding: the bias is its `distance_term` in that layer when that is a bias alone (T5,
-    T5-NoB, AT5, AT5-NoB: e_h(j - i); ALiBi: -m_h |j - i|), computed as in the model (its device
-    and dtype) but with dropout off (eval mode, restored afterwards) and without touching the
-    per-forward cache. In the causal decoder keys after the query get probability 0. A layer,
-    role or encoding without such a bias (cross-attention, T5 layers without a table, and the
-    encodings whose position terms depend on the tokens: Shaw, LFHC, XL, GCDF, rotary, FLOATER)
-    gives the uniform prior. Returns a 1-D float32 tensor (len(key_positions),) on the model's
-    device that sums to 1, e.g. to plot with `plt.plot(key_positions, prior.cpu())`.
-    """
-    device, dtype = _device_and_dtype(encoding)
-    keys = torch.as_tensor(key_positions, device=device).long().reshape(-1)
-    query = torch.tensor([int(query_position)], device=device)
-    training = encoding.training
-    encoding.eval()
-    try:
-        with torch.no_grad(), encoding.cache.apart():
-            bias = bias_between(encoding, role, layer, query, keys, dtype)
-    finally:
-        encoding.train(training)
-    scores = torch.zeros(len(keys), device=device) if bias is None else bias[head, 0].float()
-    if role == "decoder":
-        scores = scores.masked_fill(keys > int(query_position), float("-inf"))
-    return torch.softmax(scores, dim=-1)

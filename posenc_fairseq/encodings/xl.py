@@ -97,8 +97,8 @@ class TransformerXL(PositionalEncoding):
         distances contiguous (BLAS reads them without a copy; docs/benchmarks.md), once per forward."""
         def compute():
             projection = self.projections[f"{role}{layer}"]
-            rel = projection(self._prior(role, low, high).to(projection.weight.dtype)).to(dtype)
-            return rel.view(-1, self.dims.heads, self.dims.head_dim).transpose(0, 1).contiguous()
+            vectors = projection(self._prior(role, low, high).to(projection.weight.dtype)).to(dtype)
+            return vectors.view(-1, self.dims.heads, self.dims.head_dim).transpose(0, 1).contiguous()
         return self.memoize(self.term_key(role, "projected", layer, low, high, dtype), compute)
 
     def prior_key(self):
@@ -134,9 +134,9 @@ class TransformerXL(PositionalEncoding):
             u, v = self.content_bias[role], self.position_bias[role]
             dtype = projections[0].weight.dtype
             prior = self.prior(torch.arange(-first, -last - 1, -1, device=u.device)).to(dtype)
-            rel = torch.stack([projection(prior) for projection in projections]).view(len(projections), -1, heads, head_dim)
-            shift = (rel * ((v - u) * head_dim ** -0.5).to(dtype)).sum(-1, keepdim=True)  # (L, N, H, 1)
-            return torch.cat([rel, shift], dim=3).transpose(1, 2).contiguous()
+            vectors = torch.stack([projection(prior) for projection in projections]).view(len(projections), -1, heads, head_dim)
+            shift = (vectors * ((v - u) * head_dim ** -0.5).to(dtype)).sum(-1, keepdim=True)  # (L, N, H, 1)
+            return torch.cat([vectors, shift], dim=3).transpose(1, 2).contiguous()
 
         def terms(step_rows):
             u = self._scaled(self.content_bias[role], step_rows.dtype)

@@ -19,7 +19,7 @@ from ..attention import bound_attentions, use_positional_attention
 from ..layer_checkpoint import checkpoint_layer
 from ..encodings import ENCODINGS, ModelDims, build_encoding, options_of_other_encodings
 from ..encodings import trained_with
-from ..encodings.base import PositionalEncoding, hook_use, overrides
+from ..encodings.base import PositionalEncoding, encoding_class, hook_use, overrides
 from ..encodings.option_types import OptionValueError
 from ..encodings.positions import AnyPositions, PaddedPositions, shared_range, tensor_of
 
@@ -54,10 +54,9 @@ def set_position_defaults(args, encoding: str, stacks=("encoder", "decoder")):
     the choice (what fairseq's modules read) and `input_positions_flags` records it, so that a stored
     config's flags are told apart from a user's (--model-overrides): flags that ask something else
     than the choice are refused, never silently overruled."""
-    args.positional_encoding = getattr(args, "positional_encoding", None) or encoding
-    if args.positional_encoding not in ENCODINGS:  # (argparse checks the command line; a stored config or an override, here)
-        raise OptionValueError(f"--positional-encoding {args.positional_encoding}: expected one of "
-                               f"{', '.join(sorted(ENCODINGS))}")
+    given = getattr(args, "positional_encoding", None)
+    args.positional_encoding = encoding if given is None else given
+    encoding_class(args.positional_encoding)
     asked = fairseq_input_positions(args, stacks)
     written = getattr(args, "input_positions_flags", None)
     if written is not None and written not in INPUT_POSITIONS:  # (a stored config or an override)
@@ -69,7 +68,7 @@ def set_position_defaults(args, encoding: str, stacks=("encoder", "decoder")):
         choice = asked
     if choice is None:
         # recorded, so that a later load can tell the default from a choice (`check_stock_input_kept`)
-        choice = args.input_positions_default = ENCODINGS[args.positional_encoding].default_input_positions
+        choice = args.input_positions_default = encoding_class(args.positional_encoding).default_input_positions
     if choice not in INPUT_POSITIONS:  # (argparse checks the command line; a stored config or an override, here)
         raise OptionValueError(f"--input-positions {choice}: expected one of {', '.join(INPUT_POSITIONS)}")
     if asked is not None and asked != choice and choice != "stock" and not (choice, asked) == ("learned", "stock"):
@@ -359,10 +358,11 @@ def own_random_stream():
         yield
 
 
-def attach_encoding(model, args, encoder_stack, decoder_stack=None):
-    """Build the model's one encoding (in its own random stream) and bind every attention layer to it.
-    Encoder and decoder of different embedding sizes or head counts get a `PerStackEncoding` (each part
-    sized by its stack)."""
+def attach_encoding(model, args, encoder_stack=None, decoder_stack=None):
+    """Build the model's one encoding (in its own random stream) and bind every attention layer of its
+    stacks to it (an encoder-decoder, RoBERTa's encoder alone, a language model's decoder alone). Encoder
+    and decoder of different embedding sizes or head counts get a `PerStackEncoding` (each part sized by
+    its stack)."""
     with own_random_stream():
         return _attach_encoding(model, args, encoder_stack, decoder_stack)
 
@@ -379,31 +379,26 @@ def warn_of_other_encodings_options(args):
 
 def _attach_encoding(model, args, encoder_stack, decoder_stack):
     warn_of_other_encodings_options(args)
-    encoder_layers = args.encoder_layers
-    decoder_layers = args.decoder_layers if decoder_stack is not None else 0
-    same_size = decoder_stack is None or (args.decoder_embed_dim == args.encoder_embed_dim
-                                          and args.decoder_attention_heads == args.encoder_attention_heads)
-    if same_size:
-        dims = ModelDims(embed_dim=args.encoder_embed_dim, heads=args.encoder_attention_heads,
-                         encoder_layers=encoder_layers, decoder_layers=decoder_layers)
-        encoding = build_encoding(args.positional_encoding, args, dims)
-        encoder_part = decoder_part = encoding
-    else:
-        encoder_part = build_encoding(args.positional_encoding, args, ModelDims(
-            embed_dim=args.encoder_embed_dim, heads=args.encoder_attention_heads,
-            encoder_layers=encoder_layers, decoder_layers=0))
-        decoder_part = build_encoding(args.positional_encoding, args, ModelDims(
-            embed_dim=args.decoder_embed_dim, heads=args.decoder_attention_heads,
-            encoder_layers=0, decoder_layers=decoder_layers))
-        encoding = PerStackEncoding(encoder_part, decoder_part)
+    stacks = {role: stack for role, stack in (("encoder", encoder_stack), ("decoder", decoder_stack))
+              if stack is not None}
+    layers = {role: getattr(args, f"{role}_layers") if role in stacks else 0 for role in ("encoder", "decoder")}
+    sizes = {role: (getattr(args, f"{role}_embed_dim"), getattr(args, f"{role}_attention_heads")) for role in stacks}
+    if len(set(sizes.values())) == 1:
+        embed_dim, heads = next(iter(sizes.values()))
+        encoding = build_encoding(args.positional_encoding, args, ModelDims(
+            embed_dim=embed_dim, heads=heads, encoder_layers=layers["encoder"], decoder_layers=layers["decoder"]))
+        parts = {role: encoding for role in stacks}
+    else:  # (the encoder's part first: the same random draws as before this option existed)
+        parts = {role: build_encoding(args.positional_encoding, args, ModelDims(
+            embed_dim=sizes[role][0], heads=sizes[role][1], encoder_layers=layers["encoder"] if role == "encoder" else 0,
+            decoder_layers=layers["decoder"] if role == "decoder" else 0)) for role in stacks}
+        encoding = PerStackEncoding(parts["encoder"], parts["decoder"])
     model.positional_encoding = encoding
     model.stock_input_kept = keeps_stock_input(args)
     take_allow_encoding_change(model, args)
-    encoder_stack.bind_encoding(encoder_part)
-    encoder_stack.held.encoding = encoding  # begin() reaches every part
-    if decoder_stack is not None:
-        decoder_stack.bind_encoding(decoder_part)
-        decoder_stack.held.encoding = encoding
+    for role, stack in stacks.items():
+        stack.bind_encoding(parts[role])
+        stack.held.encoding = encoding  # begin() reaches every part
     if hasattr(encoding, "bind_model"):  # (an encoding that keeps state of the attention layers)
         encoding.bind_model(model, bound_attentions(model))
     return encoding

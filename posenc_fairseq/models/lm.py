@@ -18,10 +18,8 @@ from fairseq.models import register_model
 from fairseq.models import transformer_lm as stock
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
 
-from ..attention import bound_attentions
-from ..encodings import ModelDims, build_encoding
-from .common import (EncodingStateMixin, PositionalTransformerDecoder, add_position_args, keeps_stock_input,
-                     own_random_stream, register_architectures, take_allow_encoding_change)
+from .common import (EncodingStateMixin, PositionalTransformerDecoder, add_position_args, attach_encoding,
+                     register_architectures)
 
 
 def transformer_lm_architecture(args):
@@ -69,26 +67,6 @@ SIZES = {
 }
 
 
-def attach_decoder_encoding(model, args, decoder):
-    """Build the model's one encoding for a decoder-only model (in its own random stream, as
-    `attach_encoding`) and bind every layer to it."""
-    with own_random_stream():
-        return _attach_decoder_encoding(model, args, decoder)
-
-
-def _attach_decoder_encoding(model, args, decoder):
-    dims = ModelDims(embed_dim=args.decoder_embed_dim, heads=args.decoder_attention_heads,
-                     encoder_layers=0, decoder_layers=args.decoder_layers)
-    encoding = build_encoding(args.positional_encoding, args, dims)
-    model.positional_encoding = encoding
-    model.stock_input_kept = keeps_stock_input(args)
-    take_allow_encoding_change(model, args)
-    decoder.bind_encoding(encoding)
-    if hasattr(encoding, "bind_model"):  # (an encoding that keeps state of the attention layers)
-        encoding.bind_model(model, bound_attentions(model))
-    return encoding
-
-
 @register_model("posenc_lm")
 class PositionalLanguageModel(EncodingStateMixin, TransformerLanguageModel):
     stock_converter = "scripts/convert_transformer_lm_checkpoint.py"
@@ -114,10 +92,11 @@ class PositionalLanguageModel(EncodingStateMixin, TransformerLanguageModel):
             if tokens_per_sample is not None:
                 args.max_target_positions = tokens_per_sample
         # fairseq's own build (embeddings, adaptive input, ...) with our decoder class in place of
-        # TransformerDecoder: the same modules, parameters and random initialisation as stock
+        # TransformerDecoder: the same modules, parameters and random initialisation as stock (its
+        # build_model names the class and offers no hook; copying it would fall behind fairseq's)
         with mock.patch.object(stock, "TransformerDecoder", PositionalTransformerDecoder):
             model = super().build_model(args, task)
-        attach_decoder_encoding(model, args, model.decoder)
+        attach_encoding(model, args, decoder_stack=model.decoder)
         return model
 
 

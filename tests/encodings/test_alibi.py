@@ -7,7 +7,7 @@ import torch
 from posenc_fairseq.encodings import build_encoding
 from posenc_fairseq.encodings.alibi import ALiBi, alibi_slopes
 from posenc_fairseq.encodings.base import ModelDims
-from posenc_fairseq.encodings.t5 import prior_distribution
+from posenc_fairseq.encodings.prior import prior_distribution
 from position_terms import logits_between
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from posenc_fairseq.encodings import ModelDims, build_encoding
-from posenc_fairseq.encodings.at5 import GAMMA_STEP_SCALE, MLP_STEP_SCALE, HeadMLPs, prior_distribution, raw_gamma
+from posenc_fairseq.encodings.at5 import GAMMA_STEP_SCALE, MLP_STEP_SCALE, HeadMLPs, raw_gamma
+from posenc_fairseq.encodings.prior import prior_distribution
 from position_terms import logits_between
 from util import encoding_options, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, random_batch, run
 

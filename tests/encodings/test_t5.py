@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from posenc_fairseq.encodings import ModelDims, build_encoding
-from posenc_fairseq.encodings.t5 import prior_distribution, relative_position_bucket
+from posenc_fairseq.encodings.prior import prior_distribution
+from posenc_fairseq.encodings.t5 import relative_position_bucket
 from position_terms import logits_between, position_range
 from util import encoding_options, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, random_batch, run
 

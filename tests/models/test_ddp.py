@@ -16,8 +16,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from posenc_fairseq.encodings import ENCODINGS
-from test_checkpoint_activations import NO_DROPOUT, assert_same_gradients, gradients_of_steps
-from util import TINY_TRANSFORMER, build_model
+from test_checkpoint_activations import assert_same_gradients, gradients_of_steps
 
 SHARED = ["--scalar-bias-layers", "all", "--scalar-bias-share-layers"]
 CASES = ([(name, []) for name in sorted(ENCODINGS)]
