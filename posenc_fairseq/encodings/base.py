@@ -348,13 +348,16 @@ def build_encoding(name: str, args, dims: ModelDims) -> PositionalEncoding:
     return cls(args, dims)
 
 
-def encoding_option_names() -> FrozenSet[str]:
-    """The dests of every registered encoding's options (read from their `add_args`: about a
-    millisecond, once per model built)."""
+def options_of(name: str) -> dict:
+    """{dest: argparse default} of the options encoding `name` reads: those its add_args adds."""
     parser = argparse.ArgumentParser(add_help=False)
-    for kind in ENCODINGS.values():
-        kind.add_args(parser)
-    return frozenset(action.dest for action in parser._actions)
+    ENCODINGS[name].add_args(parser)
+    return {action.dest: action.default for action in parser._actions}
+
+
+def encoding_option_names() -> FrozenSet[str]:
+    """The dests of every registered encoding's options (read from their `add_args`, once per model built)."""
+    return frozenset().union(*(options_of(name) for name in ENCODINGS))
 
 
 #: the package's model options besides the encodings' (models/common.add_position_args), and the

@@ -181,6 +181,7 @@ class _TableBias(ScalarBias):
     def __init__(self, args, dims):
         super().__init__(args, dims)
         self.max_distance = self.defining_option(args, "t5_max_distance", max_distance_type, 128)
+        self.check_options()
         rows = sum(self.rows(self.key_role(key) == "encoder") for key in self.table_keys())
         check_size(self.size_option(), rows * dims.heads, f"the {self.name} bias tables")
         self.tables = nn.ParameterDict({
@@ -199,6 +200,9 @@ class _TableBias(ScalarBias):
         _add_once(parser, "--t5-max-distance", type=max_distance_type, metavar="M",
                   help="t5: distance M from which all distances share the last bucket (must exceed B_max/2); "
                        f"t5_nob: distances are clipped to +-M (0 allowed); 0..{MAX_T5_DISTANCE}; default 128")
+
+    def check_options(self) -> None:
+        """Refuse (OptionValueError) options that do not fit together, before the tables are made."""
 
     def rows(self, bidirectional: bool) -> int:
         raise NotImplementedError
@@ -233,12 +237,13 @@ class T5Bias(_TableBias):
 
     def __init__(self, args, dims):
         self.num_buckets = self.defining_option(args, "t5_num_buckets", num_buckets_type, 32)
-        max_distance = option(args, "t5_max_distance", max_distance_type, 128)
-        if max_distance <= self.num_buckets // 2:  # the causal side's exact buckets (the larger)
-            raise OptionValueError(
-                f"--t5-max-distance {max_distance}: expected an integer > {self.num_buckets // 2} "
-                f"(half of --t5-num-buckets {self.num_buckets}: distances below it have exact buckets)")
         super().__init__(args, dims)
+
+    def check_options(self):
+        if self.max_distance <= self.num_buckets // 2:  # the causal side's exact buckets (the larger)
+            raise OptionValueError(
+                f"--t5-max-distance {self.max_distance}: expected an integer > {self.num_buckets // 2} "
+                f"(half of --t5-num-buckets {self.num_buckets}: distances below it have exact buckets)")
 
     def rows(self, bidirectional):
         return self.num_buckets

@@ -20,7 +20,7 @@ from ..layer_checkpoint import checkpoint_layer
 from ..encodings import ENCODINGS, ModelDims, build_encoding, options_of_other_encodings
 from ..encodings import trained_with
 from ..encodings.base import PositionalEncoding, encoding_class, hook_use, overrides
-from ..encodings.option_types import OptionValueError
+from ..encodings.option_types import OptionValueError, flag_name
 from ..encodings.positions import AnyPositions, PaddedPositions, shared_range, tensor_of
 
 INPUT_POSITIONS = ("none", "sinusoidal", "learned", "stock")
@@ -532,7 +532,7 @@ def learned_table_size_error(key: str, extra_rows: int, cfg) -> OptionValueError
             f"the checkpoint's learned input position table ({key}) holds {abs(extra_rows)} "
             f"{'more' if extra_rows > 0 else 'fewer'} positions than the model's; a learned table has a fixed size: "
             f"build the model with the checkpoint's maximum positions")
-    option = "--" + dest.replace("_", "-")
+    option = flag_name(dest)
     default = " (by default --tokens-per-sample)" if dest == "max_target_positions" and \
         hasattr(cfg, "tokens_per_sample") and not hasattr(cfg, "max_source_positions") else ""
     return OptionValueError(
