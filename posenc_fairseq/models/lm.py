@@ -18,8 +18,8 @@ from fairseq.models import register_model
 from fairseq.models import transformer_lm as stock
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
 
-from .common import (EncodingStateMixin, PositionalTransformerDecoder, add_position_args, attach_encoding,
-                     register_architectures)
+from .common import PositionalTransformerDecoder, add_position_args, attach_encoding, register_architectures
+from .loading import EncodingStateMixin
 
 
 def transformer_lm_architecture(args):

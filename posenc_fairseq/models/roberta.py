@@ -10,8 +10,8 @@ from fairseq.models.roberta import model as stock
 from fairseq.modules.transformer_sentence_encoder import init_bert_params
 
 from ..encodings.option_types import OptionValueError
-from .common import (EncodingStateMixin, PositionalTransformerEncoder, add_position_args, attach_encoding,
-                     register_architectures)
+from .common import PositionalTransformerEncoder, add_position_args, attach_encoding, register_architectures
+from .loading import EncodingStateMixin
 
 SIZES = {
     "": stock.base_architecture,

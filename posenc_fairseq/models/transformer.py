@@ -7,8 +7,9 @@ from fairseq.models import register_model
 from fairseq.models.transformer import TransformerModel
 from fairseq.models.transformer import transformer_legacy as stock
 
-from .common import (EncodingStateMixin, PositionalTransformerDecoder, PositionalTransformerEncoder,
-                     add_position_args, attach_encoding, register_architectures)
+from .common import (PositionalTransformerDecoder, PositionalTransformerEncoder, add_position_args, attach_encoding,
+                     register_architectures)
+from .loading import EncodingStateMixin
 
 SIZES = {
     "": stock.base_architecture,
