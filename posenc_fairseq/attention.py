@@ -38,7 +38,8 @@ from torch import Tensor
 
 from fairseq.modules import MultiheadAttention
 
-from .encodings.base import HookUse, PassContext, hook_use, stack_of
+from .encodings.base import HookUse, PassContext, hook_use
+from .encodings.cache import stack_of
 from .encodings.distance import for_heads
 from .encodings.positions import AnyPositions, PaddedPositions, is_shared_range, shared_range, tensor_of
 from .kernels.masks import blocks_future

@@ -79,11 +79,6 @@ class ThreadState(threading.local):
         return ThreadState, (KeptValues(),)
 
 
-def stack_of(role: str) -> str:
-    """The stack whose layers serve the attention role: 'encoder' or 'decoder' (self and cross)."""
-    return "encoder" if role == "encoder" else "decoder"
-
-
 class PositionalEncoding(nn.Module):
     """Base class: no position information at all (every hook is neutral)."""
 
@@ -179,23 +174,23 @@ class PositionalEncoding(nn.Module):
         return None
 
     # --- called by the stacks -------------------------------------------------------------
-    def begin(self, role: str, positions: Optional[AnyPositions] = None,
+    def begin(self, stack: str, positions: Optional[AnyPositions] = None,
               source_positions: Optional[AnyPositions] = None, earlier: int = 0) -> "PassContext":
         """A stack ('encoder' or 'decoder') starts a forward pass: its `PassContext` (`positions`:
         its tokens' positions; `source_positions`: the decoder's source tokens, kept from the last
         pass that gave them; None: nothing reads them), and per-pass results are forgotten.
         `earlier`: target tokens before this call's (incremental decoding: the cached steps)."""
-        previous = self.contexts.get(role)
-        self.cache.begin(role, earlier, reads_encoder=role == "decoder" and source_positions is not None)
+        previous = self.contexts.get(stack)
+        self.cache.begin(stack, earlier, reads_encoder=stack == "decoder" and source_positions is not None)
         if source_positions is None and previous is not None:
             source_positions = previous.source
-        context = self.contexts[role] = PassContext(role, positions, source_positions, earlier,
+        context = self.contexts[stack] = PassContext(stack, positions, source_positions, earlier,
                                                     flex_attention_mode(), triton_attention_mode())
         return context
 
-    def end(self, role: str):
+    def end(self, stack: str):
         """The stack's forward pass is over: its terms shared by the layers are dropped (`EncodingCache.end`)."""
-        self.cache.end(role)
+        self.cache.end(stack)
 
     def kept_value_inputs(self) -> Iterable[Tensor]:
         """The tensors the values kept in the cache's inference scope are computed from (checked by

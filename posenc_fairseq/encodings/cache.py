@@ -43,10 +43,15 @@ import torch
 from torch import Tensor, nn
 
 
+def stack_of(role: str) -> str:
+    """The stack whose layers serve the attention role: 'encoder' or 'decoder' (self and cross)."""
+    return "encoder" if role == "encoder" else "decoder"
+
+
 class TermKey(NamedTuple):
     """What a cached value is: two requests share the value exactly when their keys are equal.
     Built by `PositionalEncoding.term_key(role, what, *computed_from)`."""
-    role: str  # the stack whose pass asks for it (pass scope: whose `end` or next `begin` drops it)
+    role: str  # the attention role that asks for it (pass scope: its stack's `end` or next `begin` drops it)
     encoding: str  # the encoding's name
     what: str  # which term, e.g. 'prior', 'projected', 'per distance'
     computed_from: tuple  # the rest that tells values apart: table or layer, distances, dtype, ...
@@ -72,7 +77,7 @@ class EncodingCache:
     threads' caches."""
 
     def __init__(self, kept: Optional[KeptValues] = None):
-        self.pass_values: Dict[str, Dict[Tuple[TermKey, bool], Any]] = {}  # role -> (key, grad mode) -> value
+        self.pass_values: Dict[str, Dict[Tuple[TermKey, bool], Any]] = {}  # stack -> (key, grad mode) -> value
         self.model_pass: Dict[TermKey, Any] = {}
         self.decode_values: Dict[TermKey, Any] = {}
         self.last_stack: Optional[str] = None  # the stack of the last `begin`
@@ -85,24 +90,24 @@ class EncodingCache:
     def __reduce__(self):  # copies and pickles start empty
         return EncodingCache, ()
 
-    def begin(self, role: str, earlier: int = 0, reads_encoder: bool = False):
-        """A stack starts a forward pass as `role` (`earlier` > 0: a later decoding step of it;
-        `reads_encoder`: a decoder call that reads an encoder output, whose positions it gave)."""
+    def begin(self, stack: str, earlier: int = 0, reads_encoder: bool = False):
+        """`stack` ('encoder' or 'decoder') starts a forward pass (`earlier` > 0: a later decoding step
+        of it; `reads_encoder`: a decoder call that reads an encoder output, whose positions it gave)."""
         if self.pass_values:
-            self.pass_values.pop(role, None)
+            self.pass_values.pop(stack, None)
         if earlier == 0:
             self.inference_checked = False
             if self.decode_values:
                 self.decode_values = {}
         if not (reads_encoder and self.last_stack == "encoder"):
             self.model_pass = {}
-        self.last_stack = role
+        self.last_stack = stack
 
-    def end(self, role: str):
-        """A stack's forward pass as `role` is over: its pass values are dropped (a recorded run's
+    def end(self, stack: str):
+        """`stack`'s forward pass is over: its pass values are dropped (a recorded run's
         recomputation in backward keeps its own copy of the scope: `recorded`)."""
         if self.pass_values:
-            self.pass_values.pop(role, None)
+            self.pass_values.pop(stack, None)
 
     def clear(self):
         """Forget every value but the constants (what they were computed from changed shape), the other
@@ -114,12 +119,13 @@ class EncodingCache:
 
     # --- pass scope -----------------------------------------------------------------------------
     def memoize(self, key: TermKey, compute: Callable[[], Any]) -> Any:
-        """compute() once per forward pass for `key`, dropped by `end` or the next `begin` of `key.role`;
-        shared only within one grad mode (a value computed without gradients has no graph to
-        differentiate)."""
-        values = self.pass_values.get(key.role)
+        """compute() once per forward pass for `key`, dropped by `end` or the next `begin` of the stack
+        of `key.role` (a cross-attention term: the decoder's); shared only within one grad mode (a value
+        computed without gradients has no graph to differentiate)."""
+        stack = stack_of(key.role)
+        values = self.pass_values.get(stack)
         if values is None:
-            values = self.pass_values[key.role] = {}
+            values = self.pass_values[stack] = {}
         entry = (key, torch.is_grad_enabled())
         if self.run is not None:
             return self.run.memoize(values, entry, compute)

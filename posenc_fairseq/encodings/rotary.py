@@ -13,7 +13,8 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from .base import PositionalEncoding, register_encoding, stack_of
+from .base import PositionalEncoding, register_encoding
+from .cache import stack_of
 from .option_types import float_in_range
 from .positions import is_shared_range, tensor_of
 

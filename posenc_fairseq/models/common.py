@@ -322,13 +322,13 @@ class PerStackEncoding(nn.Module):
     def for_role(self, role: str):
         return self.encoder if role == "encoder" else self.decoder
 
-    def begin(self, role, positions=None, source_positions=None, earlier=0):
+    def begin(self, stack, positions=None, source_positions=None, earlier=0):
         for part in self.parts():
-            part.begin(role, positions, source_positions, earlier)
+            part.begin(stack, positions, source_positions, earlier)
 
-    def end(self, role):
+    def end(self, stack):
         for part in self.parts():
-            part.end(role)
+            part.end(stack)
 
     def bind_model(self, model, attentions):
         # each part serves the attentions of its roles (`for_role`); a part may freeze everything

@@ -39,6 +39,22 @@ def test_pass_scope_is_dropped_by_its_roles_begin_and_kept_per_grad_mode():
     assert computed[4:] == ["other distances"]
 
 
+def test_a_cross_attention_term_is_let_go_with_the_decoders_pass():
+    """A term memoized by the cross-attention (role 'cross') belongs to the decoder's pass: its
+    `end` and next `begin` drop it, as for the decoder's self-attention; the encoder's do not."""
+    encoding, computed = t5(), []
+    key = encoding.term_key("cross", "term")
+    first = encoding.memoize(key, counting(computed, "cross"))
+    encoding.begin("encoder")
+    encoding.end("encoder")
+    assert encoding.memoize(key, counting(computed, "cross")) is first and len(computed) == 1
+    encoding.end("decoder")
+    assert encoding.memoize(key, counting(computed, "cross")) is not first and len(computed) == 2
+    encoding.begin("decoder")
+    encoding.memoize(key, counting(computed, "cross"))
+    assert len(computed) == 3
+
+
 def test_a_recorded_run_replays_its_forwards_hits_and_misses():
     """The second run of a `recorded` function (the recomputation of a checkpoint) computes exactly
     the terms the first computed and takes from the pass scope the ones the first found there: its

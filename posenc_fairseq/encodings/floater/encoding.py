@@ -15,7 +15,8 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
-from ..base import ROLES, PositionalEncoding, register_encoding, stack_of
+from ..base import ROLES, PositionalEncoding, register_encoding
+from ..cache import stack_of
 from ..option_types import OptionValueError, flag, float_in_range, given, int_in_range, one_of, option, positive_int
 from ..positions import AnyPositions, Positions, bounds, is_shared_range, tensor_of
 from . import solver
@@ -388,8 +389,8 @@ class Floater(PositionalEncoding):
                 self.tables.window = window
         self._num_updates = num_updates
 
-    def begin(self, role, positions=None, source_positions=None, earlier=0):
-        context = super().begin(role, positions, source_positions, earlier)
+    def begin(self, stack, positions=None, source_positions=None, earlier=0):
+        context = super().begin(stack, positions, source_positions, earlier)
         model_pass = self.cache.model_pass
         state = model_pass.get(self.pass_key)
         if state is not None and state.solved_from is not None and \
@@ -398,7 +399,7 @@ class Floater(PositionalEncoding):
             # while the tensors they were solved from stand (no optimizer step or load in between)
             state = None
         if state is None:  # a new forward pass of the model (the cache's model-pass scope)
-            versions = self.solve_input_versions() if role == "encoder" else None
+            versions = self.solve_input_versions() if stack == "encoder" else None
             state = model_pass[self.pass_key] = PassState(versions)
             if self.training:
                 self._resumable_window = None  # (trained without being told the update count)
@@ -412,11 +413,12 @@ class Floater(PositionalEncoding):
             state.needed = max(state.needed, earlier + length)
             self._fill_step_biases(positions, state)
             return context
-        for given in (positions, source_positions):
-            if given is not None and tensor_of(given).numel() > 0:  # (the stacks' positions: no host read)
-                state.needed = max(state.needed, bounds(given)[1] + 1)
+        for stack_positions in (positions, source_positions):
+            # (the stacks' positions carry their bounds: no host read)
+            if stack_positions is not None and tensor_of(stack_positions).numel() > 0:
+                state.needed = max(state.needed, bounds(stack_positions)[1] + 1)
         if torch.is_grad_enabled() and self._slots:
-            self._prepare_biases(role)
+            self._prepare_biases(stack)
         return context
 
     def _prepare_biases(self, role: str):
