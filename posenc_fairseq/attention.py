@@ -227,9 +227,10 @@ class PositionalAttention(MultiheadAttention):
                    context: Optional[PassContext], calls_modules: bool):
         """q (B, H, Tq, D), unscaled, and the keys and values (B, H, Tk, D) of the call: projected
         with the encoding's projection hooks (`projects`: it has some; the positions of the stack's
-        pass `context`), by calling the projection modules where stock does (`calls_modules`), after the cached ones of incremental decoding, one copy per beam; the key
-        padding mask that goes with them, and the number of source keys before the target keys
-        (--cross-self-attention's decoder self-attention, else 0)."""
+        pass `context`), by calling the projection modules where stock does (`calls_modules`), after
+        the cached ones of incremental decoding, one copy per beam; the key padding mask that goes
+        with them, and the number of source keys before the target keys (--cross-self-attention's
+        decoder self-attention, else 0)."""
         tgt_len, bsz, _ = query.size()
         heads, head_dim = self.num_heads, self.head_dim
         binding = self.position_binding
@@ -245,15 +246,7 @@ class PositionalAttention(MultiheadAttention):
             query_positions, key_positions = context.positions, context.key_positions(binding.role)
         source_keys = 0  # keys (cached or not) that are source tokens, before the target keys
         if cross_self and context is not None:
-            # counted in this call's own keys (a later step: in its decode's cached keys, which hold the
-            # source and the earlier target tokens), not in the context's source: another decode's
-            # first step may have given that since
-            if saved_state is not None and "prev_key" in saved_state:
-                source_keys = saved_state["prev_key"].size(2) - context.earlier
-            elif key is not None:
-                source_keys = key.size(0) - tgt_len
-                if projects and source_keys and context.source is not None:
-                    key_positions = torch.cat([tensor_of(context.source), tensor_of(key_positions)], dim=1)
+            source_keys, key_positions = self._source_keys(context, saved_state, key, tgt_len, key_positions, projects)
         q = self._project("q", query, query_positions, projects, calls_modules)
         k = v = None
         if self.self_attention:
@@ -285,6 +278,23 @@ class PositionalAttention(MultiheadAttention):
         if key_padding_mask is not None and key_padding_mask.dim() == 0:
             key_padding_mask = None
         return q, k, v, key_padding_mask, source_keys
+
+    @staticmethod
+    def _source_keys(context: PassContext, saved_state, key: Optional[Tensor], tgt_len: int, key_positions,
+                     projects: bool):
+        """--cross-self-attention's decoder self-attention, whose keys are cat(source, target): how many
+        of its keys (cached or not) are source tokens, and the key positions with the source's first
+        where the projection hooks read them. Counted in this call's own keys (a later step: in its
+        decode's cached keys, which hold the source and the earlier target tokens), not in the context's
+        source: another decode's first step may have given that since."""
+        if saved_state is not None and "prev_key" in saved_state:
+            return saved_state["prev_key"].size(2) - context.earlier, key_positions
+        if key is None:
+            return 0, key_positions
+        source_keys = key.size(0) - tgt_len
+        if projects and source_keys and context.source is not None:
+            key_positions = torch.cat([tensor_of(context.source), tensor_of(key_positions)], dim=1)
+        return source_keys, key_positions
 
     def _after_cached(self, k: Optional[Tensor], v: Optional[Tensor], key_padding_mask: Optional[Tensor],
                       incremental_state, saved_state: Dict[str, Optional[Tensor]], static_kv: bool):
