@@ -111,13 +111,42 @@ class Floater(PositionalEncoding):
 
     def __init__(self, args, dims):
         super().__init__(args, dims)
+        hidden, max_speed, decay, stop_time = self._read_options(args, dims.embed_dim)
+        self.dynamics = Dynamics(dims.embed_dim, hidden, self.init, self.autonomous, max_speed, decay, stop_time)
+        if self.freeze_dynamics:
+            self.dynamics.requires_grad_(False)
+        if self.dynamics_lr_scale != 1.0:
+            # fairseq's composite optimizer (dynamic groups) gives these their own group: lr * scale
+            for parameter in self.dynamics.parameters():
+                parameter.optim_overrides = {"optimizer": {"lr_scale": self.dynamics_lr_scale}}
+        # plain attributes, not submodules: the model owns the attention modules and their biases
+        self._slots = []  # [(role, layer, which, attention module)]
+        self._slot_index, self._slot_keys = {}, []
+        self._groups = {}  # (role, which) -> the slots whose biases are gathered together (same positions)
+        self._target_keys = []  # the slot keys of the target tokens' group, in its order
+        self._num_updates = 0
+        # a loaded checkpoint's window and the update count it was loaded at (`_after_load`), until
+        # `set_num_updates` or a training pass decides whether training resumes it
+        self._resumable_window = None
+        # the keys of FLOATER's entries in its cache: the pass's state (model-pass scope); the
+        # evaluation table, each group's b(t) on it and the rows a decoding step reads (inference
+        # scope); whether this decode's first call made those rows (decode scope)
+        self.pass_key = self.term_key("model", "pass state")
+        self.evaluation_key = self.term_key("model", "evaluation table")
+        self.step_rows_key = self.term_key("decoder", "step rows")
+        self.step_ready_key = self.term_key("decoder", "step rows ready")
+        self._forget_tables()  # (creates `tables`, the K-window of this encoding: table.py)
+        self.register_load_state_dict_post_hook(Floater._after_load)
 
+    def _read_options(self, args, dim: int) -> tuple:
+        """FLOATER's options read, checked against each other and kept as attributes (those that define
+        the tables recorded in the order read: trained_with.py); returns the dynamics' own (hidden
+        width, maximum speed, decay, stop time)."""
         def floater(name, checker, default, defines=True):
             """FLOATER's option `name`; `defines`: whether it defines the tables (else training alone)."""
             read = self.defining_option if defines else option
             return read(args, f"floater_{name}", checker, default)
 
-        dim = dims.embed_dim
         self.delta = floater("delta", DELTA, 0.1)
         self.method = floater("method", one_of(*METHODS), "rk4")
         self.step_size = floater("step_size", STEP_SIZE, self.delta / 5, defines=False)
@@ -157,68 +186,44 @@ class Floater(PositionalEncoding):
         # position N-1 lies before it (those positions keep the plain flow), every one after position N
         # lies after it (positions >= N share b(t_N), the flow up to (N - 1/2) delta)
         stop_time = None if self.stop_position is None else (self.stop_position - 0.5) * self.delta
-        self.dynamics = Dynamics(dim, hidden, self.init, self.autonomous, max_speed, decay, stop_time)
-        if self.freeze_dynamics:
-            self.dynamics.requires_grad_(False)
-        if self.dynamics_lr_scale != 1.0:
-            # fairseq's composite optimizer (dynamic groups) gives these their own group: lr * scale
-            for parameter in self.dynamics.parameters():
-                parameter.optim_overrides = {"optimizer": {"lr_scale": self.dynamics_lr_scale}}
-        # plain attributes, not submodules: the model owns the attention modules and their biases
-        self._slots = []  # [(role, layer, which, attention module)]
-        self._slot_index, self._slot_keys = {}, []
-        self._groups = {}  # (role, which) -> the slots whose biases are gathered together (same positions)
-        self._target_keys = []  # the slot keys of the target tokens' group, in its order
-        self._num_updates = 0
-        # a loaded checkpoint's window and the update count it was loaded at (`_after_load`), until
-        # `set_num_updates` or a training pass decides whether training resumes it
-        self._resumable_window = None
-        # the keys of FLOATER's entries in its cache: the pass's state (model-pass scope); the
-        # evaluation table, each group's b(t) on it and the rows a decoding step reads (inference
-        # scope); whether this decode's first call made those rows (decode scope)
-        self.pass_key = self.term_key("model", "pass state")
-        self.evaluation_key = self.term_key("model", "evaluation table")
-        self.step_rows_key = self.term_key("decoder", "step rows")
-        self.step_ready_key = self.term_key("decoder", "step rows ready")
-        self._forget_tables()  # (creates `tables`, the K-window of this encoding: table.py)
-        self.register_load_state_dict_post_hook(Floater._after_load)
+        return hidden, max_speed, decay, stop_time
 
     @staticmethod
     def add_args(parser):
         parser.add_argument("--floater-delta", type=DELTA, metavar="D", help="time between tokens, t_i = i*D (default 0.1)")
         parser.add_argument("--floater-method", choices=METHODS, help="ODE solver (default rk4)")
         parser.add_argument("--floater-step-size", type=STEP_SIZE, metavar="S",
-                           help=f"fixed-grid solver step (default delta/5; rounded so it divides delta; "
-                                f"at most {MAX_STEPS_PER_POSITION} steps per position)")
+                            help=f"fixed-grid solver step (default delta/5; rounded so it divides delta; "
+                                 f"at most {MAX_STEPS_PER_POSITION} steps per position)")
         parser.add_argument("--floater-tolerance", type=TOLERANCE, metavar="TOL", help="rtol = atol of dopri5 (default 1e-6)")
         parser.add_argument("--floater-adjoint", action="store_true", default=None,
-                           help="gradients by torchdiffeq's continuous adjoint (odeint_adjoint)")
+                            help="gradients by torchdiffeq's continuous adjoint (odeint_adjoint)")
         parser.add_argument("--floater-hidden", type=HIDDEN, metavar="H", help="hidden width of h (default: embed dim)")
         parser.add_argument("--floater-init", choices=INITS,
-                           help="last layer of h: zero (exactly the stock model, default) or small random")
+                            help="last layer of h: zero (exactly the stock model, default) or small random")
         parser.add_argument("--floater-autonomous", action="store_true", default=None,
-                           help="h(b) without the time input (the paper's h also sees tau); see docs/floater.md")
+                            help="h(b) without the time input (the paper's h also sees tau); see docs/floater.md")
         parser.add_argument("--floater-max-speed", type=MAX_SPEED, metavar="S",
-                           help="db/dt = S tanh(h/S): every coordinate of b moves at most S per unit of time "
-                                "(default: unbounded, the paper's h); see docs/floater.md")
+                            help="db/dt = S tanh(h/S): every coordinate of b moves at most S per unit of time "
+                                 "(default: unbounded, the paper's h); see docs/floater.md")
         parser.add_argument("--floater-decay", type=DECAY, metavar="L",
-                           help="db/dt multiplied by exp(-L t): with --floater-max-speed S, |b(t) - b(0)| <= S/L "
-                                "at every position (default 0: none)")
+                            help="db/dt multiplied by exp(-L t): with --floater-max-speed S, |b(t) - b(0)| <= S/L "
+                                 "at every position (default 0: none)")
         parser.add_argument("--floater-stop-position", type=positive_int, metavar="N",
-                           help="the flow stops halfway between positions N-1 and N: positions >= N share one bias "
-                                "(e.g. N = the longest training input in tokens, </s> included; default: never)")
+                            help="the flow stops halfway between positions N-1 and N: positions >= N share one bias "
+                                 "(e.g. N = the longest training input in tokens, </s> included; default: never)")
         parser.add_argument("--floater-first-block-only", action="store_true", default=None,
-                           help="FLOATER biases only in layer 0 of each stack (paper's 'input block only')")
+                            help="FLOATER biases only in layer 0 of each stack (paper's 'input block only')")
         parser.add_argument("--floater-recompute-every", type=positive_int, metavar="K",
-                           help="solve the ODE with gradient every K updates, reuse the table in between (default 1)")
+                            help="solve the ODE with gradient every K updates, reuse the table in between (default 1)")
         parser.add_argument("--floater-freeze-dynamics", action="store_true", default=None,
-                           help="do not train the dynamics network h")
+                            help="do not train the dynamics network h")
         parser.add_argument("--floater-train-dynamics-only", action="store_true", default=None,
-                           help="train only h: every other parameter of the model as built (including the b(0) "
-                                "projection biases) is frozen; a head the task adds later (sentence_prediction's "
-                                "classification head) trains")
+                            help="train only h: every other parameter of the model as built (including the b(0) "
+                                 "projection biases) is frozen; a head the task adds later (sentence_prediction's "
+                                 "classification head) trains")
         parser.add_argument("--floater-dynamics-lr-scale", type=LR_SCALE, metavar="X",
-                           help="learning rate of h = X * the others' (needs fairseq's composite optimizer; default 1)")
+                            help="learning rate of h = X * the others' (needs fairseq's composite optimizer; default 1)")
 
     @classmethod
     def depth_changed_by_pruning(cls, args, role, kept):
