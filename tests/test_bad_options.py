@@ -315,6 +315,18 @@ def test_option_helpers():
     check_size("--x 5", MAX_PARAMETER_BYTES // 4, "t")
 
 
+
+def test_an_ordered_pair_accepts_min_equal_to_max():
+    """MIN <= MAX, equality included: `option_pair(..., ordered=True)` (a Namespace) and the
+    `ordered_pair` action (the command line) both take 5 5, and AT5 then starts every gamma at 5."""
+    assert option_pair(argparse.Namespace(pair=[5.0, 5.0]), "pair", positive_float, (1, 2), ordered=True) == (5.0, 5.0)
+    assert parser().parse_args(["--at5-gamma-range", "5", "5"]).at5_gamma_range == [5.0, 5.0]
+    for args in (encoding_options("--at5-gamma-range", "5", "5"), encoding_options(at5_gamma_range=[5.0, 5.0])):
+        at5 = build_encoding("at5", args, DIMS)
+        for name in at5.raw_gammas:
+            assert torch.allclose(at5.gamma(name), torch.full((4,), 5.0), rtol=1e-6), name
+
+
 # --- the real command: fairseq-train stops at parsing, one line, before touching data ---------
 @pytest.mark.parametrize("arch,argv", [
     ("transformer_shaw", ["--shaw-k", "0"]),

@@ -388,7 +388,7 @@ def _attach_encoding(model, args, encoder_stack, decoder_stack):
         encoding = build_encoding(args.positional_encoding, args, ModelDims(
             embed_dim=embed_dim, heads=heads, encoder_layers=layers["encoder"], decoder_layers=layers["decoder"]))
         parts = {role: encoding for role in stacks}
-    else:  # (the encoder's part first: the same random draws as before this option existed)
+    else:  # (the encoder's part built first, then the decoder's: the order of their random draws)
         parts = {role: build_encoding(args.positional_encoding, args, ModelDims(
             embed_dim=sizes[role][0], heads=sizes[role][1], encoder_layers=layers["encoder"] if role == "encoder" else 0,
             decoder_layers=layers["decoder"] if role == "decoder" else 0)) for role in stacks}

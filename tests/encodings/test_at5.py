@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from posenc_fairseq.encodings import ModelDims, build_encoding
-from posenc_fairseq.encodings.at5 import GAMMA_STEP_SCALE, MLP_STEP_SCALE, HeadMLPs, raw_gamma
+from posenc_fairseq.encodings.at5 import GAMMA_STEP_SCALE, MAX_GAMMA, MLP_STEP_SCALE, HeadMLPs, raw_gamma
 from posenc_fairseq.encodings.prior import prior_distribution
 from position_terms import logits_between
 from util import encoding_options, QUICK_TRAIN, TINY_ROBERTA, TINY_TRANSFORMER, USER_DIR, build_model, random_batch, run
@@ -29,10 +29,11 @@ def effective_parameters(mlp):
     return {name: getattr(mlp, name) for name in HeadMLPs.PARAMETERS}
 
 
-def naive_mlp(params, head, x, activation=sigmoid):
-    """1 -> h1 -> h2 -> 1 written out with scalars."""
+def naive_mlp(params, head, x, activation=sigmoid, mask=None):
+    """1 -> h1 -> h2 -> 1 written out with scalars; `mask` (h1 factors, a dropout's) multiplies the
+    first hidden layer."""
     w1, b1, w2, b2, w3, b3 = (params[name][head].tolist() for name in ("w1", "b1", "w2", "b2", "w3", "b3"))
-    hidden1 = [activation(w1[k] * x + b1[k]) for k in range(len(w1))]
+    hidden1 = [activation(w1[k] * x + b1[k]) * (1 if mask is None else mask[k]) for k in range(len(w1))]
     hidden2 = [activation(sum(hidden1[k] * w2[k][m] for k in range(len(w1))) + b2[m]) for m in range(len(b2))]
     return sum(hidden2[m] * w3[m] for m in range(len(b2))) + b3
 
@@ -176,6 +177,56 @@ def test_prior_has_dropout_off_and_leaves_the_encoding_as_it_was():
         bias = logits_between(encoding, "encoder", 0, None, None, torch.tensor([3]), torch.arange(30))
         expected = torch.softmax(bias[0, 0], -1)
     assert torch.allclose(priors[0], expected)
+
+
+def test_dropout_acts_on_the_first_hidden_layer():
+    """--at5-dropout drops units of the first hidden layer (width H1), not of the second: with the
+    MLP's dropout replaced by a fixed one (unit 0 dropped, the others scaled by 1 / (1 - p)), the MLP
+    equals the naive MLP with that mask on its first hidden layer."""
+    encoding = make("at5", at5_mlp_widths=[5, 3], at5_dropout=0.5).double()
+    mlp = encoding.mlps["encoder_plus"]
+    widths = []
+
+    class FixedDropout(torch.nn.Module):
+        def forward(self, hidden):
+            widths.append(hidden.size(-1))
+            mask = torch.full((hidden.size(-1),), 2.0, dtype=hidden.dtype)
+            mask[0] = 0
+            return hidden * mask
+
+    mlp.dropout = FixedDropout()
+    x = torch.rand(3, 7, dtype=torch.float64)
+    with torch.no_grad():
+        got = mlp(x)
+    assert widths == [5]
+    params = effective_parameters(mlp)
+    for head in range(3):
+        for k in range(7):
+            expected = naive_mlp(params, head, x[head, k].item(), mask=[0, 2, 2, 2, 2])
+            assert abs(got[head, k].item() - expected) < 1e-12, (head, k)
+
+
+def test_gamma_is_capped_so_that_the_bias_stays_finite():
+    """A learned gamma pushed far up (exp(8 * 100) overflows) is capped at MAX_GAMMA: the bias at
+    distances 0..9, d = 0 included (where an infinite gamma would give inf * 0 = NaN), is finite and
+    equals the naive formula with gamma = MAX_GAMMA."""
+    encoding = make("at5").eval()
+    with torch.no_grad():
+        for raw in encoding.raw_gammas.values():
+            raw.fill_(100.0)
+    for name in encoding.raw_gammas:
+        assert torch.allclose(encoding.gamma(name), torch.full((3,), MAX_GAMMA), rtol=1e-6), name
+    gammas = {name: torch.full((3,), MAX_GAMMA) for name in encoding.raw_gammas}
+    for role in ("encoder", "decoder"):
+        encoding.begin(role)
+        with torch.no_grad():
+            bias = logits_between(encoding, role, 0, None, None, torch.arange(10), torch.arange(10))
+        assert torch.isfinite(bias).all(), role
+        for head in range(3):
+            for i in range(10):
+                for j in range(10):
+                    expected = naive_at5(encoding, role, i, j, head, nob=False, gammas=gammas)
+                    assert abs(bias[head, i, j].item() - expected) < 1e-5, (role, head, i, j)
 
 
 def test_reset_to_identity_adds_zero():

@@ -71,3 +71,65 @@ def test_a_decoding_step_rotates_with_one_matrix_equal_to_the_complex_form():
             out = got[0, b, h * head_dim:(h + 1) * head_dim]
             assert torch.allclose(out[:half], expected.real, atol=1e-5)
             assert torch.allclose(out[half:], expected.imag, atol=1e-5)
+
+
+def test_an_odd_head_dim_rotates_its_pairs_and_leaves_the_last_dimension():
+    """head_dim 7: pairs (x_m, x_{m+3}) for m = 0..2 rotate as the complex form with
+    theta_m = 10000^(-2m/7); the seventh dimension has no partner and is left as it is."""
+    heads, head_dim, length = 2, 7, 5
+    x = torch.randn(length, 1, heads * head_dim, dtype=torch.float64)
+    positions = torch.arange(length)[None, :] + 3
+    got = rotate(x, positions, heads)
+    half = head_dim // 2
+    theta = 10000.0 ** (-2 * torch.arange(half, dtype=torch.float64) / head_dim)
+    for t in range(length):
+        for h in range(heads):
+            vector = x[t, 0, h * head_dim:(h + 1) * head_dim]
+            expected = torch.complex(vector[:half], vector[half:2 * half]) * torch.exp(1j * (t + 3) * theta)
+            out = got[t, 0, h * head_dim:(h + 1) * head_dim]
+            assert (out[:half] - expected.real).abs().max() < 1e-12, (t, h)
+            assert (out[half:2 * half] - expected.imag).abs().max() < 1e-12, (t, h)
+            assert out[-1] == vector[-1], (t, h)
+
+
+def test_a_half_precision_model_rotates_in_float32():
+    """fp16 input at positions 600..603 against the complex form in float64 of the same (fp16) values:
+    the angles p * theta are taken in float32, within 1e-4 max|x| (float32's rounding: ~1e-6; fp16
+    angles are off by up to 0.02 rad there, errors of ~1e-2 max|x|)."""
+    heads, head_dim, length = 2, 8, 4
+    x = torch.randn(length, 1, heads * head_dim)
+    positions = torch.arange(length)[None, :] + 600
+    got = rotate(x.half(), positions, heads).float()
+    exact = x.half().double()
+    half = head_dim // 2
+    theta = 10000.0 ** (-2 * torch.arange(half, dtype=torch.float64) / head_dim)
+    limit = 1e-4 * x.abs().max().item()
+    for t in range(length):
+        for h in range(heads):
+            vector = exact[t, 0, h * head_dim:(h + 1) * head_dim]
+            expected = torch.complex(vector[:half], vector[half:]) * torch.exp(1j * (t + 600) * theta)
+            out = got[t, 0, h * head_dim:(h + 1) * head_dim].double()
+            assert (out[:half] - expected.real).abs().max() < limit, (t, h)
+            assert (out[half:] - expected.imag).abs().max() < limit, (t, h)
+
+
+def test_rotary_base_rotates_keys_given_positions_other_than_the_stacks():
+    """`project` with a positions tensor of its own (as --cross-self-attention's keys, not the pass
+    context's positions) rotates with --rotary-base B: theta_m = B^(-2m/D), here B = 500."""
+    from posenc_fairseq.encodings import ModelDims, build_encoding
+    from util import encoding_options
+
+    heads, head_dim, length = 2, 8, 5
+    enc = build_encoding("rotary", encoding_options("--rotary-base", "500"), ModelDims(heads * head_dim, heads, 1, 1))
+    x = torch.randn(length, 1, heads * head_dim, dtype=torch.float64)
+    positions = torch.arange(length)[None, :] + 3
+    got = enc.project("decoder", 0, "k", x, positions)
+    half = head_dim // 2
+    theta = 500.0 ** (-2 * torch.arange(half, dtype=torch.float64) / head_dim)
+    for t in range(length):
+        for h in range(heads):
+            vector = x[t, 0, h * head_dim:(h + 1) * head_dim]
+            expected = torch.complex(vector[:half], vector[half:]) * torch.exp(1j * (t + 3) * theta)
+            out = got[t, 0, h * head_dim:(h + 1) * head_dim]
+            assert (out[:half] - expected.real).abs().max() < 1e-12, (t, h)
+            assert (out[half:] - expected.imag).abs().max() < 1e-12, (t, h)

@@ -356,3 +356,24 @@ def test_rows_kept_across_decoding_steps_follow_the_clipping_distance(name, laye
         values = enc.value_tables[key][rows] if key in enc.value_tables else None
         expected = naive(module, x, no_padding, True, enc.key_tables[key][rows], values, clip)
     assert (attention_steps(module, enc, x) - expected).abs().max() <= 1e-5
+
+
+def test_rows_kept_for_one_query_follow_the_lfhc_rounding():
+    """A one-query term in inference (a prior's, a plot's) keeps its rows across calls; set to trunc
+    after a call, LFHC's rows of keys after the query (x = i - j < 0, where floor and trunc differ)
+    are recomputed: the logits equal q . w^K[clip(trunc(x / l), k)] with l = 2 (the second layer)."""
+    enc = encoding("lfhc", "--lfhc-k", "4").eval()  # (kept rows: in inference)
+    torch.manual_seed(3)
+    query = torch.randn(1, HEADS, 1, EMBED // HEADS, dtype=torch.float64)
+    keys = torch.arange(20)
+    with torch.no_grad():
+        enc.begin("encoder")
+        before = logits_between(enc, "encoder", 1, query, None, torch.tensor([10]), keys)  # floor's rows kept
+        enc.rounding = "trunc"
+        enc.begin("encoder")
+        after = logits_between(enc, "encoder", 1, query, None, torch.tensor([10]), keys)
+        table = enc.key_tables["encoder1"]
+        rows = [max(-4, min(4, int((10 - j) / 2))) + 4 for j in keys.tolist()]  # int(): toward zero
+        expected = query[0, :, 0] @ table[rows].T  # (heads, keys)
+    assert (after[0, :, 0] - expected).abs().max() <= 1e-12
+    assert (after - before).abs().max() > 1e-3

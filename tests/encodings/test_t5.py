@@ -137,6 +137,29 @@ def test_rejects_max_distance_within_exact_buckets():
         make("t5", t5_num_buckets=64, t5_max_distance=16)
 
 
+def test_max_distance_must_exceed_half_the_buckets():
+    """64 buckets: the causal side's exact buckets cover distances below 32, so --t5-max-distance 32
+    (log(32 / 32) = 0 in eq. 16) is refused naming the option, and 33 builds."""
+    from posenc_fairseq.encodings.option_types import OptionValueError
+
+    with pytest.raises(OptionValueError, match=r"^--t5-max-distance 32: expected an integer > 32 "):
+        make("t5", t5_num_buckets=64, t5_max_distance=32)
+    encoding = make("t5", t5_num_buckets=64, t5_max_distance=33)
+    assert encoding.max_distance == 33 and encoding.tables["decoder"].shape == (64, 4)
+
+
+def test_tables_start_as_hf_t5s_normal_with_std_one_over_sqrt_d_model():
+    """HF T5's initialisation of relative_attention_bias: N(0, d_model^-1/2); d_model 256: std 1/16
+    (2 x 1024 x 8 draws: the sample std within 10%)."""
+    torch.manual_seed(0)
+    encoding = build_encoding("t5", encoding_options(t5_num_buckets=1024, t5_max_distance=2048),
+                              ModelDims(embed_dim=256, heads=8, encoder_layers=1, decoder_layers=1))
+    values = torch.cat([table.detach().flatten() for table in encoding.tables.values()])
+    assert values.numel() == 2 * 1024 * 8
+    assert abs(values.std().item() - 1 / 16) < 0.1 / 16, values.std().item()
+    assert abs(values.mean().item()) < 0.1 / 16
+
+
 @pytest.mark.parametrize("role", ["encoder", "decoder"])
 @pytest.mark.parametrize("name", ["t5", "t5_nob"])
 def test_prior_sums_to_one(name, role):

@@ -173,14 +173,20 @@ def test_kept_values_follow_autocast(translation_data, encoding):
     assert torch.equal(full, reference_full) and torch.equal(stepwise, reference_steps)
 
 
-@pytest.mark.parametrize("encoding", ["t5", "at5", "at5_nob"])
-def test_kept_values_follow_the_options_they_were_computed_with(translation_data, encoding):
-    """An option the bias reads changed on a built model (T5's M, AT5's L): the next decode recomputes
-    the kept bias, as a copy changed before any decode does (the model then computes something else)."""
+@pytest.mark.parametrize("encoding,name,value", [
+    ("t5", "max_distance", 17),
+    ("t5", "num_buckets", 16),
+    ("at5", "length_scale", 4.0),
+    ("at5_nob", "length_scale", 4.0),
+    ("gcdf", "scale", 2.0),
+])
+def test_kept_values_follow_the_options_they_were_computed_with(translation_data, encoding, name, value):
+    """An option the position term reads changed on a built model (T5's M and bucket count, AT5's L,
+    GCDF's lambda): the next decode recomputes the kept values, as a copy changed before any decode
+    does (the model then computes something else)."""
     model, task = perturbed_translation_model(translation_data, encoding)
     # (T5's buckets below 16 are exact whatever M is: longer targets)
     src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=6, tgt_len=24)
-    name, value = ("max_distance", 17) if encoding == "t5" else ("length_scale", 4.0)
     with torch.no_grad():
         before = decoder_logits_full_and_stepwise(model, src, src_lengths, prev)
         fresh = copy.deepcopy(model)

@@ -136,3 +136,24 @@ def test_the_flow_stops_at_the_stop_position(translation_data):
     assert (table[:9] - reference).abs().max() <= 1e-12  # positions 0..N-1: the paper's flow
     assert torch.equal(table[9:], table[9:10].expand_as(table[9:]))  # N on: one bias
     assert (table[9] - table[8]).abs().max() > 1e-3  # (half an interval more than N-1)
+
+
+def test_the_flow_stops_halfway_between_positions_n_minus_1_and_n(translation_data):
+    """Positions 0..N+2 against a hand-written loop of h gated as h(t, b) * (t <= (N - 1/2) delta):
+    position N holds b((N - 1/2) delta), not b(t_N - delta) (a stop at N-1) nor b(t_N). Two steps per
+    position on a dyadic grid (delta 1/8): a step ends exactly at the stop time, where h still counts."""
+    model, _, encoding = floater_model(translation_data, ["--floater-stop-position", "9", "--floater-delta", "0.125",
+                                                          "--floater-step-size", "0.0625"])
+    model.double().eval()
+    perturb(model)
+    assert encoding.substeps == 2
+    h, stop = make_h(encoding.dynamics), (9 - 0.5) * 0.125
+
+    def stopped(t, b):
+        return h(t, b) * (t <= stop)
+
+    b0 = encoding.initial_values().detach()
+    reference = reference_solve(stopped, b0, 12, encoding.delta, encoding.substeps, "rk4_38") - b0
+    table = encoding.solve(12).detach()
+    assert (table - reference).abs().max() <= 1e-12
+    assert (table[9] - table[8]).abs().max() > 1e-3  # the half interval beyond N-1 is there
