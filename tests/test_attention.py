@@ -441,3 +441,172 @@ def test_half_precision_logits_past_the_dtypes_range_stay_finite_on_the_explicit
     assert scores.abs().max() > 65504  # (the case: past the dtype's range)
     assert torch.isfinite(explicit).all() and torch.isfinite(weights).all()
     assert (explicit.float() - fused.float()).abs().max() <= 2e-2 * fused.float().abs().max()
+
+
+# --- training dropout, steps over cached padding, weights and logits as fairseq gives them, cross-self terms ---
+def future_mask(length):
+    """fairseq's future mask (the decoder stack's `buffered_future_mask`): -inf above the diagonal."""
+    return utils.fill_with_neg_inf(torch.zeros(length, length)).triu(1)
+
+
+def test_training_dropout_applies_on_the_causal_sdpa_path():
+    """Decoder self-attention under fairseq's future mask with no padding and no terms is SDPA told
+    `is_causal`; in training it drops attention weights too: two calls differ, eval calls are equal
+    (and equal to fairseq's), and the mean over 400 dropped copies of a sentence approaches the eval
+    output (dropout is rescaled by 1 / (1 - p), so the mean of the outputs is the undropped one)."""
+    reference, ours = pair("self")
+    ours.dropout_module.p = 0.3
+    x = torch.randn(6, 1, EMBED)
+    mask = future_mask(6)
+    expected, _ = reference(x, x, x, attn_mask=mask, need_weights=False)
+    evaluated = [ours(x, x, x, attn_mask=mask, need_weights=False)[0] for _ in range(2)]
+    assert torch.equal(evaluated[0], evaluated[1])
+    assert (evaluated[0] - expected).abs().max() <= 1e-5
+    ours.train()
+    copies = x.expand(6, 400, EMBED)  # each copy draws its own dropout
+    with torch.no_grad():
+        first, second = (ours(copies, copies, copies, attn_mask=mask, need_weights=False)[0] for _ in range(2))
+    assert (first - second).abs().max() > 1e-2
+    assert (first[:, :1] - first[:, 1:2]).abs().max() > 1e-2
+    assert (first.mean(1, keepdim=True) - expected).abs().max() <= 0.1 * (first - expected).abs().max()
+
+
+def test_a_decoding_step_applies_the_cached_keys_padding():
+    """A left-padded prompt decoded with an incremental state: the prefix call, then one-query steps
+    (the STEP kernel). Each step's keys include the cached padded ones, which the cached key padding
+    mask blocks: the steps' outputs equal the naive formula with the bias, the padding and the future
+    mask, and the full call's last rows."""
+    _, ours = pair("self")
+    ours.bind_position(ConstantBias(None, ModelDims(EMBED, HEADS, 1, 1)), "decoder", 0)
+    length, batch, prefix = 5, 2, 3
+    x = torch.randn(length, batch, EMBED)
+    padding = torch.zeros(batch, length, dtype=torch.bool)
+    padding[0, :2] = True  # row 0: a prompt left-padded by two tokens
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    bias = torch.stack([(h + 1) * (j - i).float() / 10 for h in range(HEADS)])[:, None]  # (H, 1, T, T)
+    bias = bias.masked_fill(j > i, float("-inf")).masked_fill(padding[None, :, None, :], float("-inf"))
+    expected = naive_attention(ours, x, bias)[prefix:]  # (rows 0, 1 of sentence 0 see no key: not compared)
+    full, _ = ours(x, x, x, key_padding_mask=padding, attn_mask=future_mask(length), need_weights=False)
+    state = {}
+    ours(x[:prefix], x[:prefix], x[:prefix], key_padding_mask=padding[:, :prefix], attn_mask=future_mask(prefix),
+         incremental_state=state, need_weights=False)
+    steps = [ours(x[t: t + 1], x[t: t + 1], x[t: t + 1], key_padding_mask=padding[:, t: t + 1],
+                  incremental_state=state, need_weights=False)[0] for t in range(prefix, length)]
+    assert (torch.cat(steps) - expected).abs().max() <= 1e-5
+    assert (full[prefix:] - expected).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("need_head_weights", [False, True])
+def test_weights_in_training_are_those_before_dropout(need_head_weights):
+    """need_weights in training returns the softmax before attention dropout, as fairseq's own
+    attention does (taken here with an incremental state: its fast path is PyTorch's, which returns
+    the dropped weights); with the same seed the same dropout is drawn, so the outputs agree too."""
+    reference, ours = pair("self")
+    for module in (reference, ours):
+        module.dropout_module.p = 0.4
+        module.train()
+    x = torch.randn(6, 3, EMBED)
+    padding_mask = padding(3, 6)
+    results = []
+    for module in (reference, ours):
+        torch.manual_seed(5)
+        results.append(module(x, x, x, key_padding_mask=padding_mask, attn_mask=future_mask(6), incremental_state={},
+                              need_head_weights=need_head_weights))
+    (expected, expected_weights), (got, weights) = results
+    assert (got - expected).abs().max() <= 1e-5
+    assert weights.shape == expected_weights.shape
+    assert (weights - expected_weights).abs().max() <= 1e-6
+    assert torch.allclose(weights.sum(-1), torch.ones(()), atol=1e-6)  # not dropped: each row sums to 1
+
+
+def test_the_relative_value_term_mixes_the_dropped_weights():
+    """Shaw's value term in training: out = (P * m) v + sum over distances of (P * m) a^V, the dropout
+    mask m (0 or 1 / (1 - p)) applied to the weights that mix both the values and the value term. The
+    mask is drawn again from the same seed, as the dropout module draws it on the (B, H, T, T) weights;
+    the terms come from `position_terms` (the gather over the pairs' distances)."""
+    from position_terms import logits_between, values_between
+    from util import bound_attention, perturbed_encoding
+
+    enc = perturbed_encoding("shaw", "--shaw-k", "2", dims=ModelDims(EMBED, HEADS, 1, 1))
+    module = bound_attention(enc, "encoder", 0, EMBED, HEADS)
+    module.dropout_module.p = 0.3
+    module.train()
+    length, batch = 6, 2
+    x = torch.randn(length, batch, EMBED, dtype=torch.float64)
+    positions = torch.arange(length)
+    with torch.no_grad():
+        enc.begin("encoder")
+        torch.manual_seed(9)
+        got, _ = module(x, x, x, need_weights=False)
+        torch.manual_seed(9)
+        dropped = torch.nn.functional.dropout(torch.ones(batch, HEADS, length, length, dtype=torch.float64), 0.3)
+        assert (dropped == 0).any()  # (the case: some weights dropped)
+
+        def heads(y):
+            return y.view(length, batch, HEADS, -1).permute(1, 2, 0, 3)
+        q, k, v = heads(module.q_proj(x) * module.scaling), heads(module.k_proj(x)), heads(module.v_proj(x))
+        enc.begin("encoder")
+        logits = q @ k.transpose(-1, -2) + logits_between(enc, "encoder", 0, q, k, positions, positions)
+        weights = logits.softmax(-1) * dropped
+        out = weights @ v + values_between(enc, "encoder", 0, weights, positions, positions)
+        expected = module.out_proj(out.permute(2, 0, 1, 3).reshape(length, batch, EMBED))
+    assert (got - expected).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("name", ["content alone", "xl"])
+def test_cross_self_attention_content_term_covers_the_target_keys_only(name, need_weights):
+    """XL's content term u_h . k_j under --cross-self-attention: on the target keys only, nothing on
+    the source keys (no term reaches them, as on cross-attention), whether or not the kernel could
+    fold u into the queries. A naive reference: the term `position_terms` gives between the target
+    positions, and zeros on the source keys."""
+    from position_terms import logits_between
+    from util import perturbed_encoding
+
+    source_len, target_len, batch = 4, 5, 2
+    if name == "xl":
+        encoding = perturbed_encoding("xl", dims=ModelDims(EMBED, HEADS, 1, 1)).float()
+    else:
+        encoding = ContentOnly(ModelDims(EMBED, HEADS, 1, 1))
+    source_positions = torch.arange(source_len).expand(batch, source_len)
+    target_positions = torch.arange(target_len).expand(batch, target_len)
+    module = cross_self_module(encoding, source_positions, target_positions)
+    memory, x = torch.randn(source_len, batch, EMBED), torch.randn(target_len, batch, EMBED)
+    keys = torch.cat([memory, x])
+    causal = future_mask(target_len)
+    attn_mask = torch.cat([torch.zeros(target_len, source_len), causal], dim=1)
+    with torch.no_grad():
+        got, _ = module(x, keys, keys, attn_mask=attn_mask, need_weights=need_weights)
+
+        def heads(y):
+            return y.view(y.size(0), batch, HEADS, -1).permute(1, 2, 0, 3)
+        q, k, v = heads(module.q_proj(x) * module.scaling), heads(module.k_proj(keys)), heads(module.v_proj(keys))
+        positions = torch.arange(target_len)
+        if name == "xl":
+            term = logits_between(encoding, "decoder", 0, q, k[:, :, source_len:], positions, positions)
+        else:  # u_h . k_j, written out
+            term = torch.einsum("hd,bhsd->bhs", encoding.content[:, 0], k[:, :, source_len:])[:, :, None, :]
+        term = torch.cat([torch.zeros(batch, HEADS, target_len, source_len),
+                          term.expand(batch, -1, target_len, -1)], dim=-1)
+        logits = q @ k.transpose(-1, -2) + term + attn_mask
+        out = logits.softmax(-1) @ v
+        expected = module.out_proj(out.permute(2, 0, 1, 3).reshape(target_len, batch, EMBED))
+    assert (got - expected).abs().max() <= 1e-5
+
+
+def test_logits_before_softmax_are_masked_as_fairseqs():
+    """before_softmax returns the scaled logits with the masks applied, as fairseq's attention does
+    (its own path, taken with an incremental state: its fast path ignores before_softmax): equal
+    where fairseq's are finite, the blocked fill (at most -1e30) where fairseq's are -inf."""
+    reference, ours = pair("self")
+    x = torch.randn(6, 3, EMBED)
+    padding_mask = padding(3, 6)
+    expected, expected_values = reference(x, x, x, key_padding_mask=padding_mask, attn_mask=future_mask(6),
+                                          incremental_state={}, before_softmax=True)
+    got, values = ours(x, x, x, key_padding_mask=padding_mask, attn_mask=future_mask(6), before_softmax=True)
+    assert got.shape == expected.shape == (3 * HEADS, 6, 6)
+    blocked = torch.isneginf(expected)
+    assert blocked.any() and not blocked.all()
+    assert (got[~blocked] - expected[~blocked]).abs().max() <= 1e-5
+    assert (got[blocked] <= -1e30).all()
+    assert (values - expected_values).abs().max() <= 1e-6

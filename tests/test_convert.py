@@ -242,3 +242,53 @@ def test_pure_function_errors_and_source_untouched(stock_transformer):
     converted = convert.convert_checkpoint(state, "transformer", "t5", convert.parse_overrides(["--t5-num-buckets", "8"]))
     assert converted["cfg"]["model"].arch == "transformer_t5" and converted["cfg"]["model"].t5_num_buckets == 8
     assert state["cfg"]["model"].arch == arch and set(state["model"]) == keys  # the source dict is not modified
+
+
+def test_floater_init_small_moves_the_dynamics_after_the_identity(stock_transformer, translation_data, source_logits,
+                                                                   tmp_path):
+    """--floater-init small (the paper's warm start) writes small random dynamics into the converted
+    weights, after the check of the identity: h's last layer differs from the default conversion's
+    (zero); the default conversion's outputs are the source's (to float32 rounding: other kernels),
+    the small one's differ from the default's, which runs the same kernels."""
+    state = torch.load(stock_transformer, map_location="cpu")
+    default = convert.convert_checkpoint(state, "transformer", "floater")
+    small = convert.convert_checkpoint(state, "transformer", "floater",
+                                       convert.parse_overrides(["--floater-init", "small"]))
+    last_layer = [key for key in default["model"] if key.startswith("positional_encoding.") and ".fc2.weight" in key]
+    assert last_layer
+    for key in last_layer:
+        assert default["model"][key].abs().max() == 0
+        assert small["model"][key].abs().max() > 0
+    for name, converted in (("default.pt", default), ("small.pt", small)):
+        torch.save(converted, tmp_path / name)
+    default_logits = translation_logits(tmp_path / "default.pt", translation_data)
+    assert (default_logits - source_logits).abs().max() <= 1e-5
+    assert (translation_logits(tmp_path / "small.pt", translation_data) - default_logits).abs().max() > 0
+
+
+def test_max_difference_is_the_largest_gap():
+    """The conversion's check compares the largest gap with the tolerance, not a mean over outputs."""
+    assert convert.max_difference({"a": torch.tensor([0.0, 0.0, 0.0, 1.0])}, {"a": torch.zeros(4)}) == 1.0
+    assert convert.max_difference({"a": torch.zeros(4), "b": torch.tensor([0.0, -2.0])},
+                                  {"a": torch.zeros(4), "b": torch.zeros(2)}) == 2.0
+
+
+def test_verification_compares_the_classification_heads(stock_roberta):
+    """A converted RoBERTa whose classification head differs from the source's is noticed by the
+    conversion's check, though its features and LM outputs are the source's."""
+    state = torch.load(stock_roberta, map_location="cpu")
+    converted = convert.convert_checkpoint(state, "roberta", "t5", verify=False)
+    assert convert.verify_conversion(state, converted, "roberta") <= convert.TOLERANCE
+    converted["model"] = dict(converted["model"])
+    converted["model"]["classification_heads.topic.out_proj.bias"] = state["model"][
+        "classification_heads.topic.out_proj.bias"] + 1.0
+    assert convert.verify_conversion(state, converted, "roberta") >= 0.5
+
+
+def test_a_source_missing_a_weight_is_refused_without_verification(stock_transformer):
+    """A source whose weights do not fit the converted architecture is refused with ConversionError
+    even with the output check off (verify=False), which would otherwise be what notices it."""
+    state = torch.load(stock_transformer, map_location="cpu")
+    state["model"] = {key: value for key, value in state["model"].items() if key != "decoder.layers.0.fc1.weight"}
+    with pytest.raises(convert.ConversionError, match="do not fit .*decoder.layers.0.fc1.weight"):
+        convert.convert_checkpoint(state, "transformer", "t5", verify=False)

@@ -90,6 +90,16 @@ def test_future_blocked_skips_the_future_keys_with_the_same_result(monkeypatch, 
     compare(q_len, k_len, (1, H, q_len, k_len), blocked=blocked, future_blocked=True)
 
 
+@pytest.mark.parametrize("q_len, k_len", [(13, 13), (7, 13)])
+def test_future_blocked_with_no_padding_sees_every_key_up_to_its_query(q_len, k_len):
+    """The kernel's causal flag aligns queries and keys at the start, so it stands for the future
+    mask only where Tq == Tk; the last Tq of more keys (a block of queries of a longer input) see
+    the keys up to their own position. With no padded key every row sees a key, so nothing runs the
+    call again without the flag (as a padded first key does in the test above)."""
+    blocked = future(q_len, k_len).expand(B, H, q_len, k_len)
+    compare(q_len, k_len, (1, H, q_len, k_len), blocked=blocked, future_blocked=True)
+
+
 def test_future_blocked_skips_work(monkeypatch):
     """The backward's products cover the keys up to each block's last query only."""
     monkeypatch.setattr(biased, "BLOCK_ELEMENTS", 1)
