@@ -305,6 +305,67 @@ def test_new_file_beside_src_is_allowed_and_source_files_untouched(work, monkeyp
     assert after.pop("roberta.base/model.t5.pt") and after == before
 
 
+def test_a_dst_that_appears_while_converting_is_not_overwritten_without_force(work, monkeypatch, capsys):
+    """DST checked absent before the (slow) conversion, then written by someone else meanwhile: without
+    --force the new file is kept and the run refused, no temporary file left; with --force it is replaced."""
+    monkeypatch.chdir(work)
+    (work / "out").mkdir()
+    target = work / "out" / "model.pt"
+    real = convert.convert_checkpoint
+
+    def meanwhile(*args, **kwargs):
+        target.write_text("written by another process\n")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(convert, "convert_checkpoint", meanwhile)
+    status, _, err = run_main("transformer", "src/transformer.pt", "out/model.pt", "--encoding", "t5", capsys=capsys)
+    assert_refused(status, err, "DST out/model.pt appeared while converting; refusing to overwrite it")
+    assert target.read_text() == "written by another process\n"
+    assert sorted(os.listdir(work / "out")) == ["model.pt"]
+    target.unlink()
+    status, _, err = run_main("transformer", "src/transformer.pt", "out/model.pt", "--encoding", "t5", "--force",
+                              capsys=capsys)
+    assert status == 0, err
+    assert convert.model_namespace(torch.load(target, map_location="cpu")).arch == "transformer_t5"
+
+
+def test_an_existing_dictionary_beside_dst_is_left_and_a_different_one_named(work, monkeypatch, capsys):
+    """RoBERTa's dict.txt is copied beside DST only where none is there: an identical one is left
+    silently, a different one is left with a warning naming both files (the conversion succeeds)."""
+    monkeypatch.chdir(work)
+    source = (work / "src" / "roberta.base" / "dict.txt").read_bytes()
+    for name, content, warned in [("same", source, False), ("other", b"w0 1\n", True)]:
+        (work / name).mkdir()
+        (work / name / "dict.txt").write_bytes(content)
+        status, out, err = run_main("roberta", "src/roberta.base/model.pt", f"{name}/model.pt", "--encoding", "t5",
+                                    capsys=capsys)
+        assert status == 0, err
+        assert (work / name / "dict.txt").read_bytes() == content and "copied dict.txt" not in out
+        warning = f"warning: {work / name / 'dict.txt'} exists and differs from {work / 'src' / 'roberta.base' / 'dict.txt'}"
+        assert (warning in err) == warned, (name, err)
+
+
+def test_no_dict_writes_the_checkpoint_alone(work, monkeypatch, capsys):
+    """--no-dict: RoBERTa's dict.txt is not copied beside DST (the checkpoint alone is written)."""
+    monkeypatch.chdir(work)
+    status, out, err = run_main("roberta", "src/roberta.base/model.pt", "out/model.pt", "--encoding", "t5", "--no-dict",
+                                capsys=capsys)
+    assert status == 0, err
+    assert sorted(os.listdir(work / "out")) == ["model.pt"] and "copied dict.txt" not in out
+
+
+def test_a_checkpoint_in_torchs_legacy_format_converts(work, monkeypatch, capsys):
+    """fairseq's older released checkpoints are in torch.save's legacy (pre-zip) format, a pickle that
+    starts with 0x80: read as a checkpoint like the zip format, not refused as 'not written by torch.save'."""
+    monkeypatch.chdir(work)
+    state = torch.load(work / "src" / "transformer.pt", map_location="cpu", weights_only=False)
+    torch.save(state, work / "src" / "legacy.pt", _use_new_zipfile_serialization=False)
+    assert (work / "src" / "legacy.pt").read_bytes()[:1] == b"\x80"
+    status, _, err = run_main("transformer", "src/legacy.pt", "out/model.pt", "--encoding", "t5", capsys=capsys)
+    assert status == 0, err
+    assert convert.model_namespace(torch.load(work / "out" / "model.pt", map_location="cpu")).arch == "transformer_t5"
+
+
 # --- the real scripts ----------------------------------------------------------------------------
 def script(kind, *arguments, cwd):
     return subprocess.run([sys.executable, str(SCRIPTS / f"convert_{kind}_checkpoint.py"), *map(str, arguments)],

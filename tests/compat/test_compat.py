@@ -94,3 +94,18 @@ def test_an_option_error_that_fairseq_re_raised_keeps_fairseqs_words_beside_it(m
     sys.excepthook(ValueError, plain, None)
     err = capsys.readouterr().err
     assert "error: not ours" not in err and "ValueError: not ours" in err
+
+
+def test_numpy_compat_long_is_numpy_1s_int():
+    """numpy 1's `numpy.compat.long` is Python's `int`, the dtype fairseq gives TokenBlockDataset's
+    offsets (break mode eos): under numpy 2 the patch gives back exactly that, an integer dtype."""
+    import numpy
+
+    import posenc_fairseq  # noqa: F401  (applies the patches)
+
+    assert numpy.compat.long is int
+    from fairseq.data import TokenBlockDataset
+
+    blocks = TokenBlockDataset([numpy.arange(3), numpy.arange(2)], numpy.array([3, 2]), block_size=None, pad=0, eos=1,
+                               break_mode="eos")
+    assert blocks.block_to_dataset_index.dtype.kind in "iu"  # (not float: offsets index arrays)

@@ -324,3 +324,15 @@ def test_weights_that_load_keep_their_way_out_and_other_load_errors_stay_torchs(
     with pytest.raises(RuntimeError, match=r"size mismatch for encoder\.embed_tokens\.weight") as raised:
         load_with_config(translation_data, wider, "transformer_floater", "--floater-delta", "0.2")
     assert not isinstance(raised.value, OptionValueError)
+
+
+def test_a_load_error_naming_other_keys_besides_the_encodings_stays_torchs(translation_data):
+    """The encoding's one line is for a load whose every failing key is the encoding's: a stock checkpoint
+    that also has an embedding of another size fails on that embedding too, so it stays torch's own
+    error, naming both (not "converted first", which would hide the size mismatch)."""
+    stock = build_model(translation_data, "transformer", TINY_TRANSFORMER)[0].state_dict()
+    stock["encoder.embed_tokens.weight"] = torch.cat([stock["encoder.embed_tokens.weight"]] * 2)
+    with pytest.raises(RuntimeError, match=r"size mismatch for encoder\.embed_tokens\.weight") as raised:
+        load_with_config(translation_data, stock, "transformer_t5")
+    assert not isinstance(raised.value, OptionValueError)
+    assert "positional_encoding." in str(raised.value)  # (the encoding's missing keys too: a mixed error)

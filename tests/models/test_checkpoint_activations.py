@@ -143,3 +143,18 @@ def test_a_backward_in_another_thread_recomputes_its_forward(translation_data, e
     _, checkpointed = gradients(translation_data, encoding, [*extra, "--checkpoint-activations"], state,
                                 backward=in_another_thread)
     assert_same_gradients(checkpointed, plain, encoding)
+
+
+def test_offload_activations_alone_checkpoints_every_layer(masked_lm_data):
+    """fairseq documents --offload-activations as 'Sets --checkpoint-activations'; its transformer and
+    named LM sizes set it, but the `transformer_lm` architecture (its config's defaults) does not: given
+    alone, every layer of ours is still checkpointed, offloading (not left plain)."""
+    from test_lm import TINY_LM
+
+    model, _, args = build_model(masked_lm_data, "transformer_lm_t5", [*TINY_LM, "--offload-activations"],
+                                 task="language_modeling")
+    assert not args.checkpoint_activations  # (what this case is: fairseq did not set it)
+    assert len(model.decoder.layers) == 2
+    for layer in model.decoder.layers:
+        assert hasattr(layer, "precheckpoint_forward")
+        assert layer.forward.args[1] is True  # (_checkpointed_forward's offload)

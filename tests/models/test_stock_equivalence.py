@@ -49,6 +49,14 @@ def test_transformer_sinusoidal_is_the_stock_transformer(translation_data):
             assert abs(float(a["score"]) - float(b["score"])) <= 1e-5
 
 
+def test_no_cross_attention_builds_stock_decoder_layers(translation_data):
+    """--no-cross-attention (fairseq's TransformerConfig) builds decoder layers without encoder-decoder
+    attention, as stock does: the same weights, no encoder_attn, and outputs equal to stock's."""
+    stock, ours, _, _, _ = stock_and_sinusoidal(translation_data, ["--no-cross-attention"])
+    assert all(layer.encoder_attn is None for layer in stock.decoder.layers)
+    assert all(layer.encoder_attn is None for layer in ours.decoder.layers)
+
+
 @pytest.mark.parametrize("size", ["_base", "_prenorm"])
 def test_roberta_learned_is_stock_roberta(masked_lm_data, size):
     torch.manual_seed(0)

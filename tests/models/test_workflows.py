@@ -179,6 +179,28 @@ def test_layerdrop_pruning_keeps_each_layers_own_position_parameters(translation
         assert (pruned(src, src_lengths, prev)[0] - model(src, src_lengths, prev)[0]).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("encoding", ["shaw", "t5", "xl"])
+def test_layerdrop_pruning_reads_the_kept_layers_in_any_order(translation_data, tmp_path, encoding):
+    """fairseq's prune_state_dict sorts --encoder/decoder-layers-to-keep ("2,0" keeps layers 0 and 2, in
+    that order): the encoding's per-layer parameters follow the same layers, so the model equals the
+    full one with those layers removed, as with the list in order."""
+    extra = ["--encoder-layers", "3", "--decoder-layers", "3", "--scalar-bias-layers", "all"]
+    model, task, args = translation_model(translation_data, f"transformer_{encoding}", extra)
+    save_checkpoint(model, args, tmp_path / "full.pt")
+    (pruned,), _ = checkpoint_utils.load_model_ensemble(
+        [str(tmp_path / "full.pt")], arg_overrides={"encoder_layers_to_keep": "2,0", "decoder_layers_to_keep": "2,1"})
+    pruned.eval()
+    kept = {"encoder": [0, 2], "decoder": [1, 2]}
+    full_state = model.positional_encoding.state_dict()
+    for key, value in pruned.positional_encoding.state_dict().items():
+        assert torch.equal(value, full_state[original_key(key, kept)]), key
+    keep_layers(model.encoder, kept["encoder"])
+    keep_layers(model.decoder, kept["decoder"])
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
+    with torch.no_grad():
+        assert (pruned(src, src_lengths, prev)[0] - model(src, src_lengths, prev)[0]).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize("encoding", sorted(DEPTH_DEFINED))
 def test_layerdrop_pruning_that_would_change_a_layers_depth_is_refused(translation_data, tmp_path, encoding):
     """LFHC's l, a bias in the first layer only, FLOATER's first block only: defined by a layer's depth,
@@ -377,6 +399,37 @@ def test_head_pruning_then_forward(masked_lm_data, encoding):
     fresh.eval()
     with torch.no_grad():
         assert (fresh(tokens)[0] - pruned_out).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("encoding", ["floater", "rotary"])
+def test_head_pruning_keeps_the_kept_heads_projection_biases(masked_lm_data, encoding):
+    """RoBERTa's init zeroes the projection biases, so the test above cannot tell a kept head's own
+    bias from none: with nonzero q/k/v biases (as after training) the pruned model still equals the
+    unpruned one with the pruned heads silenced. FLOATER solves from the full-size biases b(0), the
+    kept heads' entries being the live parameter (`full_projection_bias`)."""
+    model, task, _ = roberta_model(masked_lm_data, f"roberta_{encoding}")
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in model.encoder.sentence_encoder.layers:
+            for which in "qkv":
+                bias = getattr(layer.self_attn, f"{which}_proj").bias
+                bias.copy_(0.5 * torch.randn(bias.shape, generator=generator))
+    reference = copy.deepcopy(model)
+    kept = prune_heads(model, keep=2)
+    with torch.no_grad():
+        for heads, layer in zip(kept, reference.encoder.sentence_encoder.layers):
+            d = layer.self_attn.head_dim
+            for head in set(range(layer.self_attn.num_heads)) - set(heads):
+                layer.self_attn.out_proj.weight[:, head * d:(head + 1) * d] = 0
+    tokens = torch.randint(task.source_dictionary.nspecial, len(task.source_dictionary), (2, 9))
+    with torch.no_grad():
+        expected = reference(tokens)[0]
+        assert (model(tokens)[0] - expected).abs().max() <= 1e-5
+        # (not vacuous: the biases change the output)
+        for layer in reference.encoder.sentence_encoder.layers:
+            for which in "qkv":
+                getattr(layer.self_attn, f"{which}_proj").bias.zero_()
+        assert (reference(tokens)[0] - expected).abs().max() > 1e-3
 
 
 # --- TorchScript -------------------------------------------------------------------------------------
