@@ -158,3 +158,30 @@ def test_offload_activations_alone_checkpoints_every_layer(masked_lm_data):
     for layer in model.decoder.layers:
         assert hasattr(layer, "precheckpoint_forward")
         assert layer.forward.args[1] is True  # (_checkpointed_forward's offload)
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint-activations", "--offload-activations"])
+def test_checkpointed_layers_run_again_during_backward(translation_data, flag):
+    """What the flags are for: a layer keeps no activations for backward and runs its forward again there.
+    Each attention runs once per layer in the forward pass with or without the flag; backward runs it again
+    only with it (never under no_grad, where nothing is saved)."""
+    runs = {}
+    for extra in ([], [flag]):
+        torch.manual_seed(0)
+        model, task, _ = build_model(translation_data, "transformer_floater", [*TINY_TRANSFORMER, *NO_DROPOUT, *extra])
+        model.train()
+        model.set_num_updates(0)
+        layers = [*model.encoder.layers, *model.decoder.layers]
+        calls = []
+        for layer in layers:
+            layer.self_attn.register_forward_hook(lambda *args: calls.append(1))
+        src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=9, tgt_len=7)
+        with torch.no_grad():
+            model(src, src_lengths, prev)
+        without_grad = len(calls)
+        logits, _ = model(src, src_lengths, prev)
+        forward = len(calls) - without_grad
+        logits.float().log_softmax(-1)[..., 5].sum().backward()
+        runs[bool(extra)] = (without_grad, forward, len(calls) - without_grad - forward)
+    count = len(layers)
+    assert runs == {False: (count, count, 0), True: (count, count, count)}

@@ -362,3 +362,27 @@ def test_gathered_biases_sum_their_gradients_in_float32(dtype, device):
         (grad,) = torch.autograd.grad(biases, table, [torch.ones_like(bias) for bias in biases])
     assert dtypes == [torch.float32]  # (on CPU torch's index_add_ happens to sum rows exactly itself)
     assert grad.dtype == dtype and grad[1].eq(batch).all() and not grad[[0, 2]].any()
+
+
+def test_loading_parameters_drops_the_window_solved_from_the_old_ones(translation_data):
+    """K = 3: a window opened before load_state_dict was solved from the parameters the load replaces; a
+    later update of its count must not read it (the loaded state's count is not a resume: nothing adopted).
+    The pass solves from the loaded parameters: the same logits as a model built with them."""
+    quiet = ["--floater-recompute-every", "3", "--dropout", "0", "--attention-dropout", "0",
+             "--activation-dropout", "0"]
+    model, task, encoding = floater_model(translation_data, quiet)
+    other, _, _ = floater_model(translation_data, quiet)
+    perturb(model)
+    perturb(other, seed=2)
+    model.train(), other.train()
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=2, src_len=10, tgt_len=8)
+    model.set_num_updates(0)
+    before, _ = model(src, src_lengths, prev)  # opens window 0, solved from model's own parameters
+    assert encoding.tables.window is not None
+    model.load_state_dict(other.state_dict())
+    model.set_num_updates(1)
+    other.set_num_updates(1)
+    got, _ = model(src, src_lengths, prev)
+    expected, _ = other(src, src_lengths, prev)
+    assert (before - expected).abs().max() > 1e-3  # (the two parameter sets give other logits)
+    assert torch.equal(got, expected)

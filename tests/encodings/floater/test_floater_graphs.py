@@ -204,3 +204,17 @@ def test_a_graph_is_only_replayed_for_what_it_was_made_for(cache):
     for substeps in range(1, graphs.KEPT_GRAPHS + 2):
         graphs.graph_for(key._replace(substeps=substeps), rk4, memo, tensors[0], tensors[1:])
     assert len(kept_graphs(cache)) == graphs.KEPT_GRAPHS
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["graphed", "chunked"])
+def test_a_graph_replayed_with_other_weights_equals_the_eager_solve(device, cache, kept, monkeypatch):
+    """The parameters are never baked into a graph: replayed for other weights and initial values (an
+    optimizer step later, the same key), the states and every gradient are the eager solve's of those."""
+    if not kept:
+        for module in (solver, graphs):
+            monkeypatch.setattr(module, "KEEP_STAGES_BYTES", 0)
+        monkeypatch.setattr(graphs, "CHUNK", 8)
+    rk4, memo = TABLEAUS["rk4"], cache.constant
+    for seed in (0, 1, 2):
+        assert_graphed_equals_eager((rk4, 0, 13, 0.1, 3, memo), inputs(device, seed=seed))
+    assert len(kept_graphs(cache)) + len(cache.constants.get("cuda chunk graphs", {})) == 1  # one graph, replayed

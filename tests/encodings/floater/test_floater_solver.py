@@ -307,3 +307,65 @@ def test_a_dopri5_tolerance_the_solve_cannot_meet_is_refused_with_the_option(tra
     with torch.no_grad(), pytest.raises(OptionValueError, match=r"^FLOATER's dopri5 solve cannot meet "
                                                                  r"--floater-tolerance 1e-06 .*max_num_steps exceeded"):
         encoding.solve(8)
+
+
+def test_solves_that_share_a_memo_each_equal_the_same_solve_without_one():
+    """A grid's constants (the stage times, the tableau) are kept in the solve's memo (the encoding's cache,
+    which an option change does not clear) under every field they depend on: solves that differ from the
+    first in one of them (the step, the start, the end, the substeps, the method, the dtype), each made
+    after the others with one memo, equal the same solve made without a memo, bit for bit."""
+    kept = {}
+
+    def memo(key, compute):
+        if key not in kept:
+            kept[key] = compute()
+        return kept[key]
+
+    base = dict(method="rk4", first=3, last=11, delta=0.1, substeps=4, dtype=torch.float64)
+    variants = [base, {**base, "delta": 0.2}, {**base, "first": 2}, {**base, "last": 12}, {**base, "substeps": 3},
+                {**base, "method": "midpoint"}, {**base, "method": "euler"}, {**base, "dtype": torch.float32}, base]
+    for solve in (FixedGridSolve, HiddenSpaceSolve):
+        kept.clear()
+        for variant in variants:
+            weights = random_dynamics(8, 6, variant["dtype"])
+            y0 = torch.randn(5, 8, dtype=variant["dtype"], generator=torch.Generator().manual_seed(1))
+            settings = (TABLEAUS[variant["method"]], variant["first"], variant["last"], variant["delta"], variant["substeps"])
+            with torch.no_grad():
+                expected = solve.apply(*settings, computed_now, y0, *weights)
+                got = solve.apply(*settings, memo, y0, *weights)
+            assert torch.equal(got, expected), (solve.__name__, variant)
+        assert len(kept["grid constants"]) == len(variants) - 1  # (base solved twice: its constants found again)
+
+
+def test_the_kept_grid_constants_drop_the_least_recently_used():
+    """`kept_recent` keeps the `size` most recently used values: a value used again is kept over an older
+    one, and the least recently used is dropped (computed anew when asked again)."""
+    from posenc_fairseq.encodings.floater.loops import kept_recent
+
+    store, computed = {}, []
+
+    def memo(key, compute):
+        if key not in store:
+            store[key] = compute()
+        return store[key]
+
+    def get(key):
+        return kept_recent(memo, "values", 2, key, lambda: computed.append(key) or [key])
+
+    a, b = get("a"), get("b")
+    assert get("a") is a and computed == ["a", "b"]  # used again: now "b" is the least recently used
+    get("c")  # over the size: "b" dropped
+    assert get("a") is a and get("c") == ["c"] and computed == ["a", "b", "c"]
+    assert get("b") is not b and computed == ["a", "b", "c", "b"]
+
+
+def test_a_solve_tells_where_it_runs_its_work_in_rows_hidden_and_steps(monkeypatch):
+    """`solve_device` weighs a solve by its work, rows x hidden width x steps (positions - 1 intervals of
+    `substeps` steps each): the CUDA graphs' threshold (graphs.gpu_min_work) is in these units."""
+    seen = []
+    monkeypatch.setattr(solver, "solve_device", lambda device, method, adjoint, work=0: seen.append(work) or device)
+    weights = random_dynamics(8, 6, torch.float32)
+    options = solver.SolverOptions("rk4", 0.1, 4, 1e-6, False)
+    with torch.no_grad():
+        states = solver.solve(Dynamics(8, 6), options, torch.zeros(5, 8), 3, 11, weights)
+    assert states.shape == (9, 5, 8) and seen == [5 * 6 * (11 - 3) * 4]

@@ -335,3 +335,22 @@ def test_a_decoder_call_after_a_parameter_change_solves_from_the_live_parameters
         found = model.decoder(prev, encoder_out=encoder_out)[0]
         expected = fresh.decoder(prev, encoder_out=encoder_out)[0]
     assert (found - expected).abs().max() <= 1e-6
+
+
+def test_an_overflowed_window_table_is_not_reused_by_a_later_update_of_its_window(translation_data):
+    """K = 3: the pass whose table overflowed is named by the next pass, and the window (whose table that
+    was) is dropped: at the window's next update a long pass solves again, not reading the overflowed table
+    unchecked, so the pass after it names the overflow again."""
+    model, task, encoding = floater_model(translation_data, ["--max-source-positions", "2048",
+                                                             "--floater-recompute-every", "3"])
+    exploding(model, encoding)
+    model.train()
+    short = random_batch(task.source_dictionary, batch=1, src_len=8, tgt_len=8)
+    long = random_batch(task.source_dictionary, batch=1, src_len=400, tgt_len=8)
+    for update in (0, 1):  # the window's first update, then a later one
+        model.set_num_updates(update)
+        output, _ = model(*long)
+        assert not torch.isfinite(output).all()
+        with pytest.raises(ValueError, match=r"overflow at position .*in an earlier training pass, for an input of "
+                                             r"400 positions"):
+            model(*short)
