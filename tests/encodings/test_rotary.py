@@ -4,21 +4,29 @@ import torch
 from posenc_fairseq.encodings.rotary import rotate
 
 
+def assert_complex_form(got, x, first_position: int, heads: int, limit: float, base: float = 10000.0):
+    """`got` (T, 1, heads * D) equals x rotated as the complex form (eq. 13), in float64: pairs
+    (x_m, x_{m + D/2}) times exp(i p theta_m), theta_m = base^(-2m/D), p = first_position + t; an odd
+    D's last dimension unchanged."""
+    length, head_dim = x.size(0), x.size(-1) // heads
+    half = head_dim // 2
+    theta = base ** (-2 * torch.arange(half, dtype=torch.float64) / head_dim)
+    for t in range(length):
+        for h in range(heads):
+            vector = x[t, 0, h * head_dim:(h + 1) * head_dim].double()
+            expected = torch.complex(vector[:half], vector[half:2 * half]) * torch.exp(1j * (t + first_position) * theta)
+            out = got[t, 0, h * head_dim:(h + 1) * head_dim].double()
+            assert (out[:half] - expected.real).abs().max() < limit, (t, h)
+            assert (out[half:2 * half] - expected.imag).abs().max() < limit, (t, h)
+            if head_dim % 2:
+                assert out[-1] == vector[-1], (t, h)
+
+
 def test_rotation_equals_complex_multiplication():
     heads, head_dim, length = 2, 8, 5
     x = torch.randn(length, 1, heads * head_dim)
     positions = torch.arange(length)[None, :] + 3
-    got = rotate(x, positions, heads)
-    half = head_dim // 2
-    for t in range(length):
-        for h in range(heads):
-            vector = x[t, 0, h * head_dim:(h + 1) * head_dim]
-            z = torch.complex(vector[:half], vector[half:])
-            theta = 10000.0 ** (-2 * torch.arange(half) / head_dim)
-            expected = z * torch.exp(1j * (t + 3) * theta)
-            out = got[t, 0, h * head_dim:(h + 1) * head_dim]
-            assert torch.allclose(out[:half], expected.real, atol=1e-5)
-            assert torch.allclose(out[half:], expected.imag, atol=1e-5)
+    assert_complex_form(rotate(x, positions, heads), x, 3, heads, limit=1e-5)
 
 
 def test_a_float64_model_rotates_in_float64():
@@ -29,15 +37,7 @@ def test_a_float64_model_rotates_in_float64():
     positions = torch.arange(length)[None, :] + 600
     got = rotate(x, positions, heads)
     assert got.dtype == torch.float64 and rotate(x.float(), positions, heads).dtype == torch.float32
-    half = head_dim // 2
-    theta = 10000.0 ** (-2 * torch.arange(half, dtype=torch.float64) / head_dim)
-    for t in range(length):
-        for h in range(heads):
-            vector = x[t, 0, h * head_dim:(h + 1) * head_dim]
-            expected = torch.complex(vector[:half], vector[half:]) * torch.exp(1j * (t + 600) * theta)
-            out = got[t, 0, h * head_dim:(h + 1) * head_dim]
-            assert (out[:half] - expected.real).abs().max() < 1e-12
-            assert (out[half:] - expected.imag).abs().max() < 1e-12
+    assert_complex_form(got, x, 600, heads, limit=1e-12)
 
 
 def test_scores_depend_only_on_relative_position():
@@ -79,17 +79,7 @@ def test_an_odd_head_dim_rotates_its_pairs_and_leaves_the_last_dimension():
     heads, head_dim, length = 2, 7, 5
     x = torch.randn(length, 1, heads * head_dim, dtype=torch.float64)
     positions = torch.arange(length)[None, :] + 3
-    got = rotate(x, positions, heads)
-    half = head_dim // 2
-    theta = 10000.0 ** (-2 * torch.arange(half, dtype=torch.float64) / head_dim)
-    for t in range(length):
-        for h in range(heads):
-            vector = x[t, 0, h * head_dim:(h + 1) * head_dim]
-            expected = torch.complex(vector[:half], vector[half:2 * half]) * torch.exp(1j * (t + 3) * theta)
-            out = got[t, 0, h * head_dim:(h + 1) * head_dim]
-            assert (out[:half] - expected.real).abs().max() < 1e-12, (t, h)
-            assert (out[half:2 * half] - expected.imag).abs().max() < 1e-12, (t, h)
-            assert out[-1] == vector[-1], (t, h)
+    assert_complex_form(rotate(x, positions, heads), x, 3, heads, limit=1e-12)
 
 
 def test_a_half_precision_model_rotates_in_float32():
@@ -100,17 +90,7 @@ def test_a_half_precision_model_rotates_in_float32():
     x = torch.randn(length, 1, heads * head_dim)
     positions = torch.arange(length)[None, :] + 600
     got = rotate(x.half(), positions, heads).float()
-    exact = x.half().double()
-    half = head_dim // 2
-    theta = 10000.0 ** (-2 * torch.arange(half, dtype=torch.float64) / head_dim)
-    limit = 1e-4 * x.abs().max().item()
-    for t in range(length):
-        for h in range(heads):
-            vector = exact[t, 0, h * head_dim:(h + 1) * head_dim]
-            expected = torch.complex(vector[:half], vector[half:]) * torch.exp(1j * (t + 600) * theta)
-            out = got[t, 0, h * head_dim:(h + 1) * head_dim].double()
-            assert (out[:half] - expected.real).abs().max() < limit, (t, h)
-            assert (out[half:] - expected.imag).abs().max() < limit, (t, h)
+    assert_complex_form(got, x.half().double(), 600, heads, limit=1e-4 * x.abs().max().item())
 
 
 def test_rotary_base_rotates_keys_given_positions_other_than_the_stacks():
@@ -123,13 +103,4 @@ def test_rotary_base_rotates_keys_given_positions_other_than_the_stacks():
     enc = build_encoding("rotary", encoding_options("--rotary-base", "500"), ModelDims(heads * head_dim, heads, 1, 1))
     x = torch.randn(length, 1, heads * head_dim, dtype=torch.float64)
     positions = torch.arange(length)[None, :] + 3
-    got = enc.project("decoder", 0, "k", x, positions)
-    half = head_dim // 2
-    theta = 500.0 ** (-2 * torch.arange(half, dtype=torch.float64) / head_dim)
-    for t in range(length):
-        for h in range(heads):
-            vector = x[t, 0, h * head_dim:(h + 1) * head_dim]
-            expected = torch.complex(vector[:half], vector[half:]) * torch.exp(1j * (t + 3) * theta)
-            out = got[t, 0, h * head_dim:(h + 1) * head_dim]
-            assert (out[:half] - expected.real).abs().max() < 1e-12, (t, h)
-            assert (out[half:] - expected.imag).abs().max() < 1e-12, (t, h)
+    assert_complex_form(enc.project("decoder", 0, "k", x, positions), x, 3, heads, limit=1e-12, base=500.0)

@@ -151,6 +151,22 @@ DEPTH_DEFINED = {"lfhc": [], "t5": ["--scalar-bias-layers", "first"], "at5_nob":
                  "floater": ["--floater-first-block-only"]}
 
 
+def assert_pruned_is_the_full_model_with_the_kept_layers(pruned, model, task, kept):
+    """Every per-layer encoding parameter of `pruned` is the one of the layer of `model` it followed
+    (`kept`: {stack: kept layer indices}), and `pruned` computes what `model` with only those layers
+    does (`model` is cut down to them)."""
+    full_state = model.positional_encoding.state_dict()
+    for key, value in pruned.positional_encoding.state_dict().items():
+        if key.endswith("cache"):  # FLOATER's table: solved again for the kept layers
+            continue
+        assert torch.equal(value, full_state[original_key(key, kept)]), key
+    keep_layers(model.encoder, kept["encoder"])
+    keep_layers(model.decoder, kept["decoder"])
+    src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
+    with torch.no_grad():
+        assert (pruned(src, src_lengths, prev)[0] - model(src, src_lengths, prev)[0]).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize("encoding", EVERY_ENCODING)
 def test_layerdrop_pruning_keeps_each_layers_own_position_parameters(translation_data, tmp_path, encoding):
     """fairseq's load_model_ensemble with --encoder-layers-to-keep 0,2 --decoder-layers-to-keep 1,2
@@ -166,17 +182,7 @@ def test_layerdrop_pruning_keeps_each_layers_own_position_parameters(translation
                                                     for role, layers in kept.items()})
     pruned.eval()
     assert len(pruned.encoder.layers) == 2 and len(pruned.decoder.layers) == 2
-    # every per-layer encoding parameter is the one of the layer it followed
-    full_state = model.positional_encoding.state_dict()
-    for key, value in pruned.positional_encoding.state_dict().items():
-        if key.endswith("cache"):  # FLOATER's table: solved again for the kept layers
-            continue
-        assert torch.equal(value, full_state[original_key(key, kept)]), key
-    keep_layers(model.encoder, kept["encoder"])
-    keep_layers(model.decoder, kept["decoder"])
-    src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
-    with torch.no_grad():
-        assert (pruned(src, src_lengths, prev)[0] - model(src, src_lengths, prev)[0]).abs().max() <= 1e-5
+    assert_pruned_is_the_full_model_with_the_kept_layers(pruned, model, task, kept)
 
 
 @pytest.mark.parametrize("encoding", ["shaw", "t5", "xl"])
@@ -191,14 +197,7 @@ def test_layerdrop_pruning_reads_the_kept_layers_in_any_order(translation_data, 
         [str(tmp_path / "full.pt")], arg_overrides={"encoder_layers_to_keep": "2,0", "decoder_layers_to_keep": "2,1"})
     pruned.eval()
     kept = {"encoder": [0, 2], "decoder": [1, 2]}
-    full_state = model.positional_encoding.state_dict()
-    for key, value in pruned.positional_encoding.state_dict().items():
-        assert torch.equal(value, full_state[original_key(key, kept)]), key
-    keep_layers(model.encoder, kept["encoder"])
-    keep_layers(model.decoder, kept["decoder"])
-    src, src_lengths, prev = random_batch(task.source_dictionary, batch=3, src_len=9, tgt_len=7)
-    with torch.no_grad():
-        assert (pruned(src, src_lengths, prev)[0] - model(src, src_lengths, prev)[0]).abs().max() <= 1e-5
+    assert_pruned_is_the_full_model_with_the_kept_layers(pruned, model, task, kept)
 
 
 @pytest.mark.parametrize("encoding", sorted(DEPTH_DEFINED))
@@ -372,19 +371,24 @@ def prune_heads(model, keep):
     return kept
 
 
+def silence_pruned_heads(reference, kept):
+    """The unpruned `reference` made to compute what pruning to the heads `kept` (per layer) leaves:
+    the other heads' out_proj columns zeroed."""
+    with torch.no_grad():
+        for heads, layer in zip(kept, reference.encoder.sentence_encoder.layers):
+            d = layer.self_attn.head_dim
+            for head in set(range(layer.self_attn.num_heads)) - set(heads):
+                layer.self_attn.out_proj.weight[:, head * d:(head + 1) * d] = 0
+
+
 @pytest.mark.parametrize("encoding", EVERY_ENCODING)
 def test_head_pruning_then_forward(masked_lm_data, encoding):
     """After fairseq's _adaptive_prune_heads the model equals the unpruned one whose pruned heads
     are silenced (their out_proj columns zeroed): every kept head keeps its own per-head position
     terms. Loading the pruned state into a model pruned before loading (the trainer's order) too."""
     model, task, _ = roberta_model(masked_lm_data, f"roberta_{encoding}")
-    reference = copy.deepcopy(model)
-    kept = prune_heads(model, keep=2)
-    with torch.no_grad():
-        for heads, layer in zip(kept, reference.encoder.sentence_encoder.layers):
-            d = layer.self_attn.head_dim
-            for head in set(range(layer.self_attn.num_heads)) - set(heads):
-                layer.self_attn.out_proj.weight[:, head * d:(head + 1) * d] = 0
+    reference, kept = copy.deepcopy(model), prune_heads(model, keep=2)
+    silence_pruned_heads(reference, kept)
     tokens = torch.randint(task.source_dictionary.nspecial, len(task.source_dictionary), (2, 9))
     with torch.no_grad():
         pruned_out = model(tokens)[0]
@@ -414,13 +418,8 @@ def test_head_pruning_keeps_the_kept_heads_projection_biases(masked_lm_data, enc
             for which in "qkv":
                 bias = getattr(layer.self_attn, f"{which}_proj").bias
                 bias.copy_(0.5 * torch.randn(bias.shape, generator=generator))
-    reference = copy.deepcopy(model)
-    kept = prune_heads(model, keep=2)
-    with torch.no_grad():
-        for heads, layer in zip(kept, reference.encoder.sentence_encoder.layers):
-            d = layer.self_attn.head_dim
-            for head in set(range(layer.self_attn.num_heads)) - set(heads):
-                layer.self_attn.out_proj.weight[:, head * d:(head + 1) * d] = 0
+    reference, kept = copy.deepcopy(model), prune_heads(model, keep=2)
+    silence_pruned_heads(reference, kept)
     tokens = torch.randint(task.source_dictionary.nspecial, len(task.source_dictionary), (2, 9))
     with torch.no_grad():
         expected = reference(tokens)[0]
